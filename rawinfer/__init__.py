@@ -1,0 +1,19 @@
+"""rawinfer: a readable LLM inference engine (paged KV cache, continuous batching, CUDA or NumPy+Numba)."""
+
+from .sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy: `import rawinfer` stays cheap (no Numba compile, no tokenizer) until the engine is used.
+    if name == "LLMEngine":
+        from .engine import LLMEngine
+        return LLMEngine
+    if name == "LLM":
+        from .llm import LLM
+        return LLM
+    raise AttributeError(f"module 'rawinfer' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "__version__"]

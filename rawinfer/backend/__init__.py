@@ -1,0 +1,33 @@
+"""Backend selection: `get_backend("auto" | "cpu" | "cuda")` returns the op implementation to run on."""
+
+from __future__ import annotations
+
+from .base import Backend
+
+
+def cuda_usable() -> bool:
+    """True when CuPy imports and sees at least one GPU. Never raises."""
+    try:
+        from .cuda import cuda_available
+    except Exception:
+        return False
+    try:
+        return bool(cuda_available())
+    except Exception:
+        return False
+
+
+def get_backend(device: str = "auto", num_threads: int | None = None) -> Backend:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device {device!r} is not one of auto, cpu, cuda")
+    if device == "cuda" or (device == "auto" and cuda_usable()):
+        if device == "cuda" and not cuda_usable():
+            raise RuntimeError("--device cuda was asked for but no usable GPU was found (CuPy missing or no "
+                               "device); install rawinfer[cuda12] or rawinfer[cuda13], or use --device cpu")
+        from .cuda import CUDABackend
+        return CUDABackend()
+    from .cpu import CPUBackend
+    return CPUBackend(num_threads=num_threads)
+
+
+__all__ = ["Backend", "get_backend", "cuda_usable"]

@@ -1,0 +1,118 @@
+"""CPUBackend: the op interface on NumPy (BLAS GEMMs) and Numba kernels, float32 storage and compute."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import cpu_kernels as K
+from .base import Backend
+
+ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
+
+
+def _check(name: str, x, shape: tuple | None = None, dtype=None, contiguous: bool = True) -> None:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    if dtype is not None and x.dtype != np.dtype(dtype):
+        raise TypeError(f"{name} must be {np.dtype(dtype)}, got {x.dtype}")
+    if shape is not None and (len(shape) != x.ndim or any(s is not None and s != d for s, d in zip(shape, x.shape))):
+        raise ValueError(f"{name} has shape {x.shape}, expected {shape}")
+    if contiguous and not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+    xp = np
+
+    def __init__(self, num_threads: int | None = None):
+        if num_threads is not None:
+            import numba
+            numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
+
+    # ---- memory ------------------------------------------------------------------------------
+    def alloc_arena(self, nbytes: int):
+        # np.empty does not touch the pages: KV blocks cost resident memory only once written.
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def upload(self, dst, src) -> None:
+        src = np.asarray(src)
+        if src.shape != dst.shape:
+            raise ValueError(f"upload: source shape {src.shape} does not match destination {dst.shape}")
+        np.copyto(dst, src, casting="unsafe")
+
+    def to_host(self, x) -> np.ndarray:
+        return np.asarray(x)
+
+    # ---- layer ops ---------------------------------------------------------------------------
+    def embedding(self, ids, table, out) -> None:
+        _check("ids", ids, (None,), np.int32)
+        _check("out", out, (ids.shape[0], table.shape[1]))
+        if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+            raise ValueError(f"token id out of range [0, {table.shape[0]})")
+        np.take(table, ids, axis=0, out=out)
+
+    def rmsnorm(self, x, weight, eps, out) -> None:
+        _check("x", x, (None, weight.shape[0]))
+        _check("out", out, x.shape)
+        K.rmsnorm_kernel(x, weight, np.float32(eps), out)
+
+    def add_rmsnorm(self, x, residual, weight, eps, out) -> None:
+        _check("x", x, (None, weight.shape[0]))
+        _check("residual", residual, x.shape, np.float32)
+        _check("out", out, x.shape)
+        K.add_rmsnorm_kernel(x, residual, weight, np.float32(eps), out)
+
+    def linear(self, x, w, out, bias=None) -> None:
+        _check("x", x, (None, w.shape[1]))
+        _check("out", out, (x.shape[0], w.shape[0]))
+        # NOTE: w.T is a transposed view; NumPy hands it to BLAS as a transpose flag, no copy.
+        np.matmul(x, w.T, out=out)
+        if bias is not None:
+            out += bias
+
+    def rope(self, qkv, positions, cos_sin, num_heads, num_kv_heads) -> None:
+        D = cos_sin.shape[1]
+        _check("qkv", qkv, (None, (num_heads + 2 * num_kv_heads) * D))
+        _check("positions", positions, (qkv.shape[0],), np.int32)
+        if positions.size and (positions.min() < 0 or positions.max() >= cos_sin.shape[0]):
+            raise ValueError(f"position out of range [0, {cos_sin.shape[0]}): the model's context is exceeded")
+        K.rope_kernel(qkv, positions, cos_sin, num_heads, num_kv_heads, D)
+
+    def silu_mul(self, gate_up, out) -> None:
+        _check("gate_up", gate_up, (None, 2 * out.shape[1]))
+        _check("out", out, (gate_up.shape[0], out.shape[1]))
+        K.silu_mul_kernel(gate_up, out)
+
+    def kv_write(self, qkv, k_cache, v_cache, slot_mapping, num_heads) -> None:
+        _, Hkv, BS, D = k_cache.shape
+        _check("qkv", qkv, (None, (num_heads + 2 * Hkv) * D))
+        _check("v_cache", v_cache, k_cache.shape, k_cache.dtype)
+        _check("slot_mapping", slot_mapping, (qkv.shape[0],), np.int32)
+        K.kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads)
+
+    def paged_attention(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                        scale, out, max_query_len, max_context_len) -> None:
+        _, Hkv, BS, D = k_cache.shape
+        H = out.shape[1] // D
+        B = context_lens.shape[0]
+        _check("qkv", qkv, (None, (H + 2 * Hkv) * D))
+        _check("out", out, (qkv.shape[0], H * D))
+        _check("block_tables", block_tables, (B, None), np.int32)
+        _check("context_lens", context_lens, (B,), np.int32)
+        _check("query_start_loc", query_start_loc, (B + 1,), np.int32)
+        seqs, q0, q1 = K.attention_work_items(query_start_loc, ATTN_QUERY_TILE)
+        K.paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                 seqs, q0, q1, np.float32(scale), H, out)
+
+    def copy_blocks(self, k_caches, v_caches, pairs) -> None:
+        if not pairs:
+            return
+        src = np.asarray([p[0] for p in pairs], np.int64)
+        dst = np.asarray([p[1] for p in pairs], np.int64)
+        for cache in list(k_caches) + list(v_caches):
+            K.copy_blocks_kernel(cache, src, dst)
+
+    def take_rows(self, x, indices, out) -> None:
+        _check("out", out, (indices.shape[0], x.shape[1]))
+        np.take(x, indices, axis=0, out=out)

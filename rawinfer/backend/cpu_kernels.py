@@ -1,0 +1,171 @@
+"""Numba kernels of the CPU backend: the elementwise ops and paged attention, float32 throughout.
+
+Each kernel has a NumPy `<op>_ref` twin in tests/test_cpu_kernels.py. Kernels are compiled once and
+cached on disk (`cache=True`); `parallel=True` kernels spread rows (or attention work items) over the
+Numba thread pool.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+_JIT = dict(cache=True)
+
+
+@nb.njit(parallel=True, **_JIT)
+def rmsnorm_kernel(x, weight, eps, out):
+    # x[T, C] any float, weight[C], out[T, C]; statistics in float32
+    T, C = x.shape
+    for t in nb.prange(T):
+        ss = np.float32(0.0)
+        for c in range(C):
+            v = np.float32(x[t, c])
+            ss += v * v
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(C) + np.float32(eps))
+        for c in range(C):
+            out[t, c] = np.float32(x[t, c]) * inv * weight[c]
+
+
+@nb.njit(parallel=True, **_JIT)
+def add_rmsnorm_kernel(x, residual, weight, eps, out):
+    # residual[T, C] += x[T, C]; out = rmsnorm(residual) * weight
+    T, C = x.shape
+    for t in nb.prange(T):
+        ss = np.float32(0.0)
+        for c in range(C):
+            v = residual[t, c] + np.float32(x[t, c])
+            residual[t, c] = v
+            ss += v * v
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(C) + np.float32(eps))
+        for c in range(C):
+            out[t, c] = residual[t, c] * inv * weight[c]
+
+
+@nb.njit(parallel=True, **_JIT)
+def rope_kernel(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
+    # qkv[T, (H+2Hkv)*D] in place; q heads 0..H-1 and k heads H..H+Hkv-1 are rotated
+    T = qkv.shape[0]
+    half = head_dim // 2
+    nrot = num_heads + num_kv_heads
+    for t in nb.prange(T):
+        p = positions[t]
+        for h in range(nrot):
+            base = h * head_dim
+            for i in range(half):
+                c = cos_sin[p, i]
+                s = cos_sin[p, half + i]
+                x1 = qkv[t, base + i]
+                x2 = qkv[t, base + half + i]
+                qkv[t, base + i] = x1 * c - x2 * s
+                qkv[t, base + half + i] = x2 * c + x1 * s
+
+
+@nb.njit(parallel=True, **_JIT)
+def silu_mul_kernel(gate_up, out):
+    # out[T, F] = silu(gate_up[:, :F]) * gate_up[:, F:]
+    T, F = out.shape
+    for t in nb.prange(T):
+        for f in range(F):
+            g = gate_up[t, f]
+            out[t, f] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, F + f]
+
+
+@nb.njit(**_JIT)
+def kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
+    # k_cache/v_cache[NB, Hkv, BS, D] <- k/v heads of qkv[T, (H+2Hkv)*D] at slot_mapping[T]
+    T = qkv.shape[0]
+    _, Hkv, BS, D = k_cache.shape
+    k0 = num_heads * D
+    v0 = k0 + Hkv * D
+    for t in range(T):
+        slot = slot_mapping[t]
+        b = slot // BS
+        r = slot % BS
+        for h in range(Hkv):
+            for d in range(D):
+                k_cache[b, h, r, d] = qkv[t, k0 + h * D + d]
+                v_cache[b, h, r, d] = qkv[t, v0 + h * D + d]
+
+
+@nb.njit(parallel=True, **_JIT)
+def paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                           work_seq, work_q0, work_q1, scale, num_heads, out):
+    """Flash-style attention on the CPU. One work item = (query tile of one sequence, kv head).
+
+    For each key position j (read once through the block table) every query of the tile that may see
+    it (causal: j <= its position) and every query head of the kv head's group updates its running
+    max m, denominator l and accumulator acc[D] (online softmax), so K/V rows are streamed once per
+    tile instead of once per query head.
+    """
+    _, Hkv, BS, D = k_cache.shape
+    G = num_heads // Hkv
+    W = work_seq.shape[0]
+    for w in nb.prange(W * Hkv):
+        item = w // Hkv
+        kvh = w % Hkv
+        b = work_seq[item]
+        q0 = work_q0[item]
+        q1 = work_q1[item]
+        nq = q1 - q0
+        qlen = query_start_loc[b + 1] - query_start_loc[b]
+        first_pos = context_lens[b] - qlen                     # position of the sequence's first query
+        tile_first = first_pos + (q0 - query_start_loc[b])     # position of this tile's first query
+        last_pos = tile_first + nq - 1
+        q = np.empty((nq, G, D), np.float32)
+        for i in range(nq):
+            for g in range(G):
+                base = (kvh * G + g) * D
+                for d in range(D):
+                    q[i, g, d] = qkv[q0 + i, base + d] * scale
+        m = np.full((nq, G), -np.inf, np.float32)
+        l = np.zeros((nq, G), np.float32)
+        acc = np.zeros((nq, G, D), np.float32)
+        for j in range(last_pos + 1):
+            blk = block_tables[b, j // BS]
+            r = j % BS
+            i_start = j - tile_first
+            if i_start < 0:
+                i_start = 0
+            for i in range(i_start, nq):
+                for g in range(G):
+                    s = np.float32(0.0)
+                    for d in range(D):
+                        s += q[i, g, d] * k_cache[blk, kvh, r, d]
+                    if s > m[i, g]:
+                        corr = np.exp(m[i, g] - s)
+                        l[i, g] = l[i, g] * corr + np.float32(1.0)
+                        for d in range(D):
+                            acc[i, g, d] = acc[i, g, d] * corr + v_cache[blk, kvh, r, d]
+                        m[i, g] = s
+                    else:
+                        p = np.exp(s - m[i, g])
+                        l[i, g] += p
+                        for d in range(D):
+                            acc[i, g, d] += p * v_cache[blk, kvh, r, d]
+        for i in range(nq):
+            for g in range(G):
+                inv = np.float32(1.0) / l[i, g]
+                base = (kvh * G + g) * D
+                for d in range(D):
+                    out[q0 + i, base + d] = acc[i, g, d] * inv
+
+
+@nb.njit(**_JIT)
+def copy_blocks_kernel(cache, src, dst):
+    # cache[NB, Hkv, BS, D]: block dst[i] <- block src[i]
+    for i in range(src.shape[0]):
+        cache[dst[i]] = cache[src[i]]
+
+
+def attention_work_items(query_start_loc: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split each sequence's queries into tiles of at most `tile` rows -> (seq[W], q0[W], q1[W]) int32."""
+    seqs, q0s, q1s = [], [], []
+    for b in range(len(query_start_loc) - 1):
+        s, e = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        for a in range(s, e, tile):
+            seqs.append(b)
+            q0s.append(a)
+            q1s.append(min(a + tile, e))
+    return (np.asarray(seqs, np.int32), np.asarray(q0s, np.int32), np.asarray(q1s, np.int32))
+

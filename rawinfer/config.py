@@ -1,0 +1,219 @@
+"""Configuration: ModelConfig (the architecture numbers of a converted model) and EngineConfig.
+
+A converted model folder (written by `rawinfer convert`) holds config.json in rawinfer's own format,
+version FORMAT_VERSION. Its keys:
+
+    format            "rawinfer"
+    format_version    1
+    architecture      "llama" | "mistral" | "qwen2"
+    vocab_size        V
+    hidden_size       C
+    intermediate_size F
+    num_layers        L
+    num_heads         H
+    num_kv_heads      Hkv
+    head_dim          D
+    rms_norm_eps      float
+    max_position_embeddings  int
+    rope              {"theta": float, "type": "default" | "llama3",
+                       "factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings"}   (the last four for llama3 only)
+    tie_word_embeddings  bool   (no lm_head tensor; the embedding table is reused)
+    qkv_bias          bool
+    dtype             "float32" | "bfloat16" | "float16"   (storage dtype of model.safetensors)
+    quant             null | "int8"
+    bos_token_id      int | null
+    eos_token_ids     [int, ...]
+    pad_token_id      int | null
+    add_bos_token     bool   (prepend BOS when encoding a prompt)
+    chat_template     str | null (Jinja2, Hugging Face semantics)
+    source            str    (where it was converted from; informational)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_NAME = "rawinfer"
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelFormatError(ValueError):
+    """A converted model folder is missing, corrupt, or of an unknown format version."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"  # "default" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.type not in ("default", "llama3"):
+            raise ModelFormatError(f"unsupported RoPE type {self.type!r}: rawinfer supports 'default' and 'llama3'")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    dtype: str = "float32"
+    quant: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    add_bos_token: bool = False
+    chat_template: str | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ModelFormatError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.dtype not in DTYPES:
+            raise ModelFormatError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
+
+    # Derived sizes, named with the shape letters of DESIGN.md.
+    @property
+    def q_size(self) -> int:  # H*D
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:  # Hkv*D
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_size(self) -> int:  # (H + 2*Hkv)*D
+        return self.q_size + 2 * self.kv_size
+
+    def num_params(self) -> int:
+        C, F, V = self.hidden_size, self.intermediate_size, self.vocab_size
+        per_layer = self.qkv_size * C + C * self.q_size + 2 * F * C + F * C + 2 * C
+        if self.qkv_bias:
+            per_layer += self.qkv_size
+        return V * C * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + C
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **d}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        if d.get("format") != FORMAT_NAME:
+            raise ModelFormatError(
+                f"{where} is not a rawinfer model config (no \"format\": \"rawinfer\"); "
+                "convert the model first with `rawinfer convert SRC DST`")
+        version = d.get("format_version")
+        if version not in SUPPORTED_FORMAT_VERSIONS:
+            raise ModelFormatError(
+                f"{where} has format_version {version!r} but this rawinfer reads "
+                f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}; re-convert the model with this version "
+                "(`rawinfer convert SRC DST`) or upgrade rawinfer")
+        d = {k: v for k, v in d.items() if k not in ("format", "format_version")}
+        try:
+            d["rope"] = RopeConfig(**d.get("rope", {}))
+            d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+            return cls(**d)
+        except TypeError as e:
+            raise ModelFormatError(f"{where} has unexpected or missing keys ({e}); re-convert the model") from e
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isdir(model_dir):
+            raise ModelFormatError(
+                f"model folder {model_dir!r} does not exist; convert a model into it with "
+                "`rawinfer convert SRC DST` (or run tools/fetch_default_model.sh for the default model)")
+        if not os.path.isfile(path):
+            raise ModelFormatError(
+                f"{model_dir!r} has no config.json; it is not a converted rawinfer model "
+                "(convert one with `rawinfer convert SRC DST`)")
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelFormatError(f"cannot read {path}: {e}; re-convert the model") from e
+        return cls.from_json(d, where=path)
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2, "MIB": 1024**2,
+          "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4, "TB": 1000**4, "TIB": 1024**4,
+          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, 1024 -> 1024. Raises ValueError naming the format."""
+    if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"memory size must be positive, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    unit = (m.group(2) or "").upper() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"cannot read memory size {text!r}; write it like 2GiB, 512MiB or 1500000000")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine instance. Every field is validated by `validate()`."""
+
+    block_size: int = 16                    # BS: tokens per KV block
+    kv_cache_memory: int = 512 * 1024**2    # bytes of the pool given to KV blocks
+    max_num_batched_tokens: int = 2048      # token budget of one step (also sizes the workspace)
+    max_num_seqs: int = 128                 # sequences in one step at most
+    max_model_len: int | None = None        # cap on prompt + output; defaults to the model's context
+    enable_prefix_caching: bool = True
+    device: str = "cpu"                     # "auto" | "cpu" | "cuda"
+    num_threads: int | None = None          # CPU backend threads (None: all cores)
+    gpu_memory_utilization: float = 0.9     # CUDA: share of free device memory for the pool
+    use_cuda_graphs: bool = True            # CUDA: replay decode steps as CUDA graphs
+    seed: int = 0                           # default seed for requests that set none
+
+    def validate(self) -> "EngineConfig":
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        checks = [
+            ("block_size", isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
+             "an integer from 1 to 1024 (16 is the default)"),
+            ("kv_cache_memory", isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0,
+             "a positive size such as 2GiB"),
+            ("max_num_batched_tokens", isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+             "a positive integer"),
+            ("max_num_seqs", isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "a positive integer"),
+            ("max_model_len", self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+             "a positive integer or None"),
+            ("device", self.device in ("auto", "cpu", "cuda"), "one of auto, cpu, cuda"),
+            ("num_threads", self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
+             "a positive integer or None"),
+            ("gpu_memory_utilization", 0.0 < float(self.gpu_memory_utilization) <= 1.0, "a number in (0, 1]"),
+        ]
+        for name, ok, what in checks:
+            if not ok:
+                raise ValueError(f"engine option {name}={getattr(self, name)!r} is invalid: it must be {what}")
+        return self

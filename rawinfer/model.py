@@ -1,0 +1,93 @@
+"""The Llama-family forward pass (Llama, Mistral, Qwen2) written against the backend op interface.
+
+One call runs every layer over a flat batch of T tokens from B sequences (prefill chunks and decode
+tokens mixed), writes their K/V into the paged cache, and returns logits for the rows that need them:
+
+    ids[T] -> embedding -> residual[T, C] (float32)
+    per layer:  x = rmsnorm(residual)              (fused with the residual add from layer 2 on)
+                qkv = x @ Wqkv^T (+ b)             [T, (H+2Hkv)*D]
+                rope(q, k); kv_write(k, v)         into k_cache/v_cache[NB, Hkv, BS, D]
+                a = paged_attention(q, cache)      [T, H*D]
+                h = a @ Wo^T                       [T, C]
+                x = add_rmsnorm(h, residual)
+                gu = x @ Wgate_up^T                [T, 2F]
+                h = (silu(g) * u) @ Wdown^T        [T, C]
+    final add_rmsnorm; rows at logits_indices -> lm_head -> logits[S, V]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+from .memory import MemoryPool
+
+
+@dataclass
+class FlatBatch:
+    """Device-side inputs of one forward pass (see backend/base.py for the attention metadata)."""
+    token_ids: object          # [T] int32
+    positions: object          # [T] int32
+    slot_mapping: object       # [T] int32
+    block_tables: object       # [B, MB] int32
+    context_lens: object       # [B] int32
+    query_start_loc: object    # [B+1] int32
+    logits_indices: object     # [S] int32: rows whose logits are returned
+    num_tokens: int            # T
+    max_query_len: int
+    max_context_len: int
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, pool: MemoryPool):
+        self.cfg, self.pool, self.backend = cfg, pool, pool.backend
+        self.scale = 1.0 / float(np.sqrt(cfg.head_dim))
+        w = pool.weights
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            self.layers.append({k: w.get(p + k) for k in
+                                ("input_norm", "qkv_proj", "qkv_bias", "o_proj", "post_attn_norm",
+                                 "gate_up_proj", "down_proj")})
+        self.embed = w["embed_tokens"]
+        self.lm_head = w["embed_tokens"] if cfg.tie_word_embeddings else w["lm_head"]
+        self.final_norm = w["final_norm"]
+        self.cos_sin = w["rope_cos_sin"]
+
+    def forward(self, batch: FlatBatch):
+        """Run the layers; returns the logits view [S, V] (float32) of the pool's workspace."""
+        cfg, be, ws, kv = self.cfg, self.backend, self.pool.workspace, self.pool.kv
+        T = batch.num_tokens
+        S = batch.logits_indices.shape[0]
+        if T > self.pool.max_tokens or S > self.pool.logits_rows:
+            raise ValueError(f"batch of {T} tokens / {S} logits rows exceeds the workspace "
+                             f"({self.pool.max_tokens} / {self.pool.logits_rows})")
+        eps = cfg.rms_norm_eps
+        h, res, x = ws.hidden[:T], ws.residual[:T], ws.normed[:T]
+        qkv, attn, gu, act = ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T]
+
+        be.embedding(batch.token_ids, self.embed, res)   # the residual stream starts as the embeddings
+        for i, L in enumerate(self.layers):
+            if i == 0:
+                be.rmsnorm(res, L["input_norm"], eps, x)
+            else:
+                be.add_rmsnorm(h, res, L["input_norm"], eps, x)
+            be.linear(x, L["qkv_proj"], qkv, bias=L["qkv_bias"])
+            be.rope(qkv, batch.positions, self.cos_sin, cfg.num_heads, cfg.num_kv_heads)
+            be.kv_write(qkv, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
+            be.paged_attention(qkv, kv.k[i], kv.v[i], batch.block_tables, batch.context_lens,
+                               batch.query_start_loc, self.scale, attn, batch.max_query_len,
+                               batch.max_context_len)
+            be.linear(attn, L["o_proj"], h)
+            be.add_rmsnorm(h, res, L["post_attn_norm"], eps, x)
+            be.linear(x, L["gate_up_proj"], gu)
+            be.silu_mul(gu, act)
+            be.linear(act, L["down_proj"], h)
+        # Final norm only on the rows that need logits.
+        last, logits = ws.last[:S], ws.logits[:S]
+        be.add_rmsnorm(h, res, self.final_norm, eps, x)
+        be.take_rows(x, batch.logits_indices, last)
+        be.linear(last, self.lm_head, logits)
+        return logits
