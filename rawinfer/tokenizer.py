@@ -1,0 +1,243 @@
+"""Text <-> token ids: the model's tokenizer.json, its chat template, and streaming detokenization.
+
+Three pieces, all reading the same `tokenizers` object:
+
+- `Tokenizer`: encode / decode, BOS handling from ModelConfig, and `apply_chat_template`, which renders a
+  chat the way Hugging Face transformers does (same Jinja2 environment, filters and variables), so that a
+  prompt built here tokenizes to the ids the model was trained on.
+- `IncrementalDetokenizer`: turns generated ids into text one token at a time without printing broken
+  UTF-8 and without re-decoding the whole output on every step.
+- Stop strings live in rawinfer/stop.py; they work on the text this module produces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from rawinfer.config import ModelConfig, ModelFormatError
+
+TOKENIZER_FILE = "tokenizer.json"
+REPLACEMENT_CHAR = "\ufffd"   # what a lossy UTF-8 decode yields for bytes that do not (yet) form a character
+CONTEXT_TOKENS = 5            # prompt tokens decoded ahead of the output (keeps a first output token's space)
+
+
+class NoTokenizerError(ModelFormatError):
+    """The model folder has no tokenizer.json: the model can only be driven with token ids."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, does not compile, or rejected the messages."""
+
+
+class Tokenizer:
+    """One model's tokenizer: a `tokenizers.Tokenizer` plus the BOS/EOS ids and chat template of its config."""
+
+    def __init__(self, hf: tokenizers.Tokenizer, config: ModelConfig, path: str = TOKENIZER_FILE):
+        self._hf = hf
+        self.config = config
+        self.path = path
+        self._template: jinja2.Template | None = None   # compiled on first use
+
+    @classmethod
+    def from_dir(cls, model_dir: str, config: ModelConfig) -> "Tokenizer":
+        """Load `model_dir/tokenizer.json`; NoTokenizerError if the model was converted without one."""
+        path = os.path.join(model_dir, TOKENIZER_FILE)
+        if not os.path.isfile(path):
+            raise NoTokenizerError(
+                f"{path} does not exist: this model has no tokenizer; pass token ids instead of text, "
+                "or re-convert the model from a source that includes a tokenizer")
+        try:
+            hf = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # the Rust loader raises a plain Exception for any malformed file
+            raise ModelFormatError(
+                f"cannot read {path} ({e}); the file is corrupt or not a Hugging Face tokenizers file: "
+                "re-convert the model with `rawinfer convert SRC DST`") from e
+        return cls(hf, config, path)
+
+    # ---- ids <-> text -------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included (can be below the model's V)."""
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.config.eos_token_ids)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.config.bos_token_id
+
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary entry of one id (as stored, e.g. 'Ġthe' or '<|im_end|>'); None if out of range."""
+        return self._hf.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> ids. With add_special_tokens, BOS is prepended when the config asks for it, never twice."""
+        if not isinstance(text, str):
+            raise ValueError(f"can only encode a string, got {type(text).__name__}")
+        ids = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.config.bos_token_id
+        if not add_special_tokens or bos is None:
+            return ids
+        # The tokenizer's own post-processor may add BOS (Llama 3 does) in front of a text that already
+        # starts with it (a rendered chat template does): keep the text's BOS only.
+        if ids[:2] == [bos, bos] and self._hf.encode(text, add_special_tokens=False).ids[:1] == [bos]:
+            ids = ids[1:]
+        if self.config.add_bos_token and ids[:1] != [bos]:
+            ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        # int(): ids may arrive as a NumPy array; hand the Rust binding plain Python ints.
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # ---- chat template ------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """Render a chat into prompt text with the model's template (Hugging Face semantics)."""
+        _check_messages(messages)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError("tools must be a list of JSON-schema dicts (or None)")
+        if self._template is None:
+            self._template = compile_chat_template(self.config.chat_template, self.path)
+        variables: dict[str, Any] = {"messages": messages, "tools": tools, "documents": None,
+                                     "add_generation_prompt": add_generation_prompt}
+        # Special tokens are strings in the template; undefined (as in transformers) when the model has none.
+        eos = self.config.eos_token_ids[0] if self.config.eos_token_ids else None
+        for name, token_id in (("bos_token", self.config.bos_token_id), ("eos_token", eos),
+                               ("pad_token", self.config.pad_token_id)):
+            if token_id is not None and self.token_text(token_id) is not None:
+                variables[name] = self.token_text(token_id)
+        variables.update(kwargs)
+        try:
+            return self._template.render(**variables)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
+
+
+def _check_messages(messages: Any) -> None:
+    """A chat is a list of {"role": str, "content": str} dicts (extra keys such as "name" are passed on)."""
+    if not isinstance(messages, list):
+        raise ValueError(f"messages must be a list of {{\"role\": ..., \"content\": ...}} dicts, "
+                         f"got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with \"role\" and \"content\", got {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"messages[{i}] needs a non-empty string \"role\" (e.g. \"user\"), got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] needs a string \"content\", got {type(m.get('content')).__name__}")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body unchanged (transformers marks assistant
+    text with it for training masks; without this tag such templates would not even compile)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)  # the `generation` token
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # NOTE: Jinja's own tojson HTML-escapes '<', '>', '&' and "'"; transformers replaces it with plain
+    # json.dumps (non-ASCII kept), and templates that embed tool schemas depend on that.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str | None, where: str = "the model") -> jinja2.Template:
+    """Compile a chat template in the environment transformers uses (sandboxed, trim/lstrip blocks)."""
+    if not source:
+        raise ChatTemplateError(
+            f"{where} has no chat template; pass the prompt as plain text with --raw "
+            "(or give the model a chat_template in its config.json)")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(
+            f"the chat template of {where} is not valid Jinja2 (line {e.lineno}: {e.message}); "
+            "pass the prompt as plain text with --raw") from e
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated ids, one id at a time, as deltas.
+
+    Each step decodes only a short window of ids, from `prefix` to the end:
+
+        ids:   ... | prefix ...... read | new id(s) |
+                     \\__ already shown __/\\_ delta _/
+
+    text(prefix:read) was emitted already; delta = text(prefix:end)[len(text(prefix:read)):]. Decoding the
+    shown tokens again keeps context-dependent text right: SentencePiece decoders drop the space of the
+    *first* token they see, so decoding the new id alone would lose the space of "▁world".
+    NOTE: when the window's text ends in U+FFFD the last id(s) hold an incomplete UTF-8 character (a byte
+    token of a multi-byte character); nothing is emitted and the window grows until the character
+    completes. Invariant: the emitted deltas concatenate to decode(output ids) whenever that decode
+    does not end in U+FFFD; `finish()` releases whatever is still held.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # A few prompt ids seed the window so the first output token decodes as it would after the prompt
+        # (its leading space kept); dropped if they themselves end mid-character.
+        context = list(prompt_ids[-CONTEXT_TOKENS:])
+        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            context = []
+        self._ids: list[int] = context           # context + output ids (only the window is ever decoded)
+        self._prefix = 0                          # window start
+        self._read = len(context)                 # ids before this were emitted
+        self._num_output = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_output
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated id; returns the newly complete text (possibly "")."""
+        self._ids.append(token_id)
+        self._num_output += 1
+        shown = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) <= len(shown) or text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(shown):]
+
+    def finish(self) -> str:
+        """Release the held-back text at the end of generation (may contain U+FFFD for bytes never completed)."""
+        shown = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return text[len(shown):]
