@@ -277,7 +277,7 @@ class LLMEngine:
         chunks (an int: fixed chunk size; a list: e.g. [21, 1, 1, ...] = prefill then decode steps)."""
         ids = self.encode_prompt(list(token_ids))
         T = len(ids)
-        limit = min(self.config.max_num_batched_tokens, self.pool.logits_rows)
+        limit = self.config.max_num_batched_tokens
         if chunk_sizes is None:
             chunk_sizes = limit
         sizes = list(chunk_sizes) if not isinstance(chunk_sizes, int) else []
@@ -294,8 +294,7 @@ class LLMEngine:
                     break
                 if self.block_manager.allocate_slots(sid, done + n) is None:
                     raise RuntimeError("the KV pool is too small (or too busy) to score this sequence")
-                logits = self.runner.run(ScheduledBatch([ScheduledSeq(seq, n)]), all_logits=True)
-                out[done:done + n] = self.backend.to_host(logits)
+                out[done:done + n] = self.runner.score(ScheduledBatch([ScheduledSeq(seq, n)]))
                 done += n
                 seq.num_computed_tokens = done
             if done < T:

@@ -58,12 +58,15 @@ class LlamaModel:
 
     def forward(self, batch: FlatBatch):
         """Run the layers; returns the logits view [S, V] (float32) of the pool's workspace."""
+        self.forward_hidden(batch)
+        return self.compute_logits(batch.logits_indices)
+
+    def forward_hidden(self, batch: FlatBatch):
+        """Every layer and the final norm; returns the normed hidden rows [T, C] (a workspace view)."""
         cfg, be, ws, kv = self.cfg, self.backend, self.pool.workspace, self.pool.kv
         T = batch.num_tokens
-        S = batch.logits_indices.shape[0]
-        if T > self.pool.max_tokens or S > self.pool.logits_rows:
-            raise ValueError(f"batch of {T} tokens / {S} logits rows exceeds the workspace "
-                             f"({self.pool.max_tokens} / {self.pool.logits_rows})")
+        if T > self.pool.max_tokens:
+            raise ValueError(f"batch of {T} tokens exceeds the workspace ({self.pool.max_tokens} tokens)")
         eps = cfg.rms_norm_eps
         h, res, x = ws.hidden[:T], ws.residual[:T], ws.normed[:T]
         qkv, attn, gu, act = ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T]
@@ -85,9 +88,16 @@ class LlamaModel:
             be.linear(x, L["gate_up_proj"], gu)
             be.silu_mul(gu, act)
             be.linear(act, L["down_proj"], h)
-        # Final norm only on the rows that need logits.
-        last, logits = ws.last[:S], ws.logits[:S]
         be.add_rmsnorm(h, res, self.final_norm, eps, x)
-        be.take_rows(x, batch.logits_indices, last)
-        be.linear(last, self.lm_head, logits)
+        return x
+
+    def compute_logits(self, indices):
+        """LM head over rows `indices` [S] of the last forward_hidden -> logits view [S, V] float32."""
+        S = indices.shape[0]
+        if S > self.pool.logits_rows:
+            raise ValueError(f"{S} logits rows exceed the workspace ({self.pool.logits_rows})")
+        ws = self.pool.workspace
+        last, logits = ws.last[:S], ws.logits[:S]
+        self.backend.take_rows(ws.normed, indices, last)
+        self.backend.linear(last, self.lm_head, logits)
         return logits

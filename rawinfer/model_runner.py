@@ -59,9 +59,20 @@ class ModelRunner:
             max_context_len=int(context_lens.max()) if B else 0,
         )
 
-    def run(self, batch: ScheduledBatch, all_logits: bool = False):
+    def run(self, batch: ScheduledBatch):
         """Copy-on-write copies, then the forward pass. Returns device logits [S, V] in batch order."""
         if batch.copies:
             kv = self.model.pool.kv
             self.backend.copy_blocks(kv.k, kv.v, batch.copies)
-        return self.model.forward(self.prepare(batch, all_logits))
+        return self.model.forward(self.prepare(batch))
+
+    def score(self, batch: ScheduledBatch) -> np.ndarray:
+        """Teacher forcing: host logits [T, V] float32 at every row, the LM head run in workspace-sized pieces."""
+        fb = self.prepare(batch, all_logits=True)
+        self.model.forward_hidden(fb)
+        rows = self.model.pool.logits_rows
+        out = np.empty((fb.num_tokens, self.model.cfg.vocab_size), np.float32)
+        for a in range(0, fb.num_tokens, rows):
+            idx = self.backend.as_index_array(np.arange(a, min(a + rows, fb.num_tokens), dtype=np.int32))
+            out[a:a + len(idx)] = self.backend.to_host(self.model.compute_logits(idx))
+        return out
