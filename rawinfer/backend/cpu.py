@@ -55,13 +55,13 @@ class CPUBackend(Backend):
     def rmsnorm(self, x, weight, eps, out) -> None:
         _check("x", x, (None, weight.shape[0]))
         _check("out", out, x.shape)
-        K.rmsnorm_kernel(x, weight, np.float32(eps), out)
+        K.rmsnorm_kernel(x.shape[0], x, weight, np.float32(eps), out)
 
     def add_rmsnorm(self, x, residual, weight, eps, out) -> None:
         _check("x", x, (None, weight.shape[0]))
         _check("residual", residual, x.shape, np.float32)
         _check("out", out, x.shape)
-        K.add_rmsnorm_kernel(x, residual, weight, np.float32(eps), out)
+        K.add_rmsnorm_kernel(x.shape[0], x, residual, weight, np.float32(eps), out)
 
     def linear(self, x, w, out, bias=None) -> None:
         _check("x", x, (None, w.shape[1]))
@@ -77,12 +77,12 @@ class CPUBackend(Backend):
         _check("positions", positions, (qkv.shape[0],), np.int32)
         if positions.size and (positions.min() < 0 or positions.max() >= cos_sin.shape[0]):
             raise ValueError(f"position out of range [0, {cos_sin.shape[0]}): the model's context is exceeded")
-        K.rope_kernel(qkv, positions, cos_sin, num_heads, num_kv_heads, D)
+        K.rope_kernel(qkv.shape[0], qkv, positions, cos_sin, num_heads, num_kv_heads, D)
 
     def silu_mul(self, gate_up, out) -> None:
         _check("gate_up", gate_up, (None, 2 * out.shape[1]))
         _check("out", out, (gate_up.shape[0], out.shape[1]))
-        K.silu_mul_kernel(gate_up, out)
+        K.silu_mul_kernel(gate_up.shape[0], gate_up, out)
 
     def kv_write(self, qkv, k_cache, v_cache, slot_mapping, num_heads) -> None:
         _, Hkv, BS, D = k_cache.shape
@@ -102,8 +102,8 @@ class CPUBackend(Backend):
         _check("context_lens", context_lens, (B,), np.int32)
         _check("query_start_loc", query_start_loc, (B + 1,), np.int32)
         seqs, q0, q1 = K.attention_work_items(query_start_loc, ATTN_QUERY_TILE)
-        K.paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                 seqs, q0, q1, np.float32(scale), H, out)
+        K.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
+                                 query_start_loc, seqs, q0, q1, np.float32(scale), H, out)
 
     def copy_blocks(self, k_caches, v_caches, pairs) -> None:
         if not pairs:

@@ -13,8 +13,20 @@ import numpy as np
 _JIT = dict(cache=True)
 
 
-@nb.njit(parallel=True, **_JIT)
-def rmsnorm_kernel(x, weight, eps, out):
+class Kernel:
+    """One kernel source compiled twice: serially for small batches (a decode step of a few tokens,
+    where waking the thread pool costs more than the work) and with `parallel=True` for large ones."""
+
+    def __init__(self, fn, min_parallel_rows: int = 16):
+        self.serial = nb.njit(**_JIT)(fn)
+        self.parallel = nb.njit(parallel=True, **_JIT)(fn)
+        self.min_parallel_rows = min_parallel_rows
+
+    def __call__(self, rows: int, *args):
+        (self.parallel if rows >= self.min_parallel_rows else self.serial)(*args)
+
+
+def _rmsnorm_kernel(x, weight, eps, out):
     # x[T, C] any float, weight[C], out[T, C]; statistics in float32
     T, C = x.shape
     for t in nb.prange(T):
@@ -27,8 +39,7 @@ def rmsnorm_kernel(x, weight, eps, out):
             out[t, c] = np.float32(x[t, c]) * inv * weight[c]
 
 
-@nb.njit(parallel=True, **_JIT)
-def add_rmsnorm_kernel(x, residual, weight, eps, out):
+def _add_rmsnorm_kernel(x, residual, weight, eps, out):
     # residual[T, C] += x[T, C]; out = rmsnorm(residual) * weight
     T, C = x.shape
     for t in nb.prange(T):
@@ -42,8 +53,7 @@ def add_rmsnorm_kernel(x, residual, weight, eps, out):
             out[t, c] = residual[t, c] * inv * weight[c]
 
 
-@nb.njit(parallel=True, **_JIT)
-def rope_kernel(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
+def _rope_kernel(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
     # qkv[T, (H+2Hkv)*D] in place; q heads 0..H-1 and k heads H..H+Hkv-1 are rotated
     T = qkv.shape[0]
     half = head_dim // 2
@@ -61,8 +71,7 @@ def rope_kernel(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
                 qkv[t, base + half + i] = x2 * c + x1 * s
 
 
-@nb.njit(parallel=True, **_JIT)
-def silu_mul_kernel(gate_up, out):
+def _silu_mul_kernel(gate_up, out):
     # out[T, F] = silu(gate_up[:, :F]) * gate_up[:, F:]
     T, F = out.shape
     for t in nb.prange(T):
@@ -88,8 +97,7 @@ def kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
                 v_cache[b, h, r, d] = qkv[t, v0 + h * D + d]
 
 
-@nb.njit(parallel=True, **_JIT)
-def paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            work_seq, work_q0, work_q1, scale, num_heads, out):
     """Flash-style attention on the CPU. One work item = (query tile of one sequence, kv head).
 
@@ -169,3 +177,12 @@ def attention_work_items(query_start_loc: np.ndarray, tile: int) -> tuple[np.nda
             q1s.append(min(a + tile, e))
     return (np.asarray(seqs, np.int32), np.asarray(q0s, np.int32), np.asarray(q1s, np.int32))
 
+
+
+
+# ---- entry points: (rows, *args) -> serial or parallel build ----------------------------------
+rmsnorm_kernel = Kernel(_rmsnorm_kernel)
+add_rmsnorm_kernel = Kernel(_add_rmsnorm_kernel)
+rope_kernel = Kernel(_rope_kernel)
+silu_mul_kernel = Kernel(_silu_mul_kernel)
+paged_attention_kernel = Kernel(_paged_attention_kernel, min_parallel_rows=2)
