@@ -160,6 +160,10 @@ class MemoryPool:
                     "re-convert the model")
         from safetensors import safe_open
         try:
+            import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy so bf16 checkpoints load)
+        except ImportError:
+            pass
+        try:
             with safe_open(path, framework="numpy") as f:
                 for name in shapes:
                     self.backend.upload(self.weights[name], f.get_tensor(name))

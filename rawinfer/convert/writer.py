@@ -106,7 +106,7 @@ def write_safetensors(path: str, tensors: list[StoredTensor], produce: Callable[
     """Write `tensors` to path, asking `produce` for each array in turn (already in its storage dtype)."""
     total = sum(t.nbytes for t in tensors)
     with open(path, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="converting",
-                                     disable=not progress, leave=False) as bar:
+                                     disable=None if progress else True, leave=False) as bar:
         f.write(safetensors_header(tensors, metadata))
         for t in tensors:
             x = produce(t)

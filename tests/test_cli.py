@@ -1,0 +1,84 @@
+"""The `rawinfer` command line as a user runs it: generate, convert, bench throughput, error paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rawinfer(*args, stdin: str | None = None, timeout: float = 300):
+    return subprocess.run([sys.executable, "-m", "rawinfer.cli", *args], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_capital_of_france(smollm2_dir):
+    r = rawinfer("generate", "What is the capital of France?", "--model", smollm2_dir, "--device", "cpu",
+                 "--kv-cache-memory", "64MiB", "--max-tokens", "32")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    summary = r.stderr.strip().splitlines()[-1]
+    for word in ("prompt 37 tokens", "generated", "TTFT", "mean ITL", "tokens/s"):
+        assert word in summary
+
+
+def test_generate_json_stop_and_stdin(smollm2_dir):
+    r = rawinfer("generate", "--json", "--model", smollm2_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
+                 "--max-tokens", "32", "--stop", " Paris", stdin="What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"text", "token_ids", "prompt_token_ids", "finish_reason", "ttft_s", "itl_s", "tokens_per_s"}
+    assert out["finish_reason"] == "stop" and "Paris" not in out["text"]
+    assert out["text"].startswith("The capital of France is")
+    assert len(out["prompt_token_ids"]) == 37
+
+
+def test_generate_raw_with_seed_is_reproducible(smollm2_dir):
+    args = ("generate", "--raw", "--json", "Once upon a time", "--model", smollm2_dir, "--device", "cpu",
+            "--kv-cache-memory", "64MiB", "--max-tokens", "12", "--temperature", "0.8", "--seed", "5",
+            "--ignore-eos")
+    a, b = rawinfer(*args), rawinfer(*args)
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+    assert json.loads(a.stdout)["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("args,words", [
+    (["generate", "hi", "--model", "/nonexistent/model"], ["does not exist", "rawinfer convert"]),
+    (["generate", "hi", "--temperature", "-1"], ["--temperature", "greedy"]),
+    (["generate", "hi", "--kv-cache-memory", "lots"], ["--kv-cache-memory", "2GiB"]),
+    (["convert", "/nonexistent/src", "/tmp/rawinfer-never-written"], ["does not exist"]),
+])
+def test_bad_arguments_give_one_clear_error(args, words):
+    r = rawinfer(*args)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("rawinfer: error:") and "Traceback" not in r.stderr
+    for w in words:
+        assert w in last
+    assert not os.path.exists("/tmp/rawinfer-never-written")
+
+
+def test_convert_cli_and_bench_throughput(tmp_path):
+    dst = str(tmp_path / "tiny")
+    r = rawinfer("-q", "convert", os.path.join(ROOT, "tests", "data", "tiny-llama"), dst, "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(os.path.join(dst, "config.json")))["dtype"] == "bfloat16"
+    r = rawinfer("convert", os.path.join(ROOT, "tests", "data", "tiny-llama"), dst)
+    assert r.returncode == 2 and "--force" in r.stderr
+    out = str(tmp_path / "bench.json")
+    r = rawinfer("bench", "throughput", "--model", dst, "--device", "cpu", "--kv-cache-memory", "16MiB",
+                 "--num-requests", "12", "--input-len", "20", "--output-len", "8", "--range-ratio", "0.5",
+                 "--compare-single", "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(out))
+    assert res["num_requests"] == 12 and res["output_tokens"] > 0
+    for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_ms", "itl_ms",
+                "peak_kv_usage", "prefix_cache_hit_rate", "preemptions", "speedup_vs_single_stream"):
+        assert key in res
+    assert "output tokens/s" in r.stdout
