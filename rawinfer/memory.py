@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .config import EngineConfig, ModelConfig, ModelFormatError
+from .quant import SCALE_SUFFIX, is_quantized, quantize_int8
 
 ALIGN = 256
 
@@ -58,6 +59,28 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def weight_plan(cfg: ModelConfig, float_dtype) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """(name, shape, dtype) of every stored tensor: matrices as int8 + float32 scales in a quantized model."""
+    plan = []
+    for name, shape in weight_shapes(cfg).items():
+        if is_quantized(name, shape, cfg.quant):
+            plan.append((name, shape, np.dtype(np.int8)))
+            plan.append((name + SCALE_SUFFIX, shape[:1], np.dtype(np.float32)))
+        else:
+            plan.append((name, shape, np.dtype(float_dtype)))
+    return plan
+
+
+DEQUANT_TILE_ROWS = 8192
+
+
+def dequant_scratch_size(cfg: ModelConfig) -> int:
+    """Floats of scratch for int8 GEMMs: the largest matrix, its rows capped at DEQUANT_TILE_ROWS."""
+    if cfg.quant is None:
+        return 0
+    return max(min(s[0], DEQUANT_TILE_ROWS) * s[1] for s in weight_shapes(cfg).values() if len(s) == 2)
+
+
 @dataclass
 class Workspace:
     """Activation buffers for up to T = max_num_batched_tokens rows and S logits rows."""
@@ -70,6 +93,7 @@ class Workspace:
     act: Any         # [T, F]
     last: Any        # [S, C]  hidden rows that need logits
     logits: Any      # [S, V]  float32
+    dequant: Any     # flat float32: int8 weight rows dequantized for a BLAS GEMM (empty unless quantized)
 
 
 @dataclass
@@ -102,13 +126,15 @@ class MemoryPool:
         self.max_tokens, self.logits_rows = T, S
 
         # ---- plan every region: (name, shape, dtype) -----------------------------------------
-        self._weight_plan = [(n, s, wdt) for n, s in weight_shapes(cfg).items()]
+        self._weight_plan = weight_plan(cfg, wdt)
+        self._int8_names = {n for n, _, d in self._weight_plan if d == np.int8}
         self._weight_plan.append(("rope_cos_sin", (cfg.max_position_embeddings, cfg.head_dim), np.float32))
         C, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
         ws_plan = [("hidden", (T, C), adt), ("residual", (T, C), np.float32), ("normed", (T, C), adt),
                    ("qkv", (T, cfg.qkv_size), adt), ("attn", (T, cfg.q_size), adt),
                    ("gate_up", (T, 2 * F), adt), ("act", (T, F), adt),
-                   ("last", (S, C), adt), ("logits", (S, V), np.float32)]
+                   ("last", (S, C), adt), ("logits", (S, V), np.float32),
+                   ("dequant", (dequant_scratch_size(cfg),), np.float32)]
         weight_bytes = sum(_align(int(np.prod(s)) * np.dtype(d).itemsize) for _, s, d in self._weight_plan)
         ws_bytes = sum(_align(int(np.prod(s)) * np.dtype(d).itemsize) for _, s, d in ws_plan)
         if kv_bytes is None:
@@ -148,12 +174,15 @@ class MemoryPool:
     def load_weights(self, model_dir: str, progress: bool = False) -> None:
         """Copy model.safetensors into the weight region tensor by tensor (checks names and shapes)."""
         path = os.path.join(model_dir, "model.safetensors")
-        shapes = weight_shapes(self.cfg)
+        shapes = {name: shape for name, shape, _ in weight_plan(self.cfg, np.float32)}
         header = read_safetensors_header(path)
         missing = sorted(set(shapes) - set(header))
         if missing:
             raise ModelFormatError(f"{path} lacks tensor(s) {', '.join(missing[:5])}; re-convert the model")
         for name, shape in shapes.items():
+            if (header[name].get("dtype") == "I8") != (name in self._int8_names):
+                raise ModelFormatError(f"{path}: tensor {name} is stored as {header[name].get('dtype')}, which "
+                                       f"config.json (quant={self.cfg.quant}) does not expect; re-convert the model")
             if tuple(header[name]["shape"]) != shape:
                 raise ModelFormatError(
                     f"{path}: tensor {name} has shape {tuple(header[name]['shape'])}, config.json says {shape}; "
@@ -180,7 +209,12 @@ class MemoryPool:
                 host = np.ones(shape, np.float32)
             else:
                 host = (rng.standard_normal(shape, dtype=np.float32) * std)
-            self.backend.upload(self.weights[name], host)
+            if is_quantized(name, shape, self.cfg.quant):
+                q, scale = quantize_int8(host)
+                self.backend.upload(self.weights[name], q)
+                self.backend.upload(self.weights[name + SCALE_SUFFIX], scale)
+            else:
+                self.backend.upload(self.weights[name], host)
 
     def describe(self) -> str:
         mib = 1024**2

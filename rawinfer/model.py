@@ -23,6 +23,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .memory import MemoryPool
+from .quant import SCALE_SUFFIX, Int8Weight
 
 
 @dataclass
@@ -45,14 +46,21 @@ class LlamaModel:
         self.cfg, self.pool, self.backend = cfg, pool, pool.backend
         self.scale = 1.0 / float(np.sqrt(cfg.head_dim))
         w = pool.weights
+
+        def weight(name):   # a float matrix, or an Int8Weight for a quantized model's matrices
+            if name + SCALE_SUFFIX in w:
+                return Int8Weight(w[name], w[name + SCALE_SUFFIX])
+            return w.get(name)
+
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            self.layers.append({k: w.get(p + k) for k in
+            self.layers.append({k: weight(p + k) for k in
                                 ("input_norm", "qkv_proj", "qkv_bias", "o_proj", "post_attn_norm",
                                  "gate_up_proj", "down_proj")})
-        self.embed = w["embed_tokens"]
-        self.lm_head = w["embed_tokens"] if cfg.tie_word_embeddings else w["lm_head"]
+        self.embed = weight("embed_tokens")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weight("lm_head")
+        self.scratch = pool.workspace.dequant if cfg.quant else None
         self.final_norm = w["final_norm"]
         self.cos_sin = w["rope_cos_sin"]
 
@@ -77,17 +85,17 @@ class LlamaModel:
                 be.rmsnorm(res, L["input_norm"], eps, x)
             else:
                 be.add_rmsnorm(h, res, L["input_norm"], eps, x)
-            be.linear(x, L["qkv_proj"], qkv, bias=L["qkv_bias"])
+            be.linear(x, L["qkv_proj"], qkv, bias=L["qkv_bias"], scratch=self.scratch)
             be.rope(qkv, batch.positions, self.cos_sin, cfg.num_heads, cfg.num_kv_heads)
             be.kv_write(qkv, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
             be.paged_attention(qkv, kv.k[i], kv.v[i], batch.block_tables, batch.context_lens,
                                batch.query_start_loc, self.scale, attn, batch.max_query_len,
                                batch.max_context_len)
-            be.linear(attn, L["o_proj"], h)
+            be.linear(attn, L["o_proj"], h, scratch=self.scratch)
             be.add_rmsnorm(h, res, L["post_attn_norm"], eps, x)
-            be.linear(x, L["gate_up_proj"], gu)
+            be.linear(x, L["gate_up_proj"], gu, scratch=self.scratch)
             be.silu_mul(gu, act)
-            be.linear(act, L["down_proj"], h)
+            be.linear(act, L["down_proj"], h, scratch=self.scratch)
         be.add_rmsnorm(h, res, self.final_norm, eps, x)
         return x
 
@@ -99,5 +107,5 @@ class LlamaModel:
         ws = self.pool.workspace
         last, logits = ws.last[:S], ws.logits[:S]
         self.backend.take_rows(ws.normed, indices, last)
-        self.backend.linear(last, self.lm_head, logits)
+        self.backend.linear(last, self.lm_head, logits, scratch=self.scratch)
         return logits

@@ -257,7 +257,6 @@ def test_bad_source(tmp_path, case, words):
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"dtype": "float8"}, "unknown dtype 'float8'"),
-    ({"quant": "int8"}, "--quant int8 is not supported yet"),
     ({"quant": "int4"}, "unknown quantization 'int4'"),
 ])
 def test_bad_request(tmp_path, kwargs, words):

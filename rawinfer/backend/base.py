@@ -88,8 +88,10 @@ class Backend(ABC):
         """residual[T, C] += x[T, C]; out[T, C] = rmsnorm(residual) * weight   (fused, in place)."""
 
     @abstractmethod
-    def linear(self, x, w, out, bias=None) -> None:
-        """out[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]).  w is row-major (out features x in features)."""
+    def linear(self, x, w, out, bias=None, scratch=None) -> None:
+        """out[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]).  w is row-major (out features x in features),
+        or a quant.Int8Weight (int8 rows + one scale per row), in which case `scratch` (a flat float32
+        workspace buffer) may hold dequantized row tiles."""
 
     @abstractmethod
     def rope(self, qkv, positions, cos_sin, num_heads: int, num_kv_heads: int) -> None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..quant import Int8Weight
 from . import cpu_kernels as K
 from .base import Backend
 
 ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
+INT8_GEMV_MAX_ROWS = 4  # int8 matmul: up to this many rows, dot products straight from int8 weights;
+                        # above, dequantize row tiles into the scratch buffer and run BLAS on them
 
 
 def _check(name: str, x, shape: tuple | None = None, dtype=None, contiguous: bool = True) -> None:
@@ -50,7 +53,10 @@ class CPUBackend(Backend):
         _check("out", out, (ids.shape[0], table.shape[1]))
         if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
             raise ValueError(f"token id out of range [0, {table.shape[0]})")
-        np.take(table, ids, axis=0, out=out)
+        if isinstance(table, Int8Weight):
+            K.int8_embedding_kernel(ids, table.q, table.scale, out)
+        else:
+            np.take(table, ids, axis=0, out=out)
 
     def rmsnorm(self, x, weight, eps, out) -> None:
         _check("x", x, (None, weight.shape[0]))
@@ -63,13 +69,31 @@ class CPUBackend(Backend):
         _check("out", out, x.shape)
         K.add_rmsnorm_kernel(x.shape[0], x, residual, weight, np.float32(eps), out)
 
-    def linear(self, x, w, out, bias=None) -> None:
+    def linear(self, x, w, out, bias=None, scratch=None) -> None:
         _check("x", x, (None, w.shape[1]))
         _check("out", out, (x.shape[0], w.shape[0]))
-        # NOTE: w.T is a transposed view; NumPy hands it to BLAS as a transpose flag, no copy.
-        np.matmul(x, w.T, out=out)
+        if isinstance(w, Int8Weight):
+            self._linear_int8(x, w, out, scratch)
+        else:
+            # NOTE: w.T is a transposed view; NumPy hands it to BLAS as a transpose flag, no copy.
+            np.matmul(x, w.T, out=out)
         if bias is not None:
             out += bias
+
+    def _linear_int8(self, x, w: Int8Weight, out, scratch) -> None:
+        T, (N, Kd) = x.shape[0], w.shape
+        if T <= INT8_GEMV_MAX_ROWS or scratch is None:
+            K.int8_matmul_kernel(x, w.q, w.scale, out)
+            return
+        tile = max(1, min(N, scratch.size // Kd))        # rows of W dequantized per BLAS call
+        for n0 in range(0, N, tile):
+            n1 = min(N, n0 + tile)
+            wt = scratch[:(n1 - n0) * Kd].reshape(n1 - n0, Kd)
+            K.int8_dequant_rows_kernel(w.q, w.scale, n0, wt)
+            if n0 == 0 and n1 == N:
+                np.matmul(x, wt.T, out=out)
+            else:
+                out[:, n0:n1] = x @ wt.T
 
     def rope(self, qkv, positions, cos_sin, num_heads, num_kv_heads) -> None:
         D = cos_sin.shape[1]

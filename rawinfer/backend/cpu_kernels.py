@@ -186,3 +186,42 @@ add_rmsnorm_kernel = Kernel(_add_rmsnorm_kernel)
 rope_kernel = Kernel(_rope_kernel)
 silu_mul_kernel = Kernel(_silu_mul_kernel)
 paged_attention_kernel = Kernel(_paged_attention_kernel, min_parallel_rows=2)
+
+
+# ---- int8 weight-only kernels (rawinfer/quant.py): float32 activations, dequantized on the fly ----
+_FAST = dict(cache=True, fastmath=True)   # fastmath: lets LLVM vectorize the dot-product reductions
+
+
+@nb.njit(parallel=True, **_FAST)
+def int8_matmul_kernel(x, q, scale, out):
+    # out[T, N] = (x[T, K] @ q[N, K]^T) * scale[N]; each thread streams a contiguous range of rows of q
+    T, K = x.shape
+    N = q.shape[0]
+    for n in nb.prange(N):
+        s = scale[n]
+        for t in range(T):
+            acc = np.float32(0.0)
+            for k in range(K):
+                acc += x[t, k] * np.float32(q[n, k])
+            out[t, n] = acc * s
+
+
+@nb.njit(parallel=True, **_FAST)
+def int8_dequant_rows_kernel(q, scale, n0, out):
+    # out[R, K] = q[n0:n0+R] * scale[n0:n0+R, None]   (a float32 tile for a BLAS GEMM)
+    R, K = out.shape
+    for r in nb.prange(R):
+        s = scale[n0 + r]
+        for k in range(K):
+            out[r, k] = np.float32(q[n0 + r, k]) * s
+
+
+@nb.njit(**_FAST)
+def int8_embedding_kernel(ids, q, scale, out):
+    # out[T, C] = q[ids] * scale[ids, None]
+    T, C = out.shape
+    for t in range(T):
+        i = ids[t]
+        s = scale[i]
+        for c in range(C):
+            out[t, c] = np.float32(q[i, c]) * s

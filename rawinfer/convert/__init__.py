@@ -9,8 +9,8 @@ Module map: hf.py + hf_tokenizer.py read Hugging Face folders; gguf_source.py + 
 read GGUF files; layout.py turns the parts a reader serves into rawinfer's fused tensors; writer.py
 stages the folder and streams model.safetensors. `python -m rawinfer.convert SRC DST` runs `main`.
 
-Quantized storage (quant="int8") is reserved: it will map each matrix StoredTensor of the plan to an
-int8 tensor plus scales in `_stored_tensors` / `_produce`; until then it is refused.
+Quantized storage (quant="int8", rawinfer/quant.py): every matrix of the plan is stored as an int8
+tensor plus `<name>.scale` (one float32 per output row); vectors keep the float dtype.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import warnings
 import numpy as np
 
 from rawinfer.config import DTYPES, FORMAT_NAME, FORMAT_VERSION, ModelConfig
+from rawinfer.quant import QUANT_TYPES, SCALE_SUFFIX, is_quantized, quantize_int8
 
 from .errors import ConversionError, ConversionWarning
 from .gguf_source import GGUFSource
@@ -34,7 +35,7 @@ from .writer import SAFETENSORS_DTYPES, StoredTensor, check_destination, staged_
 
 __all__ = ["ConversionError", "ConversionWarning", "convert", "main", "open_source"]
 
-QUANTS = ("int8",)
+QUANTS = QUANT_TYPES
 
 
 def open_source(src: str) -> CheckpointReader:
@@ -58,17 +59,22 @@ def open_source(src: str) -> CheckpointReader:
 def _check_request(src: str, dst: str, dtype: str, quant: str | None, overwrite: bool) -> None:
     if dtype not in DTYPES:
         raise ConversionError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if quant is not None:
-        if quant not in QUANTS:
-            raise ConversionError(f"unknown quantization {quant!r}; leave it out or choose {', '.join(QUANTS)}")
-        raise ConversionError(f"--quant {quant} is not supported yet; convert without --quant")
+    if quant is not None and quant not in QUANTS:
+        raise ConversionError(f"unknown quantization {quant!r}; leave it out or choose {', '.join(QUANTS)}")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ConversionError("SRC and DST are the same path; write the converted model to another folder")
     check_destination(dst, overwrite)
 
 
 def _stored_tensors(plan: list[TensorSpec], config: ModelConfig) -> list[StoredTensor]:
-    return [StoredTensor(spec.name, spec.shape, config.dtype) for spec in plan]
+    out = []
+    for spec in plan:
+        if is_quantized(spec.name, spec.shape, config.quant):
+            out.append(StoredTensor(spec.name, spec.shape, "int8"))
+            out.append(StoredTensor(spec.name + SCALE_SUFFIX, spec.shape[:1], "float32"))
+        else:
+            out.append(StoredTensor(spec.name, spec.shape, config.dtype))
+    return out
 
 
 def _to_storage(x: np.ndarray, dtype: str, name: str) -> np.ndarray:
@@ -93,7 +99,14 @@ def convert(src: str, dst: str, dtype: str = "float32", quant: str | None = None
         config = dataclasses.replace(reader.config, dtype=dtype, quant=quant)
         plan = {spec.name: spec for spec in tensor_plan(config)}
 
+        scales: dict[str, np.ndarray] = {}     # a quantized matrix's scales, written right after it
+
         def produce(t: StoredTensor) -> np.ndarray:
+            if t.name.endswith(SCALE_SUFFIX) and t.name in scales:
+                return scales.pop(t.name)
+            if t.dtype == "int8":
+                q, scales[t.name + SCALE_SUFFIX] = quantize_int8(fuse(plan[t.name], reader))
+                return q
             return _to_storage(fuse(plan[t.name], reader), t.dtype, t.name)
 
         metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}
@@ -115,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="Hugging Face model folder or .gguf file")
     parser.add_argument("dst", help="folder to write the converted model to")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="storage dtype (default float32)")
-    parser.add_argument("--quant", default=None, choices=QUANTS, help="quantized storage (not supported yet)")
+    parser.add_argument("--quant", default=None, choices=QUANTS, help="weight-only quantization of the matrices")
     parser.add_argument("--force", action="store_true", help="replace DST if it exists and is not empty")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -131,5 +144,5 @@ def main(argv: list[str] | None = None) -> int:
             for w in caught:
                 print(f"warning: {w.message}", file=sys.stderr)
     print(f"converted {args.src} -> {args.dst}: {config.architecture}, {config.num_layers} layers, "
-          f"{config.num_params() / 1e6:.1f}M parameters, {config.dtype}")
+          f"{config.num_params() / 1e6:.1f}M parameters, {config.dtype}{' + ' + config.quant if config.quant else ''}")
     return 0
