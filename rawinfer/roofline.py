@@ -1,0 +1,172 @@
+"""`rawinfer bench roofline`: this machine's ceilings next to what prefill and decode achieve.
+
+Ceilings, measured here: memory copy bandwidth (bytes read + written per second by a large copy) and
+the float32 GEMM rate (a square BLAS/cuBLAS matmul). For one model we then time a prefill of P tokens
+and a decode step of B sequences and count, per step,
+
+    FLOPs = 2 x (matrix parameters touched) x tokens  +  4 x H x D x (attended positions)
+    bytes = weight bytes (every matrix read once)     +  KV bytes read by attention
+
+Achieved GFLOP/s and GB/s against the ceilings show where a phase sits: arithmetic intensity
+(FLOPs / byte) above the ridge point (peak FLOP/s / peak bytes/s) means compute-bound, below it
+memory-bound; the percentage says how far from its limit the phase runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+def _best(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_ceilings(xp=np, sync=lambda: None, copy_mib: int = 256, gemm_n: int = 2048, repeat: int = 5) -> dict:
+    """Copy bandwidth (GB/s, read + write) and float32 GEMM rate (GFLOP/s) with array module xp."""
+    n = copy_mib * 1024 * 1024 // 4
+    a = xp.ones(n, dtype=xp.float32)
+    b = xp.empty_like(a)
+
+    def copy():
+        xp.copyto(b, a)
+        sync()
+    t_copy = _best(copy, repeat)
+    x = xp.asarray(np.random.default_rng(0).standard_normal((gemm_n, gemm_n), dtype=np.float32))
+    y = xp.empty_like(x)
+
+    def gemm():
+        xp.matmul(x, x, out=y)
+        sync()
+    t_gemm = _best(gemm, repeat)
+    return {"copy_GBps": 2 * a.nbytes / t_copy / 1e9, "gemm_GFLOPs": 2 * gemm_n**3 / t_gemm / 1e9,
+            "copy_bytes": 2 * a.nbytes, "gemm_n": gemm_n}
+
+
+def matrix_params(cfg: ModelConfig, lm_head_rows: int, tokens: int) -> tuple[float, float]:
+    """(FLOPs of the matrix multiplies for `tokens` tokens with `lm_head_rows` logits rows,
+    parameters read) for one forward pass."""
+    C, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    per_layer = cfg.qkv_size * C + C * cfg.q_size + 2 * F * C + F * C
+    flops = 2.0 * per_layer * cfg.num_layers * tokens + 2.0 * V * C * lm_head_rows
+    params = per_layer * cfg.num_layers + V * C
+    return flops, params
+
+
+def phase_counts(cfg: ModelConfig, tokens: int, logits_rows: int, attended: int, kv_read_tokens: int,
+                 weight_bytes_per_param: float, kv_itemsize: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one forward pass; `attended` = sum over queries of the positions each sees,
+    `kv_read_tokens` = cached positions whose K and V are streamed once."""
+    flops, params = matrix_params(cfg, logits_rows, tokens)
+    flops += 4.0 * cfg.num_heads * cfg.head_dim * attended * cfg.num_layers
+    kv_bytes = 2.0 * cfg.num_kv_heads * cfg.head_dim * kv_read_tokens * kv_itemsize * cfg.num_layers
+    return flops, params * weight_bytes_per_param + kv_bytes
+
+
+def time_prefill(engine, prompt_len: int, repeat: int = 3) -> float:
+    ids = [int(x) for x in np.random.default_rng(1).integers(100, engine.model_config.vocab_size - 100, prompt_len)]
+    return _best(lambda: engine.score(ids, prompt_len), repeat)
+
+
+def time_decode(engine, batch: int, context: int, steps: int = 8) -> float:
+    """Mean seconds of one decode step with `batch` sequences of about `context` cached tokens."""
+    from .sampling import SamplingParams
+    rng = np.random.default_rng(2)
+    V = engine.model_config.vocab_size
+    for i in range(batch):
+        engine.add_request(f"roofline-{i}", [int(x) for x in rng.integers(100, V - 100, context)],
+                           SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()                 # finish every prefill
+    engine.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = (time.perf_counter() - t) / steps
+    while engine.has_unfinished():
+        engine.step()
+    return dt
+
+
+def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
+    cfg = engine.model_config
+    be = engine.backend
+    if be.name == "cuda":
+        import cupy
+        ceil = measure_ceilings(cupy, cupy.cuda.runtime.deviceSynchronize, copy_mib=1024, gemm_n=8192)
+    else:
+        ceil = measure_ceilings()
+    bpp = 1.0 + 4.0 / cfg.hidden_size if cfg.quant == "int8" else float(be.weight_dtype(cfg.dtype).itemsize)
+    kv_item = be.kv_dtype(cfg.dtype).itemsize
+    rows = []
+    t = time_prefill(engine, prompt_len)
+    f, b = phase_counts(cfg, prompt_len, 1, prompt_len * (prompt_len + 1) // 2, prompt_len, bpp, kv_item)
+    rows.append(("prefill", 1, prompt_len, t, f, b))
+    for B in batches:
+        t = time_decode(engine, B, context)
+        f, b = phase_counts(cfg, B, B, B * (context + 1), B * (context + 1), bpp, kv_item)
+        rows.append(("decode", B, B, t, f, b))
+    ridge = ceil["gemm_GFLOPs"] / ceil["copy_GBps"]
+    out = {"ceilings": ceil, "ridge_flops_per_byte": ridge, "phases": []}
+    for phase, B, tokens, t, f, b in rows:
+        ai = f / b
+        out["phases"].append({
+            "phase": phase, "batch": B, "tokens": tokens, "step_s": t, "tokens_per_s": tokens / t,
+            "GFLOPs": f / t / 1e9, "GBps": b / t / 1e9, "flops_per_byte": ai,
+            "bound": "compute" if ai > ridge else "memory",
+            "pct_of_compute_ceiling": 100 * f / t / 1e9 / ceil["gemm_GFLOPs"],
+            "pct_of_memory_ceiling": 100 * b / t / 1e9 / ceil["copy_GBps"]})
+    return out
+
+
+def print_report(r: dict) -> None:
+    c = r["ceilings"]
+    print(f"ceilings: copy {c['copy_GBps']:.1f} GB/s, float32 GEMM {c['gemm_GFLOPs']:.1f} GFLOP/s "
+          f"(ridge {r['ridge_flops_per_byte']:.1f} FLOP/byte)")
+    print(f"{'phase':8} {'batch':>5} {'tokens/s':>10} {'GFLOP/s':>9} {'% peak':>7} {'GB/s':>7} {'% peak':>7} "
+          f"{'FLOP/B':>7}  bound")
+    for p in r["phases"]:
+        print(f"{p['phase']:8} {p['batch']:>5} {p['tokens_per_s']:>10.1f} {p['GFLOPs']:>9.1f} "
+              f"{p['pct_of_compute_ceiling']:>6.0f}% {p['GBps']:>7.1f} {p['pct_of_memory_ceiling']:>6.0f}% "
+              f"{p['flops_per_byte']:>7.1f}  {p['bound']}")
+
+
+def cmd_roofline(args) -> int:
+    from .cli import engine_config_from_args
+    from .engine import LLMEngine
+    engine = LLMEngine(args.model, engine_config_from_args(args))
+    r = report(engine, args.prompt_len, args.batch, args.context)
+    print_report(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+def add_parser(bsub) -> None:
+    from .cli import add_engine_args
+    p = bsub.add_parser("roofline", help="machine ceilings vs achieved prefill/decode FLOP/s and bytes/s")
+    p.add_argument("--prompt-len", type=int, default=500, help="prefill length (default 500)")
+    p.add_argument("--batch", type=int, action="append", default=None,
+                   help="decode batch size (repeatable; default 1 and 64)")
+    p.add_argument("--context", type=int, default=128, help="cached tokens per decoding sequence (default 128)")
+    p.add_argument("--json", default=None, metavar="PATH")
+    add_engine_args(p)
+    p.set_defaults(func=lambda a: cmd_roofline(_defaults(a)))
+
+
+def _defaults(args):
+    if not args.batch:
+        args.batch = [1, 64]
+    return args

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Side-by-side CPU comparison on SmolLM2-135M-Instruct: rawinfer vs llama.cpp vs transformers.
+
+Workloads (measured one after the other, each engine in its own process, 2 threads each):
+  decode   single-stream greedy decode of 128 tokens              peer: llama.cpp (llama-cpp-python), same GGUF
+  prefill  one 500-token prompt, logits of the last position       peer: transformers (torch, float32)
+  batch64  64 requests, 128 prompt + 128 output tokens, ignore EOS peer: transformers generate, left-padded batch
+
+Peers are optional: give a Python that has them with --peer-python (llama_cpp and/or torch +
+transformers + gguf installed there); a missing peer prints "n/a". rawinfer runs in this Python.
+
+    python tools/compare_cpu.py --peer-python /path/to/peers/bin/python [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+# ---- the measurement scripts (run in a fresh interpreter each) ----------------------------------
+RAWINFER = r'''
+import json, sys, time, numpy as np
+from rawinfer import LLMEngine, SamplingParams
+from rawinfer.llm import LLM
+model, workload, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+prompt = sys.argv[4]
+llm = LLM(model, device="cpu", num_threads=threads, kv_cache_memory="2GiB", max_num_batched_tokens=2048,
+          max_num_seqs=64)
+V = llm.engine.model_config.vocab_size
+rng = np.random.default_rng(0)
+warm = llm.generate([[100, 200, 300]] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+if workload == "decode":
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    r = llm.generate([text], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    m = r.metrics
+    value = (m.generated_tokens - 1) / (m.finished_time - m.first_token_time)
+elif workload == "prefill":
+    ids = [int(x) for x in rng.integers(100, V - 100, 500)]
+    best = 1e9
+    for i in range(3):
+        r = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+        best = min(best, r.metrics.ttft_s)
+        llm.engine.block_manager.reset_prefix_cache()
+    value = 500 / best
+else:
+    prompts = [[int(x) for x in rng.integers(100, V - 100, 128)] for _ in range(64)]
+    t = time.perf_counter()
+    res = llm.generate(prompts, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)
+    value = sum(len(r.token_ids) for r in res) / (time.perf_counter() - t)
+print(json.dumps({"value": value}))
+'''
+
+LLAMA_CPP = r'''
+import json, sys, time
+from llama_cpp import Llama
+gguf, threads, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+msgs = "<|im_start|>user\n" + prompt + "<|im_end|>\n<|im_start|>assistant\n"
+toks = llm.tokenize(msgs.encode(), add_bos=False, special=True)
+best = 0.0
+for rep in range(2):
+    llm.reset()
+    times = []
+    for i, tok in enumerate(llm.generate(toks, top_k=1, top_p=1.0, temp=0.0, reset=True)):
+        times.append(time.perf_counter())
+        if len(times) == 128:
+            break
+    best = max(best, 127 / (times[-1] - times[0]))
+print(json.dumps({"value": best}))
+'''
+
+TRANSFORMERS = r'''
+import json, sys, time, os
+import numpy as np, torch
+from transformers import AutoModelForCausalLM
+gguf, workload, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.set_num_threads(threads)
+model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                             torch_dtype=torch.float32)
+model.eval()
+V = model.config.vocab_size
+rng = np.random.default_rng(0)
+with torch.inference_mode():
+    if workload == "prefill":
+        ids = torch.tensor([rng.integers(100, V - 100, 500)])
+        model(ids[:, :16], logits_to_keep=1)
+        best = 1e9
+        for _ in range(3):
+            t = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            best = min(best, time.perf_counter() - t)
+        value = 500 / best
+    else:
+        ids = torch.tensor(rng.integers(100, V - 100, (64, 128)))
+        mask = torch.ones_like(ids)   # equal lengths: the left padding is empty
+        model.generate(ids[:2, :8], attention_mask=mask[:2, :8], max_new_tokens=2, do_sample=False)
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=128, min_new_tokens=128, do_sample=False,
+                             pad_token_id=model.config.eos_token_id)
+        value = (out.shape[1] - 128) * 64 / (time.perf_counter() - t)
+print(json.dumps({"value": value}))
+'''
+
+
+def run_script(python: str, script: str, *args: str, timeout: float = 1800) -> float | None:
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(script)
+    try:
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        r = subprocess.run([python, f.name, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    finally:
+        os.unlink(f.name)
+    if r.returncode != 0:
+        print(f"  (failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})",
+              file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])["value"]
+
+
+def has_module(python: str, *mods: str) -> bool:
+    code = "import importlib.util, sys; sys.exit(0 if all(importlib.util.find_spec(m) for m in sys.argv[1:]) else 1)"
+    return subprocess.run([python, "-c", code, *mods], capture_output=True).returncode == 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=os.path.join(ROOT, "weights", "smollm2-135m-instruct"),
+                    help="float32 rawinfer model")
+    ap.add_argument("--int8-model", default=os.path.join(ROOT, "weights", "smollm2-135m-instruct-int8"),
+                    help="int8 rawinfer model (converted with --quant int8 when missing)")
+    ap.add_argument("--gguf", default=os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser(
+        "~/.cache/rawinfer")), GGUF_NAME), help="the GGUF the peers load")
+    ap.add_argument("--peer-python", default=sys.executable, help="Python with llama_cpp / torch+transformers")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    if not os.path.isfile(os.path.join(args.int8_model, "config.json")):
+        from rawinfer.convert import convert
+        print(f"converting {args.gguf} -> {args.int8_model} (int8)", file=sys.stderr)
+        convert(args.gguf, args.int8_model, quant="int8", progress=False)
+    th = str(args.threads)
+    have_llama = has_module(args.peer_python, "llama_cpp")
+    have_hf = has_module(args.peer_python, "torch", "transformers", "gguf")
+    rows = []
+
+    def measure(workload, peer_name, peer):
+        print(f"[{workload}] rawinfer float32 ...", file=sys.stderr)
+        f32 = run_script(sys.executable, RAWINFER, args.model, workload, th, PROMPT)
+        print(f"[{workload}] rawinfer int8 ...", file=sys.stderr)
+        i8 = run_script(sys.executable, RAWINFER, args.int8_model, workload, th, PROMPT)
+        print(f"[{workload}] {peer_name} ...", file=sys.stderr)
+        p = peer()
+        rows.append({"workload": workload, "rawinfer_float32": f32, "rawinfer_int8": i8, "peer": peer_name,
+                     "peer_value": p})
+
+    measure("decode", "llama.cpp", lambda: run_script(args.peer_python, LLAMA_CPP, args.gguf, th, PROMPT)
+            if have_llama else None)
+    measure("prefill", "transformers", lambda: run_script(args.peer_python, TRANSFORMERS, args.gguf, "prefill", th)
+            if have_hf else None)
+    measure("batch64", "transformers", lambda: run_script(args.peer_python, TRANSFORMERS, args.gguf, "batch64", th)
+            if have_hf else None)
+
+    targets = {"decode": 1.0, "prefill": 1.5, "batch64": 3.0}
+    units = {"decode": "decode tokens/s", "prefill": "prefill tokens/s", "batch64": "output tokens/s"}
+    fmt = (lambda v: "n/a" if v is None else f"{v:.1f}")
+    print(f"\n{'workload':9} {'metric':17} {'rawinfer f32':>12} {'rawinfer int8':>13} {'peer':>13} {'value':>8} "
+          f"{'best ratio':>10} {'target':>7}  met")
+    for r in rows:
+        best = max(v for v in (r["rawinfer_float32"], r["rawinfer_int8"], 0.0) if v is not None)
+        ratio = best / r["peer_value"] if r["peer_value"] else None
+        r["ratio"], r["target"] = ratio, targets[r["workload"]]
+        r["met"] = None if ratio is None else ratio >= r["target"]
+        print(f"{r['workload']:9} {units[r['workload']]:17} {fmt(r['rawinfer_float32']):>12} "
+              f"{fmt(r['rawinfer_int8']):>13} {r['peer']:>13} {fmt(r['peer_value']):>8} "
+              f"{'n/a' if ratio is None else f'{ratio:.2f}x':>10} {r['target']:>6.1f}x  "
+              f"{'n/a' if r['met'] is None else ('yes' if r['met'] else 'NO')}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
