@@ -160,6 +160,13 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
 
 
 @nb.njit(**_JIT)
+def take_rows_kernel(x, indices, out):
+    # out[B, C] = x[indices[B]]   (np.take with out= buffers through a slow path; this is a plain copy)
+    for b in range(indices.shape[0]):
+        out[b, :] = x[indices[b], :]
+
+
+@nb.njit(**_JIT)
 def copy_blocks_kernel(cache, src, dst):
     # cache[NB, Hkv, BS, D]: block dst[i] <- block src[i]
     for i in range(src.shape[0]):
