@@ -27,7 +27,6 @@ from rawinfer.config import DTYPES, FORMAT_NAME, FORMAT_VERSION, ModelConfig
 from rawinfer.quant import QUANT_TYPES, SCALE_SUFFIX, is_quantized, quantize_int8
 
 from .errors import ConversionError, ConversionWarning
-from .gguf_source import GGUFSource
 from .hf import HFReader
 from .layout import CheckpointReader, TensorSpec, fuse, tensor_plan
 from .writer import SAFETENSORS_DTYPES, StoredTensor, check_destination, staged_folder, write_json, \
@@ -50,6 +49,7 @@ def open_source(src: str) -> CheckpointReader:
     except OSError as e:
         raise ConversionError(f"cannot read {src!r} ({e}); check the path and its permissions") from e
     if magic == b"GGUF":
+        from .gguf_source import GGUFSource   # lazy: the `gguf` package is only needed for GGUF sources
         return GGUFSource(src)
     hint = (" (for a Hugging Face checkpoint give the folder that holds config.json, not the weights file)"
             if src.endswith(".safetensors") else "")

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-from tqdm import tqdm
 
 from .errors import ConversionError
 
@@ -104,6 +103,7 @@ def safetensors_header(tensors: list[StoredTensor], metadata: dict[str, str]) ->
 def write_safetensors(path: str, tensors: list[StoredTensor], produce: Callable[[StoredTensor], np.ndarray],
                       metadata: dict[str, str], progress: bool) -> None:
     """Write `tensors` to path, asking `produce` for each array in turn (already in its storage dtype)."""
+    from tqdm import tqdm   # lazy: a GPU machine may run converted models without tqdm installed
     total = sum(t.nbytes for t in tensors)
     with open(path, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="converting",
                                      disable=None if progress else True, leave=False) as bar:

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# gpu_check.sh OUTDIR: everything a GPU machine can tell us, in one run of under 5 minutes.
+#
+# For a machine with a GPU, no network and only its own Python packages (cupy-cuda12x/13x, numpy,
+# numba, safetensors, tokenizers, msgpack, pyzmq, pytest, jinja2, ml_dtypes): run from the source tree,
+#
+#     tools/gpu_check.sh /tmp/gpu-out          (PYTHON=/path/to/python3 to pick the interpreter)
+#
+# 1. nvidia-smi summary and package versions      -> OUTDIR/nvidia-smi.txt, OUTDIR/versions.txt
+# 2. the GPU test suite: pytest -m gpu tests/test_gpu.py -> OUTDIR/gpu-tests.log, gpu-tests.xml
+# 3. tools/gpu_bench.py (Llama-3-8B-shaped, bf16)  -> OUTDIR/bench.log, bench.json, bench-table.txt
+# and prints a short summary last.  Exit status: 0 when the tests passed and the benchmark ran.
+set -uo pipefail
+
+out=${1:?usage: tools/gpu_check.sh OUTDIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+{ nvidia-smi; echo; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv; } \
+  > "$out/nvidia-smi.txt" 2>&1
+gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
+"$py" - > "$out/versions.txt" 2>&1 <<'EOF'
+import platform, numpy
+print("python", platform.python_version(), "numpy", numpy.__version__)
+try:
+    import cupy
+    print("cupy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(),
+          "driver", cupy.cuda.runtime.driverGetVersion())
+except Exception as e:
+    print("cupy unavailable:", e)
+from rawinfer.backend.cuda import cuda_status
+print("rawinfer cuda_status:", cuda_status())
+EOF
+
+echo "[gpu_check] running the GPU tests (log: $out/gpu-tests.log)"
+timeout 170 "$py" -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider \
+  --junitxml="$out/gpu-tests.xml" > "$out/gpu-tests.log" 2>&1
+tests_rc=$?
+
+echo "[gpu_check] running the benchmark (log: $out/bench.log)"
+timeout 120 "$py" tools/gpu_bench.py --out "$out" > "$out/bench.log" 2>&1
+bench_rc=$?
+
+echo
+echo "==================== rawinfer gpu_check $(date -u +%Y-%m-%dT%H:%MZ) ===================="
+echo "GPU:       ${gpu:-nvidia-smi failed}"
+echo "versions:  $(tr '\n' ' ' < "$out/versions.txt")"
+echo "GPU tests: $(grep -E '(passed|failed|error|skipped)' "$out/gpu-tests.log" | tail -1) (exit $tests_rc)"
+if [ "$tests_rc" -ne 0 ]; then
+  grep -E '^(FAILED|ERROR)' "$out/gpu-tests.log" | head -20
+fi
+echo "benchmark: exit $bench_rc"
+if [ -f "$out/bench-table.txt" ]; then cat "$out/bench-table.txt"; else tail -15 "$out/bench.log"; fi
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
