@@ -76,28 +76,37 @@ class LlamaModel:
         if T > self.pool.max_tokens:
             raise ValueError(f"batch of {T} tokens exceeds the workspace ({self.pool.max_tokens} tokens)")
         eps = cfg.rms_norm_eps
-        h, res, x = ws.hidden[:T], ws.residual[:T], ws.normed[:T]
-        qkv, attn, gu, act = ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T]
-
+        res, x = ws.residual[:T], ws.normed[:T]
         be.embedding(batch.token_ids, self.embed, res)   # the residual stream starts as the embeddings
         for i, L in enumerate(self.layers):
-            if i == 0:
-                be.rmsnorm(res, L["input_norm"], eps, x)
+            if T <= be.fused_max_tokens:                  # small decode batches: one call per layer
+                be.decoder_layer(i == 0, L, ws, T, batch, kv.k[i], kv.v[i], self.cos_sin, eps, self.scale,
+                                 cfg.num_heads, cfg.num_kv_heads)
             else:
-                be.add_rmsnorm(h, res, L["input_norm"], eps, x)
-            be.linear(x, L["qkv_proj"], qkv, bias=L["qkv_bias"], scratch=self.scratch)
-            be.rope(qkv, batch.positions, self.cos_sin, cfg.num_heads, cfg.num_kv_heads)
-            be.kv_write(qkv, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
-            be.paged_attention(qkv, kv.k[i], kv.v[i], batch.block_tables, batch.context_lens,
-                               batch.query_start_loc, self.scale, attn, batch.max_query_len,
-                               batch.max_context_len)
-            be.linear(attn, L["o_proj"], h, scratch=self.scratch)
-            be.add_rmsnorm(h, res, L["post_attn_norm"], eps, x)
-            be.linear(x, L["gate_up_proj"], gu, scratch=self.scratch)
-            be.silu_mul(gu, act)
-            be.linear(act, L["down_proj"], h, scratch=self.scratch)
-        be.add_rmsnorm(h, res, self.final_norm, eps, x)
+                self._layer(i, L, batch, T)
+        be.add_rmsnorm(ws.hidden[:T], res, self.final_norm, eps, x)
         return x
+
+    def _layer(self, i: int, L: dict, batch: FlatBatch, T: int) -> None:
+        """One decoder layer, op by op, over the workspace rows [:T]."""
+        cfg, be, ws, kv = self.cfg, self.backend, self.pool.workspace, self.pool.kv
+        eps = cfg.rms_norm_eps
+        h, res, x = ws.hidden[:T], ws.residual[:T], ws.normed[:T]
+        qkv, attn, gu, act = ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T]
+        if i == 0:
+            be.rmsnorm(res, L["input_norm"], eps, x)
+        else:
+            be.add_rmsnorm(h, res, L["input_norm"], eps, x)
+        be.linear(x, L["qkv_proj"], qkv, bias=L["qkv_bias"], scratch=self.scratch)
+        be.rope(qkv, batch.positions, self.cos_sin, cfg.num_heads, cfg.num_kv_heads)
+        be.kv_write(qkv, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
+        be.paged_attention(qkv, kv.k[i], kv.v[i], batch.block_tables, batch.context_lens,
+                           batch.query_start_loc, self.scale, attn, batch.max_query_len, batch.max_context_len)
+        be.linear(attn, L["o_proj"], h, scratch=self.scratch)
+        be.add_rmsnorm(h, res, L["post_attn_norm"], eps, x)
+        be.linear(x, L["gate_up_proj"], gu, scratch=self.scratch)
+        be.silu_mul(gu, act)
+        be.linear(act, L["down_proj"], h, scratch=self.scratch)
 
     def compute_logits(self, indices):
         """LM head over rows `indices` [S] of the last forward_hidden -> logits view [S, V] float32."""

@@ -123,6 +123,16 @@ class Backend(ABC):
     def take_rows(self, x, indices, out) -> None:
         """out[B, C] = x[T, C][indices[B]]."""
 
+    # ---- optional fused path ------------------------------------------------------------------
+    fused_max_tokens: int = 0   # batches of at most this many tokens may use decoder_layer()
+
+    def decoder_layer(self, first: bool, weights: dict, ws, T: int, batch, k_cache, v_cache, cos_sin,
+                      eps: float, scale: float, num_heads: int, num_kv_heads: int) -> None:
+        """Optional: one whole decoder layer (the same ops as model.py's per-op path, in the same order,
+        over the workspace `ws` rows [:T]) in one call, for small decode batches where per-op dispatch
+        costs more than the work. Only called when T <= fused_max_tokens."""
+        raise NotImplementedError
+
     def argmax(self, logits) -> np.ndarray:
         """Host int64[B]: the index of the largest logit of each row (first one on ties)."""
         return np.argmax(self.to_host(logits), axis=-1)

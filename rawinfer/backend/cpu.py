@@ -7,6 +7,7 @@ import numpy as np
 from ..quant import Int8Weight
 from . import cpu_kernels as K
 from .base import Backend
+from .cpu_fused import NO_SCALE, decoder_layer_kernel
 
 ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
 INT8_GEMV_MAX_ROWS = 4  # int8 matmul: up to this many rows, dot products straight from int8 weights;
@@ -33,9 +34,17 @@ def _check(name: str, x, shape: tuple | None = None, dtype=None, contiguous: boo
         raise ValueError(f"{name} must be C-contiguous")
 
 
+def _unpack(w):
+    """(rows, per-row scales) of a weight: int8 + scales, or float rows + an empty scale array."""
+    if isinstance(w, Int8Weight):
+        return w.q, w.scale
+    return w, NO_SCALE
+
+
 class CPUBackend(Backend):
     name = "cpu"
     xp = np
+    fused_max_tokens = INT8_GEMV_MAX_ROWS
 
     def __init__(self, num_threads: int | None = None):
         if num_threads is not None:
@@ -92,7 +101,7 @@ class CPUBackend(Backend):
     def _linear_int8(self, x, w: Int8Weight, out, scratch) -> None:
         T, (N, Kd) = x.shape[0], w.shape
         if T <= INT8_GEMV_MAX_ROWS or scratch is None:
-            K.int8_matmul_kernel(x, w.q, w.scale, out)
+            K.rows_matmul_kernel(x, w.q, w.scale, out)
             return
         tile = max(1, min(N, scratch.size // Kd))        # rows of W dequantized per BLAS call
         for n0 in range(0, N, tile):
@@ -134,9 +143,27 @@ class CPUBackend(Backend):
         _check("block_tables", block_tables, (B, None), np.int32)
         _check("context_lens", context_lens, (B,), np.int32)
         _check("query_start_loc", query_start_loc, (B + 1,), np.int32)
-        seqs, q0, q1 = K.attention_work_items(query_start_loc, ATTN_QUERY_TILE)
+        seqs, q0, q1 = K.attention_work_items(query_start_loc, ATTN_QUERY_TILE)   # [W] each
         K.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
                                  query_start_loc, seqs, q0, q1, np.float32(scale), H, out)
+
+    def decoder_layer(self, first, weights, ws, T, batch, k_cache, v_cache, cos_sin, eps, scale,
+                      num_heads, num_kv_heads) -> None:
+        if T > self.fused_max_tokens:
+            raise ValueError(f"decoder_layer takes at most {self.fused_max_tokens} tokens, got {T}")
+        for name in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc"):
+            _check(name, getattr(batch, name), None, np.int32)
+        w_qkv, s_qkv = _unpack(weights["qkv_proj"])
+        w_o, s_o = _unpack(weights["o_proj"])
+        w_gu, s_gu = _unpack(weights["gate_up_proj"])
+        w_down, s_down = _unpack(weights["down_proj"])
+        bias = weights["qkv_bias"] if weights["qkv_bias"] is not None else NO_SCALE
+        decoder_layer_kernel(
+            first, ws.hidden[:T], ws.residual[:T], ws.normed[:T], ws.qkv[:T], ws.attn[:T], ws.gate_up[:T],
+            ws.act[:T], weights["input_norm"], w_qkv, s_qkv, bias, w_o, s_o, weights["post_attn_norm"],
+            w_gu, s_gu, w_down, s_down, batch.positions, batch.slot_mapping, batch.block_tables,
+            batch.context_lens, batch.query_start_loc, k_cache, v_cache, cos_sin, np.float32(eps),
+            np.float32(scale), num_heads, num_kv_heads, ATTN_QUERY_TILE)
 
     def copy_blocks(self, k_caches, v_caches, pairs) -> None:
         if not pairs:

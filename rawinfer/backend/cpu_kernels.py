@@ -173,16 +173,24 @@ def copy_blocks_kernel(cache, src, dst):
         cache[dst[i]] = cache[src[i]]
 
 
-def attention_work_items(query_start_loc: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@nb.njit(**_JIT)
+def attention_work_items(query_start_loc, tile):
     """Split each sequence's queries into tiles of at most `tile` rows -> (seq[W], q0[W], q1[W]) int32."""
-    seqs, q0s, q1s = [], [], []
-    for b in range(len(query_start_loc) - 1):
-        s, e = int(query_start_loc[b]), int(query_start_loc[b + 1])
-        for a in range(s, e, tile):
-            seqs.append(b)
-            q0s.append(a)
-            q1s.append(min(a + tile, e))
-    return (np.asarray(seqs, np.int32), np.asarray(q0s, np.int32), np.asarray(q1s, np.int32))
+    B = query_start_loc.shape[0] - 1
+    W = 0
+    for b in range(B):
+        W += (query_start_loc[b + 1] - query_start_loc[b] + tile - 1) // tile
+    seqs = np.empty(W, np.int32)
+    q0s = np.empty(W, np.int32)
+    q1s = np.empty(W, np.int32)
+    w = 0
+    for b in range(B):
+        for a in range(query_start_loc[b], query_start_loc[b + 1], tile):
+            seqs[w] = b
+            q0s[w] = a
+            q1s[w] = min(a + tile, query_start_loc[b + 1])
+            w += 1
+    return seqs, q0s, q1s
 
 
 
@@ -200,16 +208,18 @@ _FAST = dict(cache=True, fastmath=True)   # fastmath: lets LLVM vectorize the do
 
 
 @nb.njit(parallel=True, **_FAST)
-def int8_matmul_kernel(x, q, scale, out):
-    # out[T, N] = (x[T, K] @ q[N, K]^T) * scale[N]; each thread streams a contiguous range of rows of q
+def rows_matmul_kernel(x, w, scale, out):
+    # out[T, N] = (x[T, K] @ w[N, K]^T) * scale[N] for a few rows T: each thread streams a contiguous
+    # range of rows of w (int8, or float32 with scale empty = no scaling) once, for every row of x.
     T, K = x.shape
-    N = q.shape[0]
+    N = w.shape[0]
+    scaled = scale.shape[0] > 0
     for n in nb.prange(N):
-        s = scale[n]
+        s = scale[n] if scaled else np.float32(1.0)
         for t in range(T):
             acc = np.float32(0.0)
             for k in range(K):
-                acc += x[t, k] * np.float32(q[n, k])
+                acc += x[t, k] * np.float32(w[n, k])
             out[t, n] = acc * s
 
 

@@ -1,0 +1,62 @@
+"""One Numba call per decoder layer for small batches (decode): the CPU's answer to launch overhead.
+
+A decode step of one token does microseconds of work per op but pays Python and Numba dispatch for
+each of the ~11 ops of every layer (about 2 ms per step on SmolLM2's 30 layers, a fifth of the step).
+`decoder_layer_kernel` runs the same kernels as the per-op path, in the same order, from inside one
+compiled function: the serial builds for the elementwise ops (a few rows), the parallel builds for
+the matrix-vector products and attention. It reads and writes the same workspace buffers, so the
+results equal the per-op path up to float32 rounding of the row-matmul (fastmath reductions).
+
+    first layer:  x = rmsnorm(res)           other layers: res += h; x = rmsnorm(res)
+    qkv = x @ Wqkv^T (* scales) (+ bias); rope(q, k); kv_write(k, v)
+    attn = paged_attention(q, cache)
+    h = attn @ Wo^T;  res += h; x = rmsnorm(res)
+    h = (silu(x @ Wg^T) * (x @ Wu^T)) @ Wdown^T
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from . import cpu_kernels as K
+
+# Module-level names for the compiled builds, so the jitted function below can call them.
+_rmsnorm = K.rmsnorm_kernel.serial
+_add_rmsnorm = K.add_rmsnorm_kernel.serial
+_rope = K.rope_kernel.serial
+_silu_mul = K.silu_mul_kernel.serial
+_attention = K.paged_attention_kernel.parallel
+_kv_write = K.kv_write_kernel
+_matmul = K.rows_matmul_kernel
+_work_items = K.attention_work_items
+
+
+@nb.njit(cache=True)
+def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
+                         in_norm, w_qkv, s_qkv, b_qkv, w_o, s_o, post_norm, w_gu, s_gu, w_down, s_down,
+                         positions, slot_mapping, block_tables, context_lens, query_start_loc,
+                         k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads, query_tile):
+    # Shapes as in backend/base.py; s_* are per-row scales of int8 weights (empty for float weights),
+    # b_qkv is the QKV bias (empty when the model has none).
+    if first:
+        _rmsnorm(res, in_norm, eps, x)
+    else:
+        _add_rmsnorm(h, res, in_norm, eps, x)
+    _matmul(x, w_qkv, s_qkv, qkv)
+    if b_qkv.shape[0] > 0:
+        for t in range(qkv.shape[0]):
+            qkv[t] += b_qkv
+    _rope(qkv, positions, cos_sin, num_heads, num_kv_heads, cos_sin.shape[1])
+    _kv_write(qkv, k_cache, v_cache, slot_mapping, num_heads)
+    seqs, q0, q1 = _work_items(query_start_loc, query_tile)
+    _attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs, q0, q1,
+               scale, num_heads, attn)
+    _matmul(attn, w_o, s_o, h)
+    _add_rmsnorm(h, res, post_norm, eps, x)
+    _matmul(x, w_gu, s_gu, gu)
+    _silu_mul(gu, act)
+    _matmul(act, w_down, s_down, h)
+
+
+NO_SCALE = np.zeros(0, np.float32)
