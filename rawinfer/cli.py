@@ -28,7 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     if model:
         g.add_argument("--model", default=DEFAULT_MODEL, help="converted model folder (default: %(default)s)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default: auto)")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="memory for KV blocks, e.g. 2GiB (default: %(default)s)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="memory for KV blocks, e.g. 2GiB (default: 1GiB on the CPU; on CUDA what "
+                        "--gpu-memory-utilization of the free GPU memory leaves after weights and workspace)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=128, help="sequences in one step at most")
@@ -41,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
 
 def engine_config_from_args(args) -> EngineConfig:
     try:
-        kv = parse_size(args.kv_cache_memory)
+        kv = None if args.kv_cache_memory is None else parse_size(args.kv_cache_memory)
     except ValueError as e:
         raise CLIError(f"--kv-cache-memory: {e}") from None
     cfg = EngineConfig(block_size=args.block_size, kv_cache_memory=kv,

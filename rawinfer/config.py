@@ -184,7 +184,9 @@ class EngineConfig:
     """Knobs of one engine instance. Every field is validated by `validate()`."""
 
     block_size: int = 16                    # BS: tokens per KV block
-    kv_cache_memory: int = 512 * 1024**2    # bytes of the pool given to KV blocks
+    kv_cache_memory: int | None = None      # bytes of the pool given to KV blocks; None: 1 GiB on the
+                                            # CPU, on CUDA what gpu_memory_utilization x free device
+                                            # memory leaves after the weights and the workspace
     max_num_batched_tokens: int = 2048      # token budget of one step (also sizes the workspace)
     max_num_seqs: int = 128                 # sequences in one step at most
     max_model_len: int | None = None        # cap on prompt + output; defaults to the model's context
@@ -192,7 +194,7 @@ class EngineConfig:
     device: str = "cpu"                     # "auto" | "cpu" | "cuda"
     num_threads: int | None = None          # CPU backend threads (None: all cores)
     gpu_memory_utilization: float = 0.9     # CUDA: share of free device memory for the pool
-    use_cuda_graphs: bool = True            # CUDA: replay decode steps as CUDA graphs
+    use_cuda_graphs: bool = True            # CUDA: replay pure decode steps as captured CUDA graphs
     seed: int = 0                           # default seed for requests that set none
 
     def validate(self) -> "EngineConfig":
@@ -201,8 +203,9 @@ class EngineConfig:
         checks = [
             ("block_size", isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
              "an integer from 1 to 1024 (16 is the default)"),
-            ("kv_cache_memory", isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0,
-             "a positive size such as 2GiB"),
+            ("kv_cache_memory", self.kv_cache_memory is None
+             or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0),
+             "a positive size such as 2GiB, or None (sized automatically)"),
             ("max_num_batched_tokens", isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
              "a positive integer"),
             ("max_num_seqs", isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "a positive integer"),

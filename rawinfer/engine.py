@@ -88,6 +88,9 @@ class LLMEngine:
         self.model_config, self.config = cfg, ecfg
         self.max_model_len = min(ecfg.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.backend = get_backend(ecfg.device, ecfg.num_threads)
+        if cfg.quant is not None and self.backend.name == "cuda":
+            raise ValueError(f"{cfg.quant} weight-only models run on the CPU backend; convert without --quant "
+                             "for --device cuda (or run this model with --device cpu)")
         self.pool = MemoryPool(cfg, ecfg, self.backend)
         log.info("%s backend; %s", self.backend.name, self.pool.describe())
         self.block_manager = BlockManager(self.pool.kv.num_blocks, ecfg.block_size, ecfg.enable_prefix_caching)

@@ -4,9 +4,17 @@
     +-----------------------------+------------------------------+---------------------------------+
     | weights                     | workspace                    | KV blocks                       |
     | embed, per-layer tensors,   | activation buffers sized for | per layer: k_cache, v_cache     |
-    | final norm, lm head, RoPE   | max_num_batched_tokens rows  | each [NB, Hkv, BS, D]           |
-    | cos/sin table               | + logits rows                |                                 |
+    | final norm, lm head, RoPE   | max_num_batched_tokens rows  | each [NB (+1), Hkv, BS, D]      |
+    | cos/sin table               | + logits rows; on CUDA also  |                                 |
+    |                             | the decode split-K scratch   |                                 |
+    |                             | and the decode-graph inputs  |                                 |
     +-----------------------------+------------------------------+---------------------------------+
+
+Sizing.  The weights and the workspace have fixed sizes; the KV region gets `--kv-cache-memory` when
+it is given.  Otherwise: on the CPU 1 GiB; on a GPU the whole pool is gpu_memory_utilization x the
+free device memory at start (one cudaMalloc), and the KV region is what the weights and the workspace
+leave of it.  With CUDA graphs on, the KV region holds one block more than the block manager hands
+out: the padding block, which the padding rows of a decode graph write their K/V into.
 
 KV layout of one layer's k_cache (v_cache is the same):
 
@@ -34,6 +42,7 @@ from .config import EngineConfig, ModelConfig, ModelFormatError
 from .quant import SCALE_SUFFIX, is_quantized, quantize_int8
 
 ALIGN = 256
+CPU_KV_CACHE_BYTES = 1024**3        # the KV region on the CPU when --kv-cache-memory is not given
 
 
 def _align(n: int) -> int:
@@ -81,6 +90,51 @@ def dequant_scratch_size(cfg: ModelConfig) -> int:
     return max(min(s[0], DEQUANT_TILE_ROWS) * s[1] for s in weight_shapes(cfg).values() if len(s) == 2)
 
 
+def model_len(cfg: ModelConfig, ecfg: EngineConfig) -> int:
+    """The longest sequence (prompt + output) the engine allows."""
+    return min(ecfg.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+
+def max_blocks_per_seq(cfg: ModelConfig, ecfg: EngineConfig) -> int:
+    """MB: the most KV blocks one sequence can own (the width of a decode graph's block table)."""
+    return -(-model_len(cfg, ecfg) // ecfg.block_size)
+
+
+def max_graph_batch(ecfg: EngineConfig) -> int:
+    """The largest decode batch a CUDA graph is captured for (every decode batch fits in it)."""
+    return min(ecfg.max_num_seqs, ecfg.max_num_batched_tokens)
+
+
+def decode_input_words(batch: int, max_blocks: int) -> int:
+    """int32 words of one padded decode step's inputs for `batch` rows (model_runner.decode_layout):
+    five [B] fields, query_start_loc [B+1] and block_tables [B, MB]."""
+    return batch * (6 + max_blocks) + 1
+
+
+def uses_cuda_graphs(backend, ecfg: EngineConfig) -> bool:
+    """Whether decode steps replay captured graphs: asked for, and the backend can capture."""
+    return bool(ecfg.use_cuda_graphs) and bool(getattr(backend, "supports_graphs", False))
+
+
+def kv_region_bytes(ecfg: EngineConfig, fixed_bytes: int, free_device_bytes: int | None) -> tuple[int, str]:
+    """(bytes for the KV region, how they were chosen).  fixed_bytes: weights + workspace;
+    free_device_bytes: free GPU memory, or None on the CPU."""
+    mib = 1024**2
+    if ecfg.kv_cache_memory is not None:
+        return ecfg.kv_cache_memory, "--kv-cache-memory"
+    if free_device_bytes is None:
+        return CPU_KV_CACHE_BYTES, "the CPU default"
+    budget = int(float(ecfg.gpu_memory_utilization) * free_device_bytes)
+    if budget <= fixed_bytes:
+        raise ValueError(
+            f"the model's weights and workspace need {fixed_bytes / mib:.0f} MiB but gpu_memory_utilization "
+            f"{ecfg.gpu_memory_utilization} of the {free_device_bytes / mib:.0f} MiB free on the GPU is "
+            f"{budget / mib:.0f} MiB; raise --gpu-memory-utilization, lower --max-num-batched-tokens, or free "
+            "the GPU")
+    return budget - fixed_bytes, (f"gpu_memory_utilization {ecfg.gpu_memory_utilization} x "
+                                  f"{free_device_bytes / mib:.0f} MiB free")
+
+
 @dataclass
 class Workspace:
     """Activation buffers for up to T = max_num_batched_tokens rows and S logits rows."""
@@ -94,14 +148,17 @@ class Workspace:
     last: Any        # [S, C]  hidden rows that need logits
     logits: Any      # [S, V]  float32
     dequant: Any     # flat float32: int8 weight rows dequantized for a BLAS GEMM (empty unless quantized)
+    attention: Any = None      # flat uint8: split-K scratch of decode attention (backends that need one)
+    decode_inputs: Any = None  # flat int32: a decode graph's fixed inputs (when CUDA graphs are on)
 
 
 @dataclass
 class KVCache:
-    k: list[Any] = field(default_factory=list)   # L x [NB, Hkv, BS, D]
-    v: list[Any] = field(default_factory=list)   # L x [NB, Hkv, BS, D]
-    num_blocks: int = 0
+    k: list[Any] = field(default_factory=list)   # L x [NB (+1), Hkv, BS, D]
+    v: list[Any] = field(default_factory=list)   # L x [NB (+1), Hkv, BS, D]
+    num_blocks: int = 0                          # NB: the blocks the block manager hands out
     block_size: int = 16
+    padding_block: int | None = None             # block NB, written only by decode-graph padding rows
 
     @property
     def num_tokens(self) -> int:
@@ -130,23 +187,43 @@ class MemoryPool:
         self._int8_names = {n for n, _, d in self._weight_plan if d == np.int8}
         self._weight_plan.append(("rope_cos_sin", (cfg.max_position_embeddings, cfg.head_dim), np.float32))
         C, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        MB = max_blocks_per_seq(cfg, ecfg)
+        self.max_blocks_per_seq = MB
+        self.max_context_len = MB * ecfg.block_size   # the decode grid bound of a graph
+        self.uses_cuda_graphs = uses_cuda_graphs(backend, ecfg)
         ws_plan = [("hidden", (T, C), adt), ("residual", (T, C), np.float32), ("normed", (T, C), adt),
                    ("qkv", (T, cfg.qkv_size), adt), ("attn", (T, cfg.q_size), adt),
                    ("gate_up", (T, 2 * F), adt), ("act", (T, F), adt),
                    ("last", (S, C), adt), ("logits", (S, V), np.float32),
                    ("dequant", (dequant_scratch_size(cfg),), np.float32)]
+        if hasattr(backend, "attention_workspace_bytes"):
+            # every decode batch (B <= max_num_seqs, contexts <= MB * BS) fits: no allocation while serving
+            attn_bytes = backend.attention_workspace_bytes(ecfg.max_num_seqs, cfg.num_heads, cfg.head_dim,
+                                                           ecfg.block_size, self.max_context_len,
+                                                           np.dtype(kdt).itemsize, cfg.num_kv_heads)
+            ws_plan.append(("attention", (attn_bytes,), np.uint8))
+        if self.uses_cuda_graphs:
+            ws_plan.append(("decode_inputs", (decode_input_words(max_graph_batch(ecfg), MB),), np.int32))
         weight_bytes = sum(_align(int(np.prod(s)) * np.dtype(d).itemsize) for _, s, d in self._weight_plan)
         ws_bytes = sum(_align(int(np.prod(s)) * np.dtype(d).itemsize) for _, s, d in ws_plan)
+        free = None
         if kv_bytes is None:
-            kv_bytes = ecfg.kv_cache_memory
+            if getattr(backend, "on_gpu", False):
+                free = backend.device_memory_info()[0]
+            kv_bytes, self.kv_sizing = kv_region_bytes(ecfg, weight_bytes + ws_bytes, free)
+        else:
+            self.kv_sizing = "the caller"
         per_block = kv_bytes_per_block(cfg, ecfg.block_size, np.dtype(kdt).itemsize)
-        num_blocks = kv_bytes // per_block
+        spare = 1 if self.uses_cuda_graphs else 0
+        num_blocks = kv_bytes // per_block - spare
         if num_blocks < 1:
             raise ValueError(
-                f"--kv-cache-memory {kv_bytes} bytes holds no KV block (one block of {ecfg.block_size} tokens "
-                f"needs {per_block} bytes for this model); give it more, e.g. 1GiB")
+                f"the KV region ({kv_bytes} bytes, from {self.kv_sizing}) holds no KV block (one block of "
+                f"{ecfg.block_size} tokens needs {per_block} bytes for this model"
+                f"{', and CUDA graphs reserve one more' if spare else ''}); give --kv-cache-memory more, e.g. 1GiB")
         self.weight_bytes, self.workspace_bytes = weight_bytes, ws_bytes
-        self.kv_bytes = num_blocks * per_block
+        layer_bytes = _align((num_blocks + spare) * per_block // (2 * cfg.num_layers))   # one k or v tensor
+        self.kv_bytes = 2 * cfg.num_layers * layer_bytes
         self.total_bytes = weight_bytes + ws_bytes + self.kv_bytes
 
         # ---- allocate once and carve --------------------------------------------------------
@@ -161,13 +238,14 @@ class MemoryPool:
             bufs[name] = backend.carve(self.arena, off, shape, dt)
             off += _align(int(np.prod(shape)) * np.dtype(dt).itemsize)
         self.workspace = Workspace(**bufs)
-        self.kv = KVCache(num_blocks=num_blocks, block_size=ecfg.block_size)
-        kv_shape = (num_blocks, cfg.num_kv_heads, ecfg.block_size, cfg.head_dim)
+        self.kv = KVCache(num_blocks=num_blocks, block_size=ecfg.block_size,
+                          padding_block=num_blocks if spare else None)
+        kv_shape = (num_blocks + spare, cfg.num_kv_heads, ecfg.block_size, cfg.head_dim)
         for _ in range(cfg.num_layers):
             for lst in (self.kv.k, self.kv.v):
                 lst.append(backend.carve(self.arena, off, kv_shape, kdt))
                 off += _align(int(np.prod(kv_shape)) * np.dtype(kdt).itemsize)
-        assert off <= self.total_bytes + ALIGN * (len(self._weight_plan) + 64)
+        assert off == self.total_bytes
         backend.upload(self.weights["rope_cos_sin"], rope_cos_sin(cfg))
 
     # ---- weights ---------------------------------------------------------------------------
@@ -218,9 +296,13 @@ class MemoryPool:
 
     def describe(self) -> str:
         mib = 1024**2
+        attn = self.workspace.attention
+        extra = f", {attn.nbytes / mib:.0f} MiB of it decode attention scratch" if attn is not None else ""
+        spare = " + 1 padding block for CUDA graphs" if self.kv.padding_block is not None else ""
         return (f"memory pool: {self.total_bytes / mib:.0f} MiB = weights {self.weight_bytes / mib:.0f} MiB + "
-                f"workspace {self.workspace_bytes / mib:.0f} MiB + KV {self.kv_bytes / mib:.0f} MiB "
-                f"({self.kv.num_blocks} blocks x {self.kv.block_size} tokens = {self.kv.num_tokens} tokens of KV)")
+                f"workspace {self.workspace_bytes / mib:.0f} MiB{extra} + KV {self.kv_bytes / mib:.0f} MiB "
+                f"sized by {self.kv_sizing} ({self.kv.num_blocks} blocks x {self.kv.block_size} tokens = "
+                f"{self.kv.num_tokens} tokens of KV{spare})")
 
 
 def read_safetensors_header(path: str) -> dict[str, dict]:

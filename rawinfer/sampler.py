@@ -5,6 +5,14 @@ rule: a positive logit is divided by the penalty, a negative one multiplied), th
 temperature -> top-k -> top-p -> min-p -> a draw from the sequence's own random generator. Every
 sequence owns its generator (seeded from the request's seed and the sample index), so a sequence's
 draws do not depend on what else is in the batch: same seed, same output.
+
+Where the rows are transformed.  Plain greedy rows: one device argmax, no logits copy.  On a backend
+with a device sampler (`backend.sample`, CUDA: cuda/sampling.cu applies the same rule, top-k, then
+top-p, then min-p, then the inverse CDF at u) the rows without a repetition penalty are drawn on the
+device with u = one draw of the sequence's generator, exactly what the host path consumes, so seeds
+stay batch-invariant and a row picks the same token on either path except where float32 rounding
+decides a boundary.  Rows with a repetition penalty, and every non-greedy row on a backend without a
+device sampler (the CPU), are copied to the host and sampled by `sample_row`.
 """
 
 from __future__ import annotations
@@ -63,28 +71,66 @@ def sample_row(row: np.ndarray, p: SamplingParams, history, rng: np.random.Gener
     return int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))
 
 
+# The largest float32 below 1: a float64 draw in [0, 1) may round up to 1.0 in float32.
+_BELOW_ONE = np.float32(1.0) - np.float32(2.0**-24)
+
+
+def device_sampling_arrays(params: list[SamplingParams], rows: list[int], rngs: list,
+                           vocab: int) -> tuple[np.ndarray, ...]:
+    """(temperature, top_k, top_p, min_p, uniform) host arrays [S] for a device sampler: the rows in
+    `rows` get their parameters and one draw u of their generator; every other row is greedy
+    (temperature 0, no draw)."""
+    S = len(params)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    min_p = np.zeros(S, np.float32)
+    uniform = np.zeros(S, np.float32)
+    for i in rows:
+        p = params[i]
+        temperature[i] = p.temperature
+        top_k[i] = min(p.top_k, vocab)      # 0 or >= V keeps every token, on both paths
+        top_p[i] = p.top_p
+        min_p[i] = p.min_p
+        uniform[i] = min(np.float32(rngs[i].random()), _BELOW_ONE)
+    return temperature, top_k, top_p, min_p, uniform
+
+
 class Sampler:
     def __init__(self, backend):
         self.backend = backend
+        self._device_sample = getattr(backend, "sample", None)   # CUDA: cuda/sampling.cu; CPU: none
 
     def sample(self, logits, params: list[SamplingParams], histories: list, rngs: list) -> list[int]:
         """logits: device [S, V]; one (params, token history, generator) per row -> S token ids.
 
-        Plain greedy rows are reduced on the device (one argmax over the batch, no logits copy);
-        the other rows are copied to the host and transformed there."""
+        Plain greedy rows are reduced on the device (no logits copy); so are sampled rows without a
+        repetition penalty where the backend has a device sampler; the other rows are copied to the
+        host and transformed there."""
         S = len(params)
         if S == 0:
             return []
         plain = [p.greedy and p.repetition_penalty == 1.0 for p in params]
+        drawn = [i for i, p in enumerate(params) if not p.greedy and p.repetition_penalty == 1.0]
+        on_device = plain[:]
         out = [0] * S
-        if any(plain):
+        if drawn and self._device_sample is not None:
+            # one launch for every row without a penalty: greedy rows ride along as temperature 0
+            arrays = device_sampling_arrays(params, drawn, rngs, int(logits.shape[1]))
+            ids = self._device_sample(logits, *arrays)
+            for i in drawn:
+                on_device[i] = True
+            for i in range(S):
+                if on_device[i]:
+                    out[i] = int(ids[i])
+        elif any(plain):
             best = self.backend.argmax(logits)
             for i in range(S):
                 if plain[i]:
                     out[i] = int(best[i])
-        if not all(plain):
+        if not all(on_device):
             host = self.backend.to_host(logits)
             for i in range(S):
-                if not plain[i]:
+                if not on_device[i]:
                     out[i] = sample_row(host[i], params[i], histories[i], rngs[i])
         return out

@@ -1,9 +1,11 @@
 """GPU suite (marker `gpu`): every CUDA kernel on the device against its NumPy reference, the cuBLAS
-GEMM convention, the pool's bf16 round trip, CUDA graph replay, and the whole model on the GPU:
-the tiny checkpoints against their reference logits and the CUDA backend against the CPU backend on
-a randomly initialised model of about 250 million parameters.
+GEMM convention, the pool's bf16 round trip and its sizing from free memory, CUDA graph replay (of
+a hand-written step and of the model runner's decode graphs), the device sampler's batch-invariant
+seeds, the refusal of int8 models, and the whole model on the GPU: the tiny checkpoints against their
+reference logits and the CUDA backend against the CPU backend on a randomly initialised model of
+about 250 million parameters.
 
-Skipped, module-wide, wherever no usable GPU is present (see rawinfer.backend.cuda.cuda_status).
+Skipped, module-wide, wherever no usable GPU is present (see rawinfer.backend.cuda_runtime.cuda_status).
 tools/gpu_check.sh runs it on a GPU machine:  python -m pytest -m gpu tests/test_gpu.py
 """
 
@@ -14,7 +16,7 @@ import os
 import numpy as np
 import pytest
 
-from rawinfer.backend.cuda import cuda_status
+from rawinfer.backend.cuda_runtime import cuda_status
 
 USABLE, WHY = cuda_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]
@@ -315,6 +317,106 @@ def test_tiny_greedy_generation_matches_reference(tmp_path_factory):
     ties = np.nonzero(ref["step_margin"] < 1e-3)[0]
     upto = int(ties[0]) if len(ties) else 40
     assert tokens[:upto] == ref["greedy_ids"][:upto].tolist()
+
+
+def _greedy_run(engine, prompts, max_tokens):
+    """Requests join one per step (decode batches of every size up to len(prompts) occur)."""
+    from rawinfer import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    out = {rid: [] for rid in prompts}
+    pending = list(prompts.items())
+    while pending or engine.has_unfinished():
+        if pending:
+            engine.add_request(*pending.pop(0), params)
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_graphs_replay_equals_eager(tmp_path_factory, dtype):
+    """The runner's decode graphs: a replay gives the bits of an eager run of the same padded batch,
+    and graph-decoded tokens are what eager decoding (on teacher-forced logits) calls best."""
+    from rawinfer.model_runner import bucket_for
+    path = _convert(tmp_path_factory, "tiny-llama", dtype)
+    graphed = _engine(path, "cuda", max_num_seqs=8)
+    runner = graphed.runner
+    assert runner.graphs is not None and graphed.pool.kv.padding_block is not None
+    checked = []
+    real_run = runner.graphs.run
+
+    def spy(batch, bm):
+        logits = real_run(batch, bm)
+        bucket = bucket_for(len(batch.seqs), runner.graphs.buckets)
+        if bucket > len(batch.seqs) and not checked:     # a step with padding rows
+            got = graphed.backend.to_host(logits).copy()
+            want = graphed.backend.to_host(graphed.model.forward(runner.graphs.flat_batch(bucket))[:len(logits)])
+            np.testing.assert_array_equal(got, want)
+            checked.append(bucket)
+        return logits
+
+    runner.graphs.run = spy
+    rng = np.random.default_rng(14)
+    prompts = {f"r{i}": rng.integers(3, 512, n).tolist() for i, n in enumerate([3, 40, 17, 5, 90])}
+    generated = _greedy_run(graphed, prompts, 12)
+    assert checked and set(runner.graphs.captured) >= {1, 2, 4, 8}
+    eager = _engine(path, "cuda", max_num_seqs=8, use_cuda_graphs=False)
+    assert eager.runner.graphs is None
+    noise = 1e-4 if dtype == "float32" else 0.05
+    for rid, prompt in prompts.items():
+        logits = eager.score(prompt + generated[rid])[len(prompt) - 1:-1]
+        chosen = logits[np.arange(12), generated[rid]]
+        assert np.all(chosen >= logits.max(-1) - noise * max(1.0, np.abs(logits).max())), rid
+
+
+def test_seeded_sampling_is_batch_invariant_on_the_device_sampler(tmp_path_factory):
+    from rawinfer import SamplingParams
+    engine = _engine(_convert(tmp_path_factory, "tiny-llama", "float32"), "cuda")
+    p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, seed=7, ignore_eos=True)
+
+    def run(prompts):
+        out = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"s{len(prompts)}-{i}", prompt, p)
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return [out[f"s{len(prompts)}-{i}"] for i in range(len(prompts))]
+
+    alone = run([[1, 2, 3, 4]])[0]
+    batched = run([[1, 2, 3, 4], [9, 9, 9], [100] * 30])
+    assert batched[0] == alone and len(alone) == 16
+    assert len(set(alone)) > 1
+
+
+def test_pool_is_sized_from_free_device_memory(tmp_path_factory):
+    import gc
+    from rawinfer import LLMEngine
+    from rawinfer.config import EngineConfig
+    path = _convert(tmp_path_factory, "tiny-llama", "float32")
+    gc.collect()
+    import cupy
+    cupy.get_default_memory_pool().free_all_blocks()
+    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    engine = LLMEngine(path, EngineConfig(device="cuda", gpu_memory_utilization=0.2, max_num_batched_tokens=256,
+                                          max_num_seqs=16))
+    pool = engine.pool
+    assert pool.kv_bytes == pool.total_bytes - pool.weight_bytes - pool.workspace_bytes
+    assert 0.15 * free_before < pool.total_bytes <= 0.2 * free_before
+    assert "gpu_memory_utilization" in pool.describe()
+    assert pool.workspace.attention is not None
+    del engine, pool
+    gc.collect()
+
+
+def test_int8_models_are_refused_at_start(tmp_path_factory):
+    from rawinfer import LLMEngine
+    from rawinfer.config import EngineConfig
+    from rawinfer.convert import convert
+    dst = str(tmp_path_factory.mktemp("gpu-models") / "tiny-int8")
+    convert(os.path.join(DATA, "tiny-llama"), dst, quant="int8", progress=False)
+    with pytest.raises(ValueError, match="int8 weight-only models run on the CPU backend"):
+        LLMEngine(dst, EngineConfig(device="cuda", kv_cache_memory=64 * 1024**2))
 
 
 def _random_model_config(dtype):

@@ -2,13 +2,15 @@
 
     PYTHONPATH=. python tools/gpu_bench.py [--out DIR]
 
-Measures, through the real engine (scheduler, runner, sampler, CUDA backend):
+Measures, through the real engine (scheduler, runner with its decode CUDA graphs, sampler, CUDA
+backend, the pool sized from free device memory as `rawinfer` sizes it by default):
   - prefill tokens/s for one 2,048-token prompt;
-  - decode tokens/s at batch 1 and at batch 64 (prompts of 128 tokens, greedy);
+  - decode tokens/s at batch 1, with CUDA graphs and eagerly (graphs switched off), and at batch 64
+    with graphs (prompts of 128 tokens, greedy);
   - the bytes one batch-64 decode step must read (weights + the batch's KV cache) divided by its
     time, next to the device's copy bandwidth measured with a CuPy device-to-device copy;
-  - the same decode step's forward pass alone, eager and (if capture works) as a replayed CUDA graph,
-    which separates GPU time from Python launch overhead.
+  - the same decode step's forward pass alone, eager and as the runner's replayed graph, which
+    separates GPU time from Python launch overhead.
 Writes bench.json and bench-table.txt into DIR (if given) and prints the table last.  Runs in about
 a minute or two on an H100/H200; random weights are drawn on the device (a host draw of 8 billion
 normals would take longer than the whole benchmark).
@@ -94,12 +96,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="folder for bench.json and bench-table.txt")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = ap.parse_args(argv)
 
     def log(msg):
         print(msg, flush=True)
 
-    from rawinfer.backend.cuda import cuda_status
+    from rawinfer.backend.cuda_runtime import cuda_status
     usable, why = cuda_status()
     if not usable:
         print(f"gpu_bench: no usable GPU here ({why})", file=sys.stderr)
@@ -118,15 +121,20 @@ def main(argv=None) -> int:
 
     results["copy_bandwidth_GBps"] = copy_bandwidth(cp) / 1e9
     log(f"device copy bandwidth (read + write): {results['copy_bandwidth_GBps']:.0f} GB/s")
+    cp.get_default_memory_pool().free_all_blocks()   # give the copy buffers back before sizing the pool
 
     cfg = llama3_8b_config()
-    ecfg = EngineConfig(device="cuda", block_size=BLOCK_SIZE, kv_cache_memory=16 * 1024**3,
+    # kv_cache_memory left unset: the pool takes gpu_memory_utilization of the free memory (the default)
+    ecfg = EngineConfig(device="cuda", block_size=BLOCK_SIZE, gpu_memory_utilization=args.gpu_memory_utilization,
                         max_num_batched_tokens=max(2048, args.prefill_len), max_num_seqs=args.batch,
-                        max_model_len=4096, enable_prefix_caching=False)
+                        max_model_len=4096, enable_prefix_caching=False, use_cuda_graphs=True)
     with timed(log, "engine start (kernel compile or cache load, pool, device-side random weights)"):
         with mock.patch.object(MemoryPool, "init_random_weights", device_random_weights):
             engine = LLMEngine.random(cfg, ecfg, seed=0)
     log(engine.pool.describe())
+    runner = engine.runner
+    if runner.graphs is None:
+        log("CUDA graphs are off in this engine (the launcher cannot capture): graph numbers will be missing")
     greedy_one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def prompt(n):
@@ -146,10 +154,10 @@ def main(argv=None) -> int:
         f"-> {results['prefill_tokens_per_s']:.0f} tokens/s")
 
     # ---- decode -----------------------------------------------------------------------------------
-    def decode(batch: int) -> tuple[float, int]:
+    def decode(batch: int, tag: str) -> tuple[float, int]:
         params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0, ignore_eos=True)
         for i in range(batch):
-            engine.add_request(f"b{batch}-{i}", prompt(PROMPT_LEN), params)
+            engine.add_request(f"{tag}{batch}-{i}", prompt(PROMPT_LEN), params)
         produced: dict[str, int] = {}
         while len(produced) < batch or min(produced.values()) < 2:   # every prompt prefilled
             for out in engine.step():
@@ -161,15 +169,26 @@ def main(argv=None) -> int:
         step = (time.perf_counter() - t) / DECODE_STEPS
         return step, tokens
 
-    step1, tokens1 = decode(1)
+    step1, tokens1 = decode(1, "graph")
     run_until_done(engine)
     results["decode_tokens_per_s_batch1"] = tokens1 / (step1 * DECODE_STEPS)
-    log(f"decode batch 1: {step1 * 1e3:.2f} ms/step -> {results['decode_tokens_per_s_batch1']:.1f} tokens/s")
+    log(f"decode batch 1 ({'CUDA graphs' if runner.graphs else 'eager'}): {step1 * 1e3:.2f} ms/step -> "
+        f"{results['decode_tokens_per_s_batch1']:.1f} tokens/s")
+    runner.use_graphs = False
+    step1e, tokens1e = decode(1, "eager")
+    run_until_done(engine)
+    runner.use_graphs = runner.graphs is not None
+    results["decode_tokens_per_s_batch1_eager"] = tokens1e / (step1e * DECODE_STEPS)
+    log(f"decode batch 1 (eager): {step1e * 1e3:.2f} ms/step -> "
+        f"{results['decode_tokens_per_s_batch1_eager']:.1f} tokens/s")
 
-    step_b, tokens_b = decode(args.batch)
+    step_b, tokens_b = decode(args.batch, "graph")
     results[f"decode_tokens_per_s_batch{args.batch}"] = tokens_b / (step_b * DECODE_STEPS)
     log(f"decode batch {args.batch}: {step_b * 1e3:.2f} ms/step -> "
         f"{results[f'decode_tokens_per_s_batch{args.batch}']:.0f} tokens/s")
+    if runner.graphs is not None:
+        results["graph_buckets_captured"] = str(runner.graphs.captured)
+        log(f"decode graphs captured for batch buckets {runner.graphs.captured}")
 
     # Bytes a decode step of the batch must read: every weight except the embedding table (only B rows
     # are gathered) and the RoPE table, plus each sequence's cached K/V in every layer.
@@ -184,12 +203,8 @@ def main(argv=None) -> int:
     results["decode_bandwidth_GBps"] = step_bytes / step_b / 1e9
 
     # ---- the forward pass alone: eager vs CUDA graph ----------------------------------------------
-    batch = engine.scheduler.schedule()   # the next decode step of the still-running batch (not advanced)
-    flat = engine.runner.prepare(batch)
-    forward = lambda: engine.model.forward(flat)  # noqa: E731
-    forward()
-    engine.backend.synchronize()
-
+    # The batch's decode graph and its input buffers still hold the last timed step: replaying it, or
+    # running the same padded batch eagerly, recomputes that step (rewriting the same K/V).
     def time_gpu(fn, repeats=10) -> float:
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record()
@@ -199,26 +214,34 @@ def main(argv=None) -> int:
         stop.synchronize()
         return cp.cuda.get_elapsed_time(start, stop) / 1000.0 / repeats
 
-    results["forward_eager_ms"] = time_gpu(forward) * 1e3
-    log(f"decode forward (batch {len(batch.seqs)}), eager: {results['forward_eager_ms']:.2f} ms")
-    try:
-        ws_bytes = engine.backend.attention_workspace_bytes(args.batch, cfg.num_heads, cfg.head_dim, BLOCK_SIZE,
-                                                            ecfg.max_model_len, itemsize, cfg.num_kv_heads)
-        engine.backend.bind_attention_workspace(engine.backend.alloc_arena(ws_bytes))
-        graph = engine.backend.capture_graph(forward)
-        results["forward_graph_ms"] = time_gpu(graph.replay) * 1e3
-        results["graph_bandwidth_GBps"] = step_bytes / (results["forward_graph_ms"] / 1e3) / 1e9
-        log(f"decode forward as a CUDA graph: {results['forward_graph_ms']:.2f} ms "
-            f"-> {results['graph_bandwidth_GBps']:.0f} GB/s")
-    except Exception as e:  # noqa: BLE001 - report and keep the rest of the numbers
-        results["forward_graph_ms"] = f"capture failed: {type(e).__name__}: {e}"[:200]
-        log(f"CUDA graph capture failed: {e}")
+    if runner.graphs is not None:
+        from rawinfer.model_runner import bucket_for
+        bucket = bucket_for(args.batch, runner.graphs.buckets)
+        flat = runner.graphs.flat_batch(bucket)
+        forward = lambda: engine.model.forward(flat)  # noqa: E731
+        forward()
+        engine.backend.synchronize()
+        results["forward_eager_ms"] = time_gpu(forward) * 1e3
+        log(f"decode forward (batch {bucket}), eager: {results['forward_eager_ms']:.2f} ms")
+        try:
+            graph = runner.graphs.graph_for(bucket)
+            results["forward_graph_ms"] = time_gpu(graph.graph.replay) * 1e3
+            results["graph_bandwidth_GBps"] = step_bytes / (results["forward_graph_ms"] / 1e3) / 1e9
+            log(f"decode forward as a CUDA graph: {results['forward_graph_ms']:.2f} ms "
+                f"-> {results['graph_bandwidth_GBps']:.0f} GB/s")
+        except Exception as e:  # noqa: BLE001 - report and keep the rest of the numbers
+            results["forward_graph_ms"] = f"capture failed: {type(e).__name__}: {e}"[:200]
+            log(f"CUDA graph capture failed: {e}")
+    else:
+        results["forward_eager_ms"] = float("nan")
+        results["forward_graph_ms"] = "no graphs in this engine"
 
     # ---- table ------------------------------------------------------------------------------------
     copy_bw = results["copy_bandwidth_GBps"]
     rows = [
         ("device", results["device"]),
-        ("decode tokens/s, batch 1", f"{results['decode_tokens_per_s_batch1']:.1f}"),
+        ("decode tokens/s, batch 1, CUDA graphs", f"{results['decode_tokens_per_s_batch1']:.1f}"),
+        ("decode tokens/s, batch 1, eager", f"{results['decode_tokens_per_s_batch1_eager']:.1f}"),
         (f"decode tokens/s, batch {args.batch}", f"{results[f'decode_tokens_per_s_batch{args.batch}']:.0f}"),
         (f"prefill tokens/s, {args.prefill_len}-token prompt", f"{results['prefill_tokens_per_s']:.0f}"),
         (f"decode step, batch {args.batch}", f"{step_b * 1e3:.2f} ms, reads {step_bytes / 1e9:.2f} GB"),
@@ -228,6 +251,9 @@ def main(argv=None) -> int:
             f"{results['forward_graph_ms']:.2f} ms ({100 * results['graph_bandwidth_GBps'] / copy_bw:.0f}% of copy)"
             if isinstance(results["forward_graph_ms"], float) else str(results["forward_graph_ms"]))),
         ("device copy bandwidth (read + write)", f"{copy_bw:.0f} GB/s"),
+        ("memory pool (GiB)", "{:.1f} = weights {:.1f} + workspace {:.1f} + KV {:.1f} ({} blocks)".format(
+            *(b / 1024**3 for b in (engine.pool.total_bytes, engine.pool.weight_bytes,
+                                    engine.pool.workspace_bytes, engine.pool.kv_bytes)), engine.pool.kv.num_blocks)),
     ]
     width = max(len(r[0]) for r in rows)
     table = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -8,8 +8,12 @@
 #
 # 1. nvidia-smi summary and package versions      -> OUTDIR/nvidia-smi.txt, OUTDIR/versions.txt
 # 2. the GPU test suite: pytest -m gpu tests/test_gpu.py -> OUTDIR/gpu-tests.log, gpu-tests.xml
-# 3. tools/gpu_bench.py (Llama-3-8B-shaped, bf16)  -> OUTDIR/bench.log, bench.json, bench-table.txt
-# and prints a short summary last.  Exit status: 0 when the tests passed and the benchmark ran.
+#    (kernels, decode CUDA graphs vs eager, device sampler, pool sizing, whole models)
+# 3. tools/gpu_bench.py (Llama-3-8B-shaped, bf16, pool sized from free memory, decode CUDA graphs on;
+#    decode tokens/s at batch 1 with graphs and eagerly, at batch 64, prefill, bandwidth)
+#                                                  -> OUTDIR/bench.log, bench.json, bench-table.txt
+# and prints a short summary last.  Each step has a timeout (165 s + 115 s), so the whole run stays
+# under 5 minutes.  Exit status: 0 when the tests passed and the benchmark ran.
 set -uo pipefail
 
 out=${1:?usage: tools/gpu_check.sh OUTDIR}
@@ -31,17 +35,17 @@ try:
           "driver", cupy.cuda.runtime.driverGetVersion())
 except Exception as e:
     print("cupy unavailable:", e)
-from rawinfer.backend.cuda import cuda_status
+from rawinfer.backend.cuda_runtime import cuda_status
 print("rawinfer cuda_status:", cuda_status())
 EOF
 
 echo "[gpu_check] running the GPU tests (log: $out/gpu-tests.log)"
-timeout 170 "$py" -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider \
+timeout 165 "$py" -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider \
   --junitxml="$out/gpu-tests.xml" > "$out/gpu-tests.log" 2>&1
 tests_rc=$?
 
 echo "[gpu_check] running the benchmark (log: $out/bench.log)"
-timeout 120 "$py" tools/gpu_bench.py --out "$out" > "$out/bench.log" 2>&1
+timeout 115 "$py" tools/gpu_bench.py --out "$out" > "$out/bench.log" 2>&1
 bench_rc=$?
 
 echo

@@ -1,9 +1,9 @@
 """CUDABackend: the op interface on an NVIDIA GPU, as CuPy RawKernels from cuda/*.cu plus cuBLAS GEMMs.
 
 Every op method checks shapes here, and dtypes/contiguity through `kernel_specs.pack_args`, then hands
-(kernel, grid, block, shared memory, arguments) to a launcher.  `CuPyLauncher` launches on the GPU; the
-test harness tests/cuda_shim supplies a host launcher instead, so these very methods (geometry, checks,
-packing) run in CI on NumPy arrays with the kernels compiled by g++.
+(kernel, grid, block, shared memory, arguments) to a launcher (backend/cuda_runtime.py).  `CuPyLauncher`
+launches on the GPU; the test harness tests/cuda_shim supplies a host launcher instead, so these very
+methods (geometry, checks, packing) run in CI on NumPy arrays with the kernels compiled by g++.
 
 Device dtypes.  Weights, KV cache and activations share one storage dtype: the model's (float32,
 float16 or bfloat16), except the residual stream, which may be float32 (the pool keeps it so:
@@ -11,7 +11,7 @@ embedding, rmsnorm and add_rmsnorm take a second element type R for it); every k
 float32.  CuPy has no bfloat16, so a bfloat16 tensor
 lives on the device as uint16 bit patterns: `carve`, `upload` and `to_host` translate, and no other
 uint16 device array exists in this backend.  `linear` may write float32 output from 16-bit inputs
-(for logits).
+(for logits).  int8 weight-only models are not supported here (the engine refuses them at start).
 
 GEMM convention, stated once.  rawinfer stores matrices row-major: x[T, K], w[N, K] (out features x in
 features), out[T, N], and computes out = x @ w^T.  cuBLAS reads column-major, and a row-major [r, c]
@@ -22,25 +22,24 @@ buffer IS the column-major [c, r] matrix.  So cuBLAS sees w as w^T [K, N] (lda =
 
 in float32 accumulation (CUBLAS_COMPUTE_32F; tensor cores for fp16/bf16 inputs).
 
-CUDA graphs.  `capture_graph(fn)` runs fn once eagerly, then records its launches on a private stream;
-`graph.replay()` re-issues them on the current stream.  fn must allocate nothing and read its inputs
-from fixed buffers (copy new inputs into those buffers before each replay); reserve the split-K
-attention workspace first (`bind_attention_workspace`) and pass a fixed max_context_len (e.g. the
-model length) so the decode grid does not change between steps.
+CUDA graphs.  `capture_graph(fn)` runs fn once eagerly, then has the launcher record its launches
+(cuda_runtime.py states the rules fn must follow); `graph.replay()` re-issues them.  The decode
+split-K scratch must be bound first (`bind_attention_workspace`, a carve of the pool sized by
+`attention_workspace_bytes`), and fn must pass a fixed max_context_len (the model runner passes the
+longest context the engine allows) so the decode grid does not change between steps.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import re
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
 from rawinfer.backend import kernel_specs as ks
 from rawinfer.backend.base import Backend
+from rawinfer.backend.cuda_runtime import (CUDAGraph, CuPyLauncher, cuda_available, cuda_status,  # noqa: F401
+                                           kernel_source)
+from rawinfer.quant import Int8Weight
 
 try:
     from ml_dtypes import bfloat16 as _BF16
@@ -53,115 +52,6 @@ DECODE_HEADS_PER_PASS = 4      # GC in cuda/paged_attention_decode.cu
 PREFILL_ROWS = 16              # must match cuda/paged_attention_prefill.cu
 PREFILL_THREADS = 128
 MAX_HEAD_DIM = 256
-MIN_COMPUTE_CAPABILITY = 80    # bf16 conversions (cvt.rn.bf16.f32) need sm_80
-
-
-# ---- device detection -------------------------------------------------------------------------------
-def cuda_status() -> tuple[bool, str]:
-    """(usable, why not): CuPy importable, a device of compute capability >= 8.0, cuBLAS loadable."""
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001 - any import failure means "no CUDA here"
-        return False, f"CuPy is not importable ({e.__class__.__name__}: {e}); install cupy-cuda12x or cupy-cuda13x"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return False, "no CUDA device is visible"
-        cc = int(cupy.cuda.Device(0).compute_capability)
-        if cc < MIN_COMPUTE_CAPABILITY:
-            return False, f"the GPU has compute capability {cc / 10:.1f}; rawinfer's kernels need 8.0 or newer"
-        from cupy_backends.cuda.libs import cublas  # noqa: F401 - loads libcublas
-    except Exception as e:  # noqa: BLE001
-        return False, f"CUDA is not usable ({e.__class__.__name__}: {e})"
-    return True, ""
-
-
-def cuda_available() -> bool:
-    """True where a usable CUDA GPU and CuPy are present.  Never raises."""
-    try:
-        return cuda_status()[0]
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def kernel_dir() -> Path:
-    """The folder of the .cu sources: package data rawinfer.cuda when installed, cuda/ in a checkout.
-
-    NOTE: cuda/ has no __init__.py on purpose.  NVIDIA's Python packages (cuda-pathfinder, which CuPy 14
-    imports, and cuda-bindings) live in a namespace package named `cuda`; a regular package `cuda` at the
-    root of a checkout on sys.path (PYTHONPATH=., pytest) would shadow it and break `import cupy`."""
-    spec = importlib.util.find_spec("rawinfer.cuda") if importlib.util.find_spec("rawinfer") else None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(location) / "common.cuh").is_file():
-            return Path(location)
-    return Path(__file__).resolve().parents[2] / "cuda"
-
-
-def kernel_source(source: str) -> str:
-    """A .cu file with `#include "common.cuh"` pasted in: one self-contained text for NVRTC (and a
-    CuPy kernel-cache key that changes whenever the shared header does)."""
-    folder = kernel_dir()
-    common = (folder / "common.cuh").read_text()
-    text = (folder / source).read_text()
-    return re.sub(r'^#include "common\.cuh"\s*$', lambda _: common, text, count=1, flags=re.M)
-
-
-# ---- launchers --------------------------------------------------------------------------------------
-_CUDA_R = {"float": 0, "f16": 2, "bf16": 14}   # cudaDataType: CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
-_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
-_CUBLAS_COMPUTE_32F = 68
-_CUBLAS_GEMM_DEFAULT = -1
-_CUBLAS_POINTER_MODE_HOST = 0
-
-
-class CuPyLauncher:
-    """Compiles every kernel once (NVRTC via CuPy RawModule, templates through name expressions) and
-    launches them on the current CuPy stream; GEMMs through cuBLAS."""
-
-    def __init__(self):
-        import cupy
-        from cupy_backends.cuda.libs import cublas
-
-        self._cp = cupy
-        self._cublas = cublas
-        self._functions: dict[str, Any] = {}
-        for source in ks.sources():
-            exprs = [s.name_expression(t) for s in ks.SPECS.values() if s.source == source
-                     for t in (s.instances or [()])]
-            # NVRTC's default dialect is C++17 (CUDA 12 and 13); CuPy adds -arch for the device.
-            module = cupy.RawModule(code=kernel_source(source), name_expressions=exprs)
-            for expr in exprs:
-                self._functions[expr] = module.get_function(expr)  # compiles (or loads CuPy's cache) now
-        self._handle = cupy.cuda.device.get_cublas_handle()
-
-    def launch(self, spec: ks.KernelSpec, targs: tuple[str, ...], grid, block, shared_mem: int, args) -> None:
-        fn = self._functions[spec.name_expression(targs)]
-        fn(tuple(int(g) for g in grid), tuple(int(b) for b in block), tuple(args), shared_mem=int(shared_mem))
-
-    def gemm(self, trans_a: bool, trans_b: bool, m: int, n: int, k: int, a, lda: int, b, ldb: int,
-             c, ldc: int, beta: float) -> None:
-        """cublasGemmEx, C = op(A) op(B) + beta C, column-major, float32 accumulation."""
-        cublas = self._cublas
-        cublas.setStream(self._handle, self._cp.cuda.get_current_stream().ptr)
-        cublas.setPointerMode(self._handle, _CUBLAS_POINTER_MODE_HOST)   # alpha, beta: host floats
-        alpha_h = np.array(1.0, np.float32)
-        beta_h = np.array(beta, np.float32)
-        cublas.gemmEx(self._handle, _CUBLAS_OP_T if trans_a else _CUBLAS_OP_N,
-                      _CUBLAS_OP_T if trans_b else _CUBLAS_OP_N, m, n, k,
-                      alpha_h.ctypes.data, a.data.ptr, _CUDA_R[ks.element_type(a.dtype)], lda,
-                      b.data.ptr, _CUDA_R[ks.element_type(b.dtype)], ldb,
-                      beta_h.ctypes.data, c.data.ptr, _CUDA_R[ks.element_type(c.dtype)], ldc,
-                      _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
-
-
-@dataclass
-class CUDAGraph:
-    """A captured sequence of launches; replay() re-issues it on the current stream."""
-
-    graph: Any
-    cupy: Any
-
-    def replay(self) -> None:
-        self.graph.launch(stream=self.cupy.cuda.get_current_stream())
 
 
 # ---- the backend ------------------------------------------------------------------------------------
@@ -314,7 +204,12 @@ class CUDABackend(Backend):
         if tuple(out.shape) != tuple(x.shape):
             raise _shape_error(op, "out", out.shape, f"like x, {tuple(x.shape)}")
 
-    def linear(self, x, w, out, bias=None) -> None:
+    def linear(self, x, w, out, bias=None, scratch=None) -> None:
+        """out[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]) through cuBLAS.  `scratch` is unused: it exists
+        for the CPU's int8 path, and int8 weights are refused here."""
+        if isinstance(w, Int8Weight):
+            raise ValueError("int8 weight-only models run on the CPU backend; convert without --quant "
+                             "for --device cuda")
         (n, k), (n_out, k_w) = x.shape, w.shape
         if k_w != k:
             raise _shape_error("linear", "w", w.shape, f"(N, K) with K = {k} (x is {tuple(x.shape)})")
@@ -568,29 +463,16 @@ class CUDABackend(Backend):
         return self.to_host(ids).astype(np.int64)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
+    @property
+    def supports_graphs(self) -> bool:
+        """True when the launcher can capture graphs (the GPU's can; a test launcher may)."""
+        return callable(getattr(self._launcher, "capture", None))
+
     def capture_graph(self, fn: Callable[[], None]) -> CUDAGraph:
-        """Run fn eagerly once (compiles nothing new later, warms cuBLAS), then capture it as a graph."""
-        if not self.on_gpu:
-            raise RuntimeError("CUDA graphs need the GPU")
-        cp = self.xp
+        """Run fn eagerly once (compiles everything, warms cuBLAS; its results are real results), then
+        capture it as a graph whose replay() repeats it on whatever its input buffers then hold."""
+        if not self.supports_graphs:
+            raise RuntimeError("this backend's launcher cannot capture CUDA graphs; run without CUDA graphs")
         fn()
         self.synchronize()
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
-            stream.begin_capture()
-            try:
-                fn()
-            except BaseException:
-                try:
-                    stream.end_capture()
-                except Exception:  # noqa: BLE001 - the original error is the one worth reporting
-                    pass
-                raise
-            graph = stream.end_capture()
-        return CUDAGraph(graph, cp)
-
-    def capture_buckets(self, step_for: Callable[[int], Callable[[], None]],
-                        buckets: Iterable[int]) -> dict[int, CUDAGraph]:
-        """One graph per batch-size bucket, largest first: step_for(b) returns the decode step over b
-        rows of fixed input buffers (rows past the real batch are padding with valid slots)."""
-        return {b: self.capture_graph(step_for(b)) for b in sorted(set(buckets), reverse=True)}
+        return self._launcher.capture(fn)
