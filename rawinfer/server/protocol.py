@@ -1,0 +1,365 @@
+"""The client/server wire protocol: message dataclasses and their one msgpack encoder and validating decoder.
+
+Every message is one msgpack map in one ZeroMQ frame (a DEALER sends it; the server's ROUTER sees it
+behind the sender's routing id). The map always carries `v` (the protocol version) and `type`; the
+other keys are the fields of the dataclass registered under that type. PROTOCOL.md beside this file
+is the written contract; this module is its executable form. The decoder trusts nothing: every field
+is type-checked, unknown keys are named in the error, and any failure is a ProtocolError whose code and
+message go back to the sender as an `error` reply.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Callable, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20     # the server caps incoming messages at its socket (ZMQ_MAXMSGSIZE)
+MAX_ID_CHARS = 256                      # request ids and tags
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_FRAMES = "bad_frames"                # not exactly one body frame
+    BAD_MSGPACK = "bad_msgpack"              # the frame does not decode as msgpack
+    INVALID_MESSAGE = "invalid_message"      # not a map, missing/unknown/ill-typed fields
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_TYPE = "unknown_type"
+    INVALID_PARAMS = "invalid_params"        # sampling parameters rejected by SamplingParams
+    INVALID_PROMPT = "invalid_prompt"        # text or chat on a model without a tokenizer / template
+    REJECTED = "rejected"                    # the engine refused the request (too long, bad token id, ...)
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
+    UNKNOWN_REQUEST = "unknown_request"      # abort of a request id that is not in flight
+    OVERLOADED = "overloaded"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the protocol; carries what the `error` reply needs."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None, tag: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.request_id, self.tag = code, message, request_id, tag
+
+
+# ---- field checks: each returns the value or raises ValueError("must be ...") -------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _id(v: Any) -> str:
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_ID_CHARS:
+        raise ValueError(f"must be a non-empty string of at most {MAX_ID_CHARS} characters")
+    return v
+
+
+def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def opt(v: Any) -> Any:
+        return None if v is None else check(v)
+    return opt
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError("must be a string")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("must be true or false")
+    return v
+
+
+def _int(v: Any) -> int:
+    if not _is_int(v):
+        raise ValueError("must be an integer")
+    return v
+
+
+def _count(v: Any) -> int:
+    if not _is_int(v) or v < 0:
+        raise ValueError("must be an integer >= 0")
+    return v
+
+
+def _seconds(v: Any) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise ValueError("must be a finite number")
+    return float(v)
+
+
+def _token_ids(v: Any) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v):
+        raise ValueError(f"must be a list of integer token ids in [0, {MAX_TOKEN_ID}]")
+    return v
+
+
+def _prompt(v: Any) -> str | list[int]:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        return _token_ids(v)
+    raise ValueError("must be a string or a list of integer token ids")
+
+
+def _chat(v: Any) -> list[dict[str, str]]:
+    ok = isinstance(v, list) and all(
+        isinstance(m, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in m.items())
+        and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+    if not ok:
+        raise ValueError('must be a list of {"role": str, "content": str} maps')
+    return v
+
+
+def _map(v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise ValueError("must be a map with string keys")
+    return v
+
+
+def _finish_reason(v: Any) -> str:
+    if v not in FINISH_REASONS:
+        raise ValueError(f"must be one of {', '.join(FINISH_REASONS)}")
+    return v
+
+
+def _nested(cls: type) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if not isinstance(v, dict):
+            raise ValueError(f"must be a map of {', '.join(f.name for f in fields(cls))}")
+        return _build(cls, v, f"{cls.__name__} map")
+    return check
+
+
+def _f(check: Callable[[Any], Any], default: Any = MISSING, factory: Any = MISSING) -> Any:
+    """A dataclass field whose wire value is validated by `check`."""
+    return field(default=default, default_factory=factory, metadata={"check": check})
+
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+# ---- nested records ------------------------------------------------------------------------------------------
+@dataclass
+class Usage:
+    prompt_tokens: int = _f(_count)
+    cached_prompt_tokens: int = _f(_count)          # prompt tokens served by the prefix cache
+    completion_tokens: int = _f(_count)
+
+
+@dataclass
+class Timings:
+    ttft_s: float | None = _f(_optional(_seconds))          # arrival at the server -> first token
+    mean_itl_s: float | None = _f(_optional(_seconds))      # mean gap between tokens
+    e2e_s: float | None = _f(_optional(_seconds))           # arrival -> finish
+
+
+# ---- client -> server -----------------------------------------------------------------------------------------
+@dataclass
+class Generate:
+    """Start a request. Exactly one of `prompt` (text or token ids) and `messages` (a chat)."""
+    TYPE: ClassVar[str] = "generate"
+    request_id: str = _f(_id)                        # chosen by the client, unique among its requests in flight
+    prompt: str | list[int] | None = _f(_optional(_prompt), None)
+    messages: list[dict[str, str]] | None = _f(_optional(_chat), None)
+    params: dict[str, Any] = _f(_map, factory=dict)  # SamplingParams fields; absent ones take their defaults
+    stream: bool = _f(_bool, True)
+    priority: int = _f(_int, 0)                      # lower runs earlier among waiting requests
+
+    def __post_init__(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+
+
+@dataclass
+class Abort:
+    TYPE: ClassVar[str] = "abort"
+    request_id: str = _f(_id)
+
+
+@dataclass
+class Stats:
+    TYPE: ClassVar[str] = "stats"
+    tag: str | None = _f(_optional(_id), None)       # echoed in the reply
+
+
+@dataclass
+class Ping:
+    TYPE: ClassVar[str] = "ping"
+    tag: str | None = _f(_optional(_id), None)
+
+
+@dataclass
+class ModelInfo:
+    TYPE: ClassVar[str] = "model_info"
+    tag: str | None = _f(_optional(_id), None)
+
+
+# ---- server -> client -----------------------------------------------------------------------------------------
+@dataclass
+class Chunk:
+    """Tokens of a streaming request, in order. Never sent for a non-streaming one."""
+    TYPE: ClassVar[str] = "chunk"
+    request_id: str = _f(_id)
+    index: int = _f(_count)                          # sample index (0 unless params.n > 1)
+    token_ids: list[int] = _f(_token_ids)
+    text: str = _f(_str)                             # text delta ("" for a model without a tokenizer)
+    finished: ClassVar[bool] = False
+
+
+@dataclass
+class Final:
+    """The last message of one sample. token_ids/text hold what no chunk carried (everything when not
+    streaming), so chunks + final always add up to the whole output."""
+    TYPE: ClassVar[str] = "final"
+    request_id: str = _f(_id)
+    index: int = _f(_count)
+    token_ids: list[int] = _f(_token_ids)
+    text: str = _f(_str)
+    finish_reason: str = _f(_finish_reason)
+    prompt_token_ids: list[int] = _f(_token_ids)
+    usage: Usage = _f(_nested(Usage))
+    timings: Timings = _f(_nested(Timings))
+    error: str | None = _f(_optional(_str), None)   # set when finish_reason is "error"
+    finished: ClassVar[bool] = True
+
+
+@dataclass
+class Error:
+    """A message was refused. With a request_id, that generate never started (except code
+    duplicate_request_id, which leaves the request already running under that id alone)."""
+    TYPE: ClassVar[str] = "error"
+    code: str = _f(_str)
+    message: str = _f(_str)
+    request_id: str | None = _f(_optional(_id), None)
+    tag: str | None = _f(_optional(_id), None)
+
+
+@dataclass
+class Pong:
+    TYPE: ClassVar[str] = "pong"
+    server_time: float = _f(_seconds)                # the server's time.time()
+    tag: str | None = _f(_optional(_id), None)
+
+
+@dataclass
+class StatsReply:
+    TYPE: ClassVar[str] = "stats_reply"
+    stats: dict[str, Any] = _f(_map)
+    tag: str | None = _f(_optional(_id), None)
+
+
+@dataclass
+class ModelInfoReply:
+    TYPE: ClassVar[str] = "model_info_reply"
+    info: dict[str, Any] = _f(_map)
+    tag: str | None = _f(_optional(_id), None)
+
+
+@dataclass
+class Heartbeat:
+    """Sent to a client with requests in flight that has heard nothing for a heartbeat interval; a send
+    that fails tells the server the client is gone."""
+    TYPE: ClassVar[str] = "heartbeat"
+
+
+ClientMessage = Generate | Abort | Stats | Ping | ModelInfo
+ServerMessage = Chunk | Final | Error | Pong | StatsReply | ModelInfoReply | Heartbeat
+CLIENT_MESSAGES: dict[str, type] = {c.TYPE: c for c in (Generate, Abort, Stats, Ping, ModelInfo)}
+SERVER_MESSAGES: dict[str, type] = {c.TYPE: c for c in (Chunk, Final, Error, Pong, StatsReply, ModelInfoReply,
+                                                         Heartbeat)}
+
+
+# ---- the one encoder and decoder -----------------------------------------------------------------------------
+def _plain(obj: Any) -> Any:
+    """msgpack fallback for NumPy scalars in stats maps (anything with .item())."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__} in a protocol message")
+
+
+def encode(msg: ClientMessage | ServerMessage) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, **asdict(msg)}, use_bin_type=True,
+                         default=_plain)
+
+
+def decode_request(data: bytes) -> ClientMessage:
+    """Server side: bytes from a client -> a validated message (or ProtocolError)."""
+    return _decode(data, CLIENT_MESSAGES)
+
+
+def decode_reply(data: bytes) -> ServerMessage:
+    """Client side: bytes from the server -> a validated message (or ProtocolError)."""
+    return _decode(data, SERVER_MESSAGES)
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not used by this protocol")
+
+
+def _decode(data: bytes, registry: dict[str, type]) -> Any:
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_reject_ext, timestamp=0)
+    except Exception as e:   # msgpack raises several unrelated types (ExtraData, FormatError, StackError, ...)
+        raise ProtocolError(ErrorCode.BAD_MSGPACK,
+                            f"the message is not valid msgpack ({type(e).__name__}); send one msgpack map") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE,
+                            f"a message must be a msgpack map with 'v' and 'type', got {type(obj).__name__}")
+    rid = obj.get("request_id") if isinstance(obj.get("request_id"), str) else None
+    rid = rid if rid and len(rid) <= MAX_ID_CHARS else None
+    tag = obj.get("tag") if isinstance(obj.get("tag"), str) and 0 < len(obj["tag"]) <= MAX_ID_CHARS else None
+    version = obj.get("v")
+    if not _is_int(version) or version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
+                            f"protocol version {_short(version)} is not supported; this side speaks version(s) "
+                            f"{', '.join(map(str, SUPPORTED_VERSIONS))}: upgrade the older of client and server",
+                            rid, tag)
+    kind = obj.get("type")
+    cls = registry.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE,
+                            f"unknown message type {_short(kind)}; expected one of {', '.join(registry)}", rid, tag)
+    body = {k: v for k, v in obj.items() if k not in ("v", "type")}
+    try:
+        return _build(cls, body, f"a {kind} message")
+    except ValueError as e:
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, str(e), rid, tag) from None
+
+
+def _build(cls: type, body: dict, where: str) -> Any:
+    """Check every field of `body` against `cls` and construct it; ValueError names the offending key."""
+    specs = {f.name: f for f in fields(cls)}
+    unknown = [k for k in body if k not in specs]
+    if unknown:
+        raise ValueError(f"{where} has unknown field(s) {', '.join(_short(k) for k in unknown[:5])}; "
+                         f"known: {', '.join(specs) or 'none'}")
+    missing = [n for n, f in specs.items()
+               if n not in body and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise ValueError(f"{where} lacks the required field(s) {', '.join(missing)}")
+    values = {}
+    for name, value in body.items():
+        try:
+            values[name] = specs[name].metadata["check"](value)
+        except ValueError as e:
+            raise ValueError(f"field {name!r} of {where} {e}") from None
+    try:
+        return cls(**values)
+    except ValueError as e:      # cross-field rules (__post_init__)
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
