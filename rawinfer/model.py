@@ -61,6 +61,7 @@ class LlamaModel:
         self.embed = weight("embed_tokens")
         self.lm_head = self.embed if cfg.tie_word_embeddings else weight("lm_head")
         self.scratch = pool.workspace.dequant if cfg.quant else None
+        self.fused_max_tokens = self.backend.fused_max_tokens(cfg.quant)
         self.final_norm = w["final_norm"]
         self.cos_sin = w["rope_cos_sin"]
 
@@ -78,8 +79,9 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         res, x = ws.residual[:T], ws.normed[:T]
         be.embedding(batch.token_ids, self.embed, res)   # the residual stream starts as the embeddings
+        fused = T <= self.fused_max_tokens                # small decode batches: one call per layer
         for i, L in enumerate(self.layers):
-            if T <= be.fused_max_tokens:                  # small decode batches: one call per layer
+            if fused:
                 be.decoder_layer(i == 0, L, ws, T, batch, kv.k[i], kv.v[i], self.cos_sin, eps, self.scale,
                                  cfg.num_heads, cfg.num_kv_heads)
             else:

@@ -124,7 +124,9 @@ class Backend(ABC):
         """out[B, C] = x[T, C][indices[B]]."""
 
     # ---- optional fused path ------------------------------------------------------------------
-    fused_max_tokens: int = 0   # batches of at most this many tokens may use decoder_layer()
+    def fused_max_tokens(self, quant: str | None) -> int:
+        """Batches of at most this many tokens use decoder_layer() (0: never) for a model quantized as quant."""
+        return 0
 
     def decoder_layer(self, first: bool, weights: dict, ws, T: int, batch, k_cache, v_cache, cos_sin,
                       eps: float, scale: float, num_heads: int, num_kv_heads: int) -> None:

@@ -27,7 +27,7 @@ _add_rmsnorm = K.add_rmsnorm_kernel.serial
 _rope = K.rope_kernel.serial
 _silu_mul = K.silu_mul_kernel.serial
 _attention = K.paged_attention_kernel.parallel
-_kv_write = K.kv_write_kernel
+_kv_write = K.kv_write_kernel.serial
 _matmul = K.rows_matmul_kernel
 _work_items = K.attention_work_items
 

@@ -17,9 +17,9 @@ class Kernel:
     """One kernel source compiled twice: serially for small batches (a decode step of a few tokens,
     where waking the thread pool costs more than the work) and with `parallel=True` for large ones."""
 
-    def __init__(self, fn, min_parallel_rows: int = 16):
-        self.serial = nb.njit(**_JIT)(fn)
-        self.parallel = nb.njit(parallel=True, **_JIT)(fn)
+    def __init__(self, fn, min_parallel_rows: int = 16, **options):
+        self.serial = nb.njit(**_JIT, **options)(fn)
+        self.parallel = nb.njit(parallel=True, **_JIT, **options)(fn)
         self.min_parallel_rows = min_parallel_rows
 
     def __call__(self, rows: int, *args):
@@ -80,31 +80,31 @@ def _silu_mul_kernel(gate_up, out):
             out[t, f] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, F + f]
 
 
-@nb.njit(**_JIT)
-def kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
+def _kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
     # k_cache/v_cache[NB, Hkv, BS, D] <- k/v heads of qkv[T, (H+2Hkv)*D] at slot_mapping[T]
+    # NOTE: slots are distinct within a batch, so tokens can be written in parallel.
     T = qkv.shape[0]
     _, Hkv, BS, D = k_cache.shape
     k0 = num_heads * D
     v0 = k0 + Hkv * D
-    for t in range(T):
+    for t in nb.prange(T):
         slot = slot_mapping[t]
         b = slot // BS
         r = slot % BS
         for h in range(Hkv):
-            for d in range(D):
-                k_cache[b, h, r, d] = qkv[t, k0 + h * D + d]
-                v_cache[b, h, r, d] = qkv[t, v0 + h * D + d]
+            k_cache[b, h, r, :] = qkv[t, k0 + h * D:k0 + (h + 1) * D]
+            v_cache[b, h, r, :] = qkv[t, v0 + h * D:v0 + (h + 1) * D]
 
 
 def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            work_seq, work_q0, work_q1, scale, num_heads, out):
     """Flash-style attention on the CPU. One work item = (query tile of one sequence, kv head).
 
-    For each key position j (read once through the block table) every query of the tile that may see
-    it (causal: j <= its position) and every query head of the kv head's group updates its running
-    max m, denominator l and accumulator acc[D] (online softmax), so K/V rows are streamed once per
-    tile instead of once per query head.
+    The item walks its sequence's KV blocks through the block table; each block's BS x D tiles of K
+    and V are read once for every query of the tile and every query head of the kv head's group.
+    Per (query, head) it keeps a running max m, denominator l and accumulator acc[D] (online softmax):
+    scores of the visible keys of a block (causal: key position <= query position), then one rescale
+    of acc by exp(m_old - m_new) per block instead of per key.
     """
     _, Hkv, BS, D = k_cache.shape
     G = num_heads // Hkv
@@ -114,11 +114,9 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
         kvh = w % Hkv
         b = work_seq[item]
         q0 = work_q0[item]
-        q1 = work_q1[item]
-        nq = q1 - q0
+        nq = work_q1[item] - q0
         qlen = query_start_loc[b + 1] - query_start_loc[b]
-        first_pos = context_lens[b] - qlen                     # position of the sequence's first query
-        tile_first = first_pos + (q0 - query_start_loc[b])     # position of this tile's first query
+        tile_first = context_lens[b] - qlen + (q0 - query_start_loc[b])   # position of the tile's first query
         last_pos = tile_first + nq - 1
         q = np.empty((nq, G, D), np.float32)
         for i in range(nq):
@@ -129,28 +127,36 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
         m = np.full((nq, G), -np.inf, np.float32)
         l = np.zeros((nq, G), np.float32)
         acc = np.zeros((nq, G, D), np.float32)
-        for j in range(last_pos + 1):
-            blk = block_tables[b, j // BS]
-            r = j % BS
-            i_start = j - tile_first
-            if i_start < 0:
-                i_start = 0
-            for i in range(i_start, nq):
+        sc = np.empty(BS, np.float32)
+        for page in range(last_pos // BS + 1):
+            kb = k_cache[block_tables[b, page], kvh]     # [BS, D]
+            vb = v_cache[block_tables[b, page], kvh]
+            j0 = page * BS
+            nk = min(BS, last_pos + 1 - j0)
+            for i in range(max(0, j0 - tile_first), nq):
+                nvis = min(nk, tile_first + i - j0 + 1)
                 for g in range(G):
-                    s = np.float32(0.0)
+                    qi = q[i, g]
+                    mx = np.float32(-np.inf)
+                    for r in range(nvis):
+                        s = np.float32(0.0)
+                        for d in range(D):
+                            s += qi[d] * kb[r, d]
+                        sc[r] = s
+                        mx = max(mx, s)
+                    m_new = max(m[i, g], mx)
+                    corr = np.exp(m[i, g] - m_new)
+                    a = acc[i, g]
                     for d in range(D):
-                        s += q[i, g, d] * k_cache[blk, kvh, r, d]
-                    if s > m[i, g]:
-                        corr = np.exp(m[i, g] - s)
-                        l[i, g] = l[i, g] * corr + np.float32(1.0)
+                        a[d] *= corr
+                    li = l[i, g] * corr
+                    for r in range(nvis):
+                        p = np.exp(sc[r] - m_new)
+                        li += p
                         for d in range(D):
-                            acc[i, g, d] = acc[i, g, d] * corr + v_cache[blk, kvh, r, d]
-                        m[i, g] = s
-                    else:
-                        p = np.exp(s - m[i, g])
-                        l[i, g] += p
-                        for d in range(D):
-                            acc[i, g, d] += p * v_cache[blk, kvh, r, d]
+                            a[d] += p * vb[r, d]
+                    l[i, g] = li
+                    m[i, g] = m_new
         for i in range(nq):
             for g in range(G):
                 inv = np.float32(1.0) / l[i, g]
@@ -199,8 +205,11 @@ def attention_work_items(query_start_loc, tile):
 rmsnorm_kernel = Kernel(_rmsnorm_kernel)
 add_rmsnorm_kernel = Kernel(_add_rmsnorm_kernel)
 rope_kernel = Kernel(_rope_kernel)
+kv_write_kernel = Kernel(_kv_write_kernel)
 silu_mul_kernel = Kernel(_silu_mul_kernel)
-paged_attention_kernel = Kernel(_paged_attention_kernel, min_parallel_rows=2)
+# NOTE: reassociation lets LLVM vectorize the dot products; no 'ninf' flag, since m starts at -inf.
+paged_attention_kernel = Kernel(_paged_attention_kernel, min_parallel_rows=2,
+                                fastmath={"reassoc", "contract", "arcp", "nsz"})
 
 
 # ---- int8 weight-only kernels (rawinfer/quant.py): float32 activations, dequantized on the fly ----
