@@ -62,6 +62,8 @@ class LlamaModel:
         self.lm_head = self.embed if cfg.tie_word_embeddings else weight("lm_head")
         self.scratch = pool.workspace.dequant if cfg.quant else None
         self.fused_max_tokens = self.backend.fused_max_tokens(cfg.quant)
+        self.fused_plan = (self.backend.fused_plan(self.layers, pool.kv.k, pool.kv.v)
+                           if self.fused_max_tokens else None)
         self.final_norm = w["final_norm"]
         self.cos_sin = w["rope_cos_sin"]
 
@@ -79,12 +81,11 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         res, x = ws.residual[:T], ws.normed[:T]
         be.embedding(batch.token_ids, self.embed, res)   # the residual stream starts as the embeddings
-        fused = T <= self.fused_max_tokens                # small decode batches: one call per layer
-        for i, L in enumerate(self.layers):
-            if fused:
-                be.decoder_layer(i == 0, L, ws, T, batch, kv.k[i], kv.v[i], self.cos_sin, eps, self.scale,
-                                 cfg.num_heads, cfg.num_kv_heads)
-            else:
+        if T <= self.fused_max_tokens:                    # small decode batches: one call for all layers
+            be.decoder_layers(self.fused_plan, ws, T, batch, self.cos_sin, eps, self.scale, cfg.num_heads,
+                              cfg.num_kv_heads)
+        else:
+            for i, L in enumerate(self.layers):
                 self._layer(i, L, batch, T)
         be.add_rmsnorm(ws.hidden[:T], res, self.final_norm, eps, x)
         return x

@@ -128,11 +128,15 @@ class Backend(ABC):
         """Batches of at most this many tokens use decoder_layer() (0: never) for a model quantized as quant."""
         return 0
 
-    def decoder_layer(self, first: bool, weights: dict, ws, T: int, batch, k_cache, v_cache, cos_sin,
-                      eps: float, scale: float, num_heads: int, num_kv_heads: int) -> None:
-        """Optional: one whole decoder layer (the same ops as model.py's per-op path, in the same order,
-        over the workspace `ws` rows [:T]) in one call, for small decode batches where per-op dispatch
-        costs more than the work. Only called when T <= fused_max_tokens."""
+    def fused_plan(self, layers: list[dict], k_caches: list, v_caches: list):
+        """Optional: whatever decoder_layers() needs prepared once (called when fused_max_tokens > 0)."""
+        raise NotImplementedError
+
+    def decoder_layers(self, plan, ws, T: int, batch, cos_sin, eps: float, scale: float, num_heads: int,
+                       num_kv_heads: int) -> None:
+        """Optional: every decoder layer (the same ops as model.py's per-op path, in the same order, over
+        the workspace `ws` rows [:T]) in one call, for small decode batches where per-op dispatch costs
+        more than the work. Only called when T <= fused_max_tokens(quant)."""
         raise NotImplementedError
 
     def argmax(self, logits) -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from ..quant import Int8Weight
 from . import cpu_kernels as K
 from .base import Backend
-from .cpu_fused import NO_SCALE, decoder_layer_kernel
+from .cpu_fused import NO_SCALE, decoder_stack_kernel
 
 ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
 INT8_GEMV_MAX_ROWS = 4  # int8 matmul: up to this many rows, dot products straight from int8 weights;
@@ -160,23 +160,41 @@ class CPUBackend(Backend):
         K.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
                                  query_start_loc, seqs, q0, q1, np.float32(scale), H, out)
 
-    def decoder_layer(self, first, weights, ws, T, batch, k_cache, v_cache, cos_sin, eps, scale,
-                      num_heads, num_kv_heads) -> None:
+    def fused_plan(self, layers, k_caches, v_caches):
+        """The per-layer tensors as typed lists (built once), so one Numba call can walk every layer."""
+        from numba.typed import List
+
+        def typed(arrays):
+            out = List()
+            for a in arrays:
+                out.append(a)
+            return out
+        cols = {"w_qkvs": [], "s_qkvs": [], "w_os": [], "s_os": [], "w_gus": [], "s_gus": [], "w_downs": [],
+                "s_downs": []}
+        for L in layers:
+            for short, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("gu", "gate_up_proj"), ("down", "down_proj")):
+                w, s = _unpack(L[name])
+                cols[f"w_{short}s"].append(w)
+                cols[f"s_{short}s"].append(s)
+        plan = {k: typed(v) for k, v in cols.items()}
+        plan["in_norms"] = typed([L["input_norm"] for L in layers])
+        plan["post_norms"] = typed([L["post_attn_norm"] for L in layers])
+        plan["b_qkvs"] = typed([L["qkv_bias"] if L["qkv_bias"] is not None else NO_SCALE for L in layers])
+        plan["k_caches"], plan["v_caches"] = typed(k_caches), typed(v_caches)
+        return plan
+
+    def decoder_layers(self, plan, ws, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
         if T > INT8_GEMV_MAX_ROWS:
-            raise ValueError(f"decoder_layer takes at most {INT8_GEMV_MAX_ROWS} tokens, got {T}")
+            raise ValueError(f"decoder_layers takes at most {INT8_GEMV_MAX_ROWS} tokens, got {T}")
         for name in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc"):
             _check(name, getattr(batch, name), None, np.int32)
-        w_qkv, s_qkv = _unpack(weights["qkv_proj"])
-        w_o, s_o = _unpack(weights["o_proj"])
-        w_gu, s_gu = _unpack(weights["gate_up_proj"])
-        w_down, s_down = _unpack(weights["down_proj"])
-        bias = weights["qkv_bias"] if weights["qkv_bias"] is not None else NO_SCALE
-        decoder_layer_kernel(
-            first, ws.hidden[:T], ws.residual[:T], ws.normed[:T], ws.qkv[:T], ws.attn[:T], ws.gate_up[:T],
-            ws.act[:T], weights["input_norm"], w_qkv, s_qkv, bias, w_o, s_o, weights["post_attn_norm"],
-            w_gu, s_gu, w_down, s_down, batch.positions, batch.slot_mapping, batch.block_tables,
-            batch.context_lens, batch.query_start_loc, k_cache, v_cache, cos_sin, np.float32(eps),
-            np.float32(scale), num_heads, num_kv_heads, ATTN_QUERY_TILE)
+        p = plan
+        decoder_stack_kernel(
+            ws.hidden[:T], ws.residual[:T], ws.normed[:T], ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T],
+            p["in_norms"], p["w_qkvs"], p["s_qkvs"], p["b_qkvs"], p["w_os"], p["s_os"], p["post_norms"],
+            p["w_gus"], p["s_gus"], p["w_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
+            batch.block_tables, batch.context_lens, batch.query_start_loc, p["k_caches"], p["v_caches"],
+            cos_sin, np.float32(eps), np.float32(scale), num_heads, num_kv_heads, ATTN_QUERY_TILE)
 
     def copy_blocks(self, k_caches, v_caches, pairs) -> None:
         if not pairs:

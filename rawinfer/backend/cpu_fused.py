@@ -36,7 +36,7 @@ _work_items = K.attention_work_items
 def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
                          in_norm, w_qkv, s_qkv, b_qkv, w_o, s_o, post_norm, w_gu, s_gu, w_down, s_down,
                          positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                         k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads, query_tile):
+                         seqs, q0, q1, k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads):
     # Shapes as in backend/base.py; s_* are per-row scales of int8 weights (empty for float weights),
     # b_qkv is the QKV bias (empty when the model has none).
     if first:
@@ -49,7 +49,6 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
             qkv[t] += b_qkv
     _rope(qkv, positions, cos_sin, num_heads, num_kv_heads, cos_sin.shape[1])
     _kv_write(qkv, k_cache, v_cache, slot_mapping, num_heads)
-    seqs, q0, q1 = _work_items(query_start_loc, query_tile)
     _attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs, q0, q1,
                scale, num_heads, attn)
     _matmul(attn, w_o, s_o, h)
@@ -57,6 +56,21 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
     _matmul(x, w_gu, s_gu, gu)
     _silu_mul(gu, act)
     _matmul(act, w_down, s_down, h)
+
+
+@nb.njit(cache=True)
+def decoder_stack_kernel(h, res, x, qkv, attn, gu, act,
+                         in_norms, w_qkvs, s_qkvs, b_qkvs, w_os, s_os, post_norms, w_gus, s_gus, w_downs,
+                         s_downs, positions, slot_mapping, block_tables, context_lens, query_start_loc,
+                         k_caches, v_caches, cos_sin, eps, scale, num_heads, num_kv_heads, query_tile):
+    # Every layer in one call: the per-layer tensors come as typed lists of L arrays each.
+    seqs, q0, q1 = _work_items(query_start_loc, query_tile)
+    for i in range(len(in_norms)):
+        decoder_layer_kernel(i == 0, h, res, x, qkv, attn, gu, act,
+                             in_norms[i], w_qkvs[i], s_qkvs[i], b_qkvs[i], w_os[i], s_os[i], post_norms[i],
+                             w_gus[i], s_gus[i], w_downs[i], s_downs[i], positions, slot_mapping,
+                             block_tables, context_lens, query_start_loc, seqs, q0, q1,
+                             k_caches[i], v_caches[i], cos_sin, eps, scale, num_heads, num_kv_heads)
 
 
 NO_SCALE = np.zeros(0, np.float32)
