@@ -97,3 +97,25 @@ def test_smollm2_tokenizer_and_template_reproduce_the_prompt(smollm2_engine):
     user = "What is the capital of France?"
     capital = next(c for c in cases if c["name"] == "capital")
     assert tok.apply_chat_template([{"role": "user", "content": user}]) == capital["prompt_text"]
+
+
+def test_non_contiguous_block_table_gives_the_same_logits(tiny_llama_dir):
+    """Fragment the pool first so the scored sequence gets scattered, out-of-order blocks."""
+    ids = _ref("tiny-llama")["seq_ids"].tolist()
+    fresh = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="1MiB", max_num_batched_tokens=256)
+    contiguous = fresh.score(ids)
+    engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="1MiB", max_num_batched_tokens=256,
+                       enable_prefix_caching=False)
+    bm = engine.block_manager
+    for i in range(8):                                  # 8 sequences of 3 blocks each take blocks 0..23
+        bm.allocate_slots(f"filler-{i}", 48)
+    for i in (5, 1, 6, 2):                              # free some, in an order that scrambles the list
+        bm.free(f"filler-{i}")
+    tables = []
+    real_prepare = engine.runner.prepare
+    engine.runner.prepare = lambda batch, **kw: (tables.append(bm.block_table(batch.seqs[0].seq.seq_id)),
+                                                  real_prepare(batch, **kw))[1]
+    scattered = engine.score(ids, 40)
+    table = tables[-1]
+    assert len(table) == 10 and table != sorted(table) and table[:4] != list(range(table[0], table[0] + 4))
+    np.testing.assert_allclose(scattered, contiguous, atol=1e-5, rtol=0)
