@@ -141,8 +141,10 @@ def main() -> int:
         "~/.cache/rawinfer")), GGUF_NAME), help="the GGUF the peers load")
     ap.add_argument("--peer-python", default=sys.executable, help="Python with llama_cpp / torch+transformers")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workloads", default="decode,prefill,batch64", help="comma-separated subset to run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    chosen = set(args.workloads.split(","))
 
     if not os.path.isfile(os.path.join(args.int8_model, "config.json")):
         from rawinfer.convert import convert
@@ -154,6 +156,8 @@ def main() -> int:
     rows = []
 
     def measure(workload, peer_name, peer):
+        if workload not in chosen:
+            return
         print(f"[{workload}] rawinfer float32 ...", file=sys.stderr)
         f32 = run_script(sys.executable, RAWINFER, args.model, workload, th, PROMPT)
         print(f"[{workload}] rawinfer int8 ...", file=sys.stderr)
