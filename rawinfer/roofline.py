@@ -74,11 +74,19 @@ def phase_counts(cfg: ModelConfig, tokens: int, logits_rows: int, attended: int,
 
 
 def time_prefill(engine, prompt_len: int, repeat: int = 3) -> float:
+    """Seconds to prefill one prompt of prompt_len tokens (logits of its last position only)."""
+    from .sampling import SamplingParams
     ids = [int(x) for x in np.random.default_rng(1).integers(100, engine.model_config.vocab_size - 100, prompt_len)]
-    return _best(lambda: engine.score(ids, prompt_len), repeat)
+
+    def once():
+        engine.block_manager.reset_prefix_cache()     # a cache hit would skip the work being measured
+        engine.add_request(f"roofline-prefill-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+    return _best(once, repeat)
 
 
-def time_decode(engine, batch: int, context: int, steps: int = 8) -> float:
+def time_decode(engine, batch: int, context: int, steps: int = 24) -> float:
     """Mean seconds of one decode step with `batch` sequences of about `context` cached tokens."""
     from .sampling import SamplingParams
     rng = np.random.default_rng(2)
