@@ -176,6 +176,10 @@ class LLMEngine:
             if not st.seq.is_finished:
                 self.scheduler.finish(st.seq, FinishReason.ABORT)
                 outs.append(self._final(st, [], ""))
+        parent = states[0].seq
+        for index in range(len(states), parent.params.n):   # samples not forked yet (prompt unfinished)
+            outs.append(RequestOutput(request_id, index, [], "", True, str(FinishReason.ABORT),
+                                      request_metrics(parent)))
         return outs
 
     def has_unfinished(self) -> bool:

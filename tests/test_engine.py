@@ -89,6 +89,10 @@ def test_abort_in_prefill_and_in_decode_returns_every_block(tiny_llama_dir):
     assert outs[0].finish_reason == "abort" and outs[0].metrics.generated_tokens >= 1
     assert bm.num_free_blocks == start and not engine.has_unfinished()
     assert engine.abort("short") == [] and engine.abort("never-seen") == []
+    engine.add_request("many", [1, 2, 3], SamplingParams(max_tokens=5, n=3, **GREEDY))
+    outs = engine.abort("many")                        # before its prompt ran: one final per sample
+    assert sorted(o.index for o in outs) == [0, 1, 2] and all(o.finish_reason == "abort" for o in outs)
+    assert bm.num_free_blocks == start
     bm.check_invariants()
 
 

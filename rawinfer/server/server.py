@@ -29,7 +29,6 @@ import zmq
 import zmq.auth
 
 from .. import __version__
-from ..engine import RequestOutput
 from ..sampling import SamplingParams
 from . import protocol as P
 
@@ -379,15 +378,11 @@ class Server:
 
     def _abort_request(self, engine_id: str, error: str | None = None) -> None:
         """Abort in the engine and send a final for every sample not finished yet (reason `abort`, or
-        `error` with the reason given). NOTE: a request with n > 1 that has not been prefilled yet exists
-        in the engine as one sequence, so the engine returns one final: the other indices are made here."""
+        `error` with the reason given); the engine returns one final per unfinished sample, forked or not."""
         st = self._inflight.get(engine_id)
         outs = self.engine.abort(engine_id)
         if st is None:
             return
-        n = len(st.held_ids)
-        outs += [RequestOutput(engine_id, i, [], "", True, "abort") for i in range(n)
-                 if i not in st.finished and all(o.index != i for o in outs)]
         for out in outs:
             if error is not None:
                 out.finish_reason = "error"
