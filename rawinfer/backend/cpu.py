@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from ..quant import Int8Weight
 from . import cpu_kernels as K
 from .base import Backend
-from .cpu_fused import NO_SCALE, decoder_stack_kernel
+from .cpu_fused import NO_BIAS, decoder_stack_kernel
 
 ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
 INT8_GEMV_MAX_ROWS = 4  # int8 matmul: up to this many rows, dot products straight from int8 weights;
@@ -41,13 +41,6 @@ def _check(name: str, x, shape: tuple | None = None, dtype=None, contiguous: boo
             raise ValueError(f"{name} has shape {xs}, expected {shape}")
     if contiguous and not x.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
-
-
-def _unpack(w):
-    """(rows, per-row scales) of a weight: int8 + scales, or float rows + an empty scale array."""
-    if isinstance(w, Int8Weight):
-        return w.q, w.scale
-    return w, NO_SCALE
 
 
 class CPUBackend(Backend):
@@ -173,13 +166,12 @@ class CPUBackend(Backend):
                 "s_downs": []}
         for L in layers:
             for short, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("gu", "gate_up_proj"), ("down", "down_proj")):
-                w, s = _unpack(L[name])
-                cols[f"w_{short}s"].append(w)
-                cols[f"s_{short}s"].append(s)
+                cols[f"w_{short}s"].append(L[name].q)       # fused only for int8 models: Int8Weight
+                cols[f"s_{short}s"].append(L[name].scale)
         plan = {k: typed(v) for k, v in cols.items()}
         plan["in_norms"] = typed([L["input_norm"] for L in layers])
         plan["post_norms"] = typed([L["post_attn_norm"] for L in layers])
-        plan["b_qkvs"] = typed([L["qkv_bias"] if L["qkv_bias"] is not None else NO_SCALE for L in layers])
+        plan["b_qkvs"] = typed([L["qkv_bias"] if L["qkv_bias"] is not None else NO_BIAS for L in layers])
         plan["k_caches"], plan["v_caches"] = typed(k_caches), typed(v_caches)
         return plan
 

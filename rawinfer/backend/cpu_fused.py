@@ -1,14 +1,14 @@
-"""One Numba call per decoder layer for small batches (decode): the CPU's answer to launch overhead.
+"""One Numba call per decode step for int8 models: the CPU's answer to launch overhead.
 
 A decode step of one token does microseconds of work per op but pays Python and Numba dispatch for
 each of the ~11 ops of every layer (about 2 ms per step on SmolLM2's 30 layers, a fifth of the step).
-`decoder_layer_kernel` runs the same kernels as the per-op path, in the same order, from inside one
-compiled function: the serial builds for the elementwise ops (a few rows), the parallel builds for
+`decoder_stack_kernel` walks every layer and `decoder_layer_kernel` runs the same kernels as the
+per-op path, in the same order, from inside one compiled function: the serial builds for the elementwise ops (a few rows), the parallel builds for
 the matrix-vector products and attention. It reads and writes the same workspace buffers, so the
 results equal the per-op path up to float32 rounding of the row-matmul (fastmath reductions).
 
     first layer:  x = rmsnorm(res)           other layers: res += h; x = rmsnorm(res)
-    qkv = x @ Wqkv^T (* scales) (+ bias); rope(q, k); kv_write(k, v)
+    qkv = x @ Wqkv^T * scales (+ bias); rope(q, k); kv_write(k, v)
     attn = paged_attention(q, cache)
     h = attn @ Wo^T;  res += h; x = rmsnorm(res)
     h = (silu(x @ Wg^T) * (x @ Wu^T)) @ Wdown^T
@@ -37,7 +37,7 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
                          in_norm, w_qkv, s_qkv, b_qkv, w_o, s_o, post_norm, w_gu, s_gu, w_down, s_down,
                          positions, slot_mapping, block_tables, context_lens, query_start_loc,
                          seqs, q0, q1, k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads):
-    # Shapes as in backend/base.py; s_* are per-row scales of int8 weights (empty for float weights),
+    # Shapes as in backend/base.py; w_* are int8 rows with per-row scales s_*,
     # b_qkv is the QKV bias (empty when the model has none).
     if first:
         _rmsnorm(res, in_norm, eps, x)
@@ -73,4 +73,4 @@ def decoder_stack_kernel(h, res, x, qkv, attn, gu, act,
                              k_caches[i], v_caches[i], cos_sin, eps, scale, num_heads, num_kv_heads)
 
 
-NO_SCALE = np.zeros(0, np.float32)
+NO_BIAS = np.zeros(0, np.float32)   # stands in for a missing QKV bias

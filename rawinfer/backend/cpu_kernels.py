@@ -221,12 +221,11 @@ _FAST = dict(cache=True, fastmath=True)   # fastmath: lets LLVM vectorize the do
 @nb.njit(parallel=True, **_FAST)
 def rows_matmul_kernel(x, w, scale, out):
     # out[T, N] = (x[T, K] @ w[N, K]^T) * scale[N] for a few rows T: each thread streams a contiguous
-    # range of rows of w (int8, or float32 with scale empty = no scaling) once, for every row of x.
+    # range of rows of the int8 weights w once, for every row of x.
     T, K = x.shape
     N = w.shape[0]
-    scaled = scale.shape[0] > 0
     for n in nb.prange(N):
-        s = scale[n] if scaled else np.float32(1.0)
+        s = scale[n]
         for t in range(T):
             acc = np.float32(0.0)
             for k in range(K):
