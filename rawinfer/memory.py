@@ -241,6 +241,7 @@ class MemoryPool:
         self.kv = KVCache(num_blocks=num_blocks, block_size=ecfg.block_size,
                           padding_block=num_blocks if spare else None)
         kv_shape = (num_blocks + spare, cfg.num_kv_heads, ecfg.block_size, cfg.head_dim)
+        backend.prefault(self.arena, off, self.kv_bytes)
         for _ in range(cfg.num_layers):
             for lst in (self.kv.k, self.kv.v):
                 lst.append(backend.carve(self.arena, off, kv_shape, kdt))

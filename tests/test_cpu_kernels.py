@@ -102,14 +102,61 @@ def test_silu_mul(T, F):
     np.testing.assert_allclose(out, silu_mul_ref(gu), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("T,K,N,bias", [(1, 64, 3, False), (13, 576, 1728, True), (70, 33, 17, True)])
-def test_linear(T, K, N, bias):
+@pytest.mark.parametrize("T,K,N,bias", [(1, 64, 3, False), (2, 576, 130, False), (13, 576, 1728, True),
+                                        (70, 33, 17, True), (3, 100, 1000, False)])
+@pytest.mark.parametrize("numba_pool", [True, False])   # GEMMs on Numba's threads, or np.matmul
+def test_linear(T, K, N, bias, numba_pool, monkeypatch):
+    if numba_pool and not be.blas_on_numba_pool:
+        pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
+    monkeypatch.setattr(be, "blas_on_numba_pool", numba_pool)
     x, w = rand(T, K), rand(N, K)
     b = rand(N) if bias else None
     out = np.empty((T, N), np.float32)
     be.linear(x, w, out, bias=b)
     ref = x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_nt_splits_columns_over_any_number_of_parts():
+    from rawinfer.backend import cpu_blas
+    if not cpu_blas.available():
+        pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
+    x, w = rand(5, 40), rand(7, 40)
+    for parts in (1, 2, 3, 7, 9):          # 9 parts of 7 columns: some slices are empty
+        out = np.full((5, 7), np.nan, np.float32)
+        cpu_blas.matmul_nt(x, w, out, parts)
+        np.testing.assert_allclose(out, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_exp_matches_numpy():
+    from rawinfer.backend.cpu_kernels import fast_exp
+    import numba as nb
+
+    @nb.njit
+    def apply(x, out):
+        for i in range(x.shape[0]):
+            out[i] = fast_exp(x[i])
+    x = np.concatenate([np.linspace(-87, 88, 100001), [0.0, -1e-8, 1e-8, 0.5 * np.log(2)]]).astype(np.float32)
+    out = np.empty_like(x)
+    apply(x, out)
+    ref = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(out - ref) / ref) < 1e-6
+    tails = np.array([-np.inf, -1000.0, -88.0, 89.0, 1000.0], np.float32)
+    out = np.empty_like(tails)
+    apply(tails, out)
+    assert 0 < out[0] == out[1] == out[2] < 1e-37          # clamped: 0 for any sum it enters
+    assert out[3] == out[4] and np.isfinite(out[3])
+
+
+def test_prefault_leaves_the_bytes_alone():
+    arena = be.alloc_arena(8 << 20)
+    arena[: 4 << 20] = 7
+    thread = be.prefault(arena, 4096 + 3, (6 << 20) - 5)
+    if thread is not None:
+        thread.join(30)
+    assert (arena[: 4 << 20] == 7).all() and (arena[4 << 20:] == 0).all()
+    arena[-1] = 1                                           # writable after it too
+    assert arena[-1] == 1
 
 
 def test_embedding_and_take_rows():
@@ -177,6 +224,8 @@ def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None):
     ([37, 3, 1], [37, 50, 100], 9, 3, 64, 16),           # ragged, not multiples of the tile or block
     ([ATTN_QUERY_TILE * 2 + 3], [ATTN_QUERY_TILE * 2 + 10], 8, 8, 32, 5),   # chunk after a cached prefix
     ([7, 7], [7, 14], 6, 1, 8, 3),                       # multi-query (Hkv = 1)
+    ([1, 1, 1], [1, 16, 33], 4, 2, 16, 16),              # pure decode batch (the two-pass decode kernel)
+    ([1] * 20, list(range(3, 203, 10)), 9, 3, 64, 16),   # ... 60 work items: its parallel build
 ])
 def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS):
     qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 7)

@@ -35,7 +35,11 @@ def test_quantize_roundtrip_error_is_half_a_step():
 @pytest.mark.parametrize("T,K,N", [(1, 64, 3), (INT8_GEMV_MAX_ROWS, 576, 960), (INT8_GEMV_MAX_ROWS + 1, 33, 70),
                                    (40, 576, 1000)])
 @pytest.mark.parametrize("scratch_rows", [None, 7, 100000])   # no scratch, tiled, whole matrix at once
-def test_int8_linear(T, K, N, scratch_rows):
+@pytest.mark.parametrize("numba_pool", [True, False])          # dequantize + GEMM per thread, or np.matmul
+def test_int8_linear(T, K, N, scratch_rows, numba_pool, monkeypatch):
+    if numba_pool and not be.blas_on_numba_pool:
+        pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
+    monkeypatch.setattr(be, "blas_on_numba_pool", numba_pool)
     x = RNG.standard_normal((T, K)).astype(np.float32)
     q, scale = quantize_int8(RNG.standard_normal((N, K)).astype(np.float32))
     out = np.empty((T, N), np.float32)

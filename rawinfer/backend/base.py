@@ -47,6 +47,10 @@ class Backend(ABC):
     def alloc_arena(self, nbytes: int) -> Any:
         """One flat uint8 buffer of nbytes: the whole memory pool. Called once per engine."""
 
+    def prefault(self, arena: Any, offset: int, nbytes: int) -> None:
+        """Make arena[offset : offset + nbytes] resident ahead of use, without changing its bytes
+        (the CPU backend does it in the background; a GPU pool is resident already)."""
+
     def carve(self, arena: Any, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """A typed, C-contiguous view of arena[offset : offset + prod(shape) * itemsize]."""
         dtype = np.dtype(dtype)

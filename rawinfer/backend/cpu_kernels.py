@@ -9,8 +9,41 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 _JIT = dict(cache=True)
+
+
+@intrinsic
+def _bits_as_float32(typingctx, bits):
+    """Reinterpret the bits of an int32 as a float32 (no conversion)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@nb.njit(inline="always")
+def fast_exp(x):
+    """exp(x) for float32 in plain arithmetic, so that LLVM vectorizes loops that call it (a call to
+    libm's expf stays scalar: silu over 2048 x 1536 took 9.2 ms with np.exp, 1.2 ms with this).
+    x = n ln2 + r with |r| <= ln2/2; exp(r) by its Taylor polynomial to r^6 (relative error < 5e-7);
+    2^n built from its exponent bits. Inputs are clamped to [-87, 88]: exp(-inf) gives 1.6e-38, which
+    is 0 for every sum it enters (softmax weights, 1 + exp(-x))."""
+    # NOTE: conditional expressions, not min/max: Numba's min/max branch on NaN and block vectorization
+    x = x if x > np.float32(-87.0) else np.float32(-87.0)
+    x = x if x < np.float32(88.0) else np.float32(88.0)
+    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = x - n * np.float32(0.693145751953125) - n * np.float32(1.428606765330187e-06)   # ln2 = hi + lo
+    p = np.float32(1.0 / 720)
+    p = p * r + np.float32(1.0 / 120)
+    p = p * r + np.float32(1.0 / 24)
+    p = p * r + np.float32(1.0 / 6)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * _bits_as_float32((np.int32(n) + np.int32(127)) << 23)
 
 
 class Kernel:
@@ -77,7 +110,7 @@ def _silu_mul_kernel(gate_up, out):
     for t in nb.prange(T):
         for f in range(F):
             g = gate_up[t, f]
-            out[t, f] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, F + f]
+            out[t, f] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, F + f]
 
 
 def _kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
@@ -145,14 +178,17 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
                         sc[r] = s
                         mx = max(mx, s)
                     m_new = max(m[i, g], mx)
-                    corr = np.exp(m[i, g] - m_new)
+                    corr = fast_exp(m[i, g] - m_new)
+                    li = l[i, g] * corr
+                    for r in range(nvis):          # a separate loop, so that the exps vectorize
+                        p = fast_exp(sc[r] - m_new)
+                        sc[r] = p
+                        li += p
                     a = acc[i, g]
                     for d in range(D):
                         a[d] *= corr
-                    li = l[i, g] * corr
                     for r in range(nvis):
-                        p = np.exp(sc[r] - m_new)
-                        li += p
+                        p = sc[r]
                         for d in range(D):
                             a[d] += p * vb[r, d]
                     l[i, g] = li
@@ -163,6 +199,62 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
                 base = (kvh * G + g) * D
                 for d in range(D):
                     out[q0 + i, base + d] = acc[i, g, d] * inv
+
+
+def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, out):
+    """Attention of one new token per sequence (a pure decode batch: row b of qkv is sequence b's token).
+
+    One work item = (sequence, kv head), in two passes over the sequence's blocks instead of an online
+    softmax: all scores of the item's G query heads into a [G, context] buffer, one exact softmax per
+    head (its exps vectorize over the whole row), then P @ V with each V row read once for all G heads.
+    Measured 1.65 vs 2.14 ms for 64 sequences of ~190 tokens (SmolLM2 shapes) against the tiled kernel.
+    """
+    _, Hkv, BS, D = k_cache.shape
+    G = num_heads // Hkv
+    B = context_lens.shape[0]
+    for w in nb.prange(B * Hkv):
+        b = w // Hkv
+        kvh = w % Hkv
+        n = context_lens[b]
+        q = np.empty((G, D), np.float32)
+        for g in range(G):
+            base = (kvh * G + g) * D
+            for d in range(D):
+                q[g, d] = qkv[b, base + d] * scale
+        s = np.empty((G, n), np.float32)
+        for page in range((n + BS - 1) // BS):
+            kb = k_cache[block_tables[b, page], kvh]     # [BS, D]
+            j0 = page * BS
+            for r in range(min(BS, n - j0)):
+                for g in range(G):
+                    acc = np.float32(0.0)
+                    for d in range(D):
+                        acc += q[g, d] * kb[r, d]
+                    s[g, j0 + r] = acc
+        inv = np.empty(G, np.float32)
+        for g in range(G):
+            m = np.float32(-np.inf)
+            for j in range(n):
+                m = s[g, j] if s[g, j] > m else m
+            total = np.float32(0.0)
+            for j in range(n):
+                p = fast_exp(s[g, j] - m)
+                s[g, j] = p
+                total += p
+            inv[g] = np.float32(1.0) / total
+        o = np.zeros((G, D), np.float32)
+        for page in range((n + BS - 1) // BS):
+            vb = v_cache[block_tables[b, page], kvh]
+            j0 = page * BS
+            for r in range(min(BS, n - j0)):
+                for g in range(G):
+                    p = s[g, j0 + r]
+                    for d in range(D):
+                        o[g, d] += p * vb[r, d]
+        for g in range(G):
+            base = (kvh * G + g) * D
+            for d in range(D):
+                out[b, base + d] = o[g, d] * inv[g]
 
 
 @nb.njit(**_JIT)
@@ -206,12 +298,14 @@ rmsnorm_kernel = Kernel(_rmsnorm_kernel)
 add_rmsnorm_kernel = Kernel(_add_rmsnorm_kernel)
 rope_kernel = Kernel(_rope_kernel)
 kv_write_kernel = Kernel(_kv_write_kernel)
-silu_mul_kernel = Kernel(_silu_mul_kernel)
+silu_mul_kernel = Kernel(_silu_mul_kernel, fastmath={"contract"})
 # NOTE: reassociation lets LLVM vectorize the dot products; no 'ninf' flag, since m starts at -inf.
 # (Rows here are work items x kv heads. A single decode sequence has only Hkv of them: waking the
 # thread pool right after a BLAS call costs far more than that work, 137 vs 12 ms per SmolLM2 step.)
 paged_attention_kernel = Kernel(_paged_attention_kernel, min_parallel_rows=16,
                                 fastmath={"reassoc", "contract", "arcp", "nsz"})
+decode_attention_kernel = Kernel(_decode_attention_kernel, min_parallel_rows=16,
+                                 fastmath={"reassoc", "contract", "arcp", "nsz"})
 
 
 # ---- int8 weight-only kernels (rawinfer/quant.py): float32 activations, dequantized on the fly ----
