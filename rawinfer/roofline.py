@@ -32,8 +32,10 @@ def _best(fn, repeat: int) -> float:
     return best
 
 
-def measure_ceilings(xp=np, sync=lambda: None, copy_mib: int = 256, gemm_n: int = 2048, repeat: int = 5) -> dict:
-    """Copy bandwidth (GB/s, read + write) and float32 GEMM rate (GFLOP/s) with array module xp."""
+def measure_ceilings(xp=np, sync=lambda: None, copy_mib: int = 256, gemm_n: int = 2048, repeat: int = 5,
+                     linear=None) -> dict:
+    """Copy bandwidth (GB/s, read + write) and float32 GEMM rate (GFLOP/s) with array module xp; the
+    GEMM through `linear(x, w, out)` (out = x @ w.T, the backend's own op) when given."""
     n = copy_mib * 1024 * 1024 // 4
     a = xp.ones(n, dtype=xp.float32)
     b = xp.empty_like(a)
@@ -46,7 +48,10 @@ def measure_ceilings(xp=np, sync=lambda: None, copy_mib: int = 256, gemm_n: int 
     y = xp.empty_like(x)
 
     def gemm():
-        xp.matmul(x, x, out=y)
+        if linear is not None:
+            linear(x, x, y)
+        else:
+            xp.matmul(x, x, out=y)
         sync()
     t_gemm = _best(gemm, repeat)
     return {"copy_GBps": 2 * a.nbytes / t_copy / 1e9, "gemm_GFLOPs": 2 * gemm_n**3 / t_gemm / 1e9,
@@ -114,7 +119,7 @@ def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
         import cupy
         ceil = measure_ceilings(cupy, cupy.cuda.runtime.deviceSynchronize, copy_mib=1024, gemm_n=8192)
     else:
-        ceil = measure_ceilings()
+        ceil = measure_ceilings(linear=be.linear)    # the GEMM path the engine itself runs
     bpp = 1.0 + 4.0 / cfg.hidden_size if cfg.quant == "int8" else float(be.weight_dtype(cfg.dtype).itemsize)
     kv_item = be.kv_dtype(cfg.dtype).itemsize
     rows = []

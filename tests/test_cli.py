@@ -82,3 +82,17 @@ def test_convert_cli_and_bench_throughput(tmp_path):
                 "peak_kv_usage", "prefix_cache_hit_rate", "preemptions", "speedup_vs_single_stream"):
         assert key in res
     assert "output tokens/s" in r.stdout
+
+
+def test_bench_roofline_reports_both_phases(tmp_path, tiny_llama_dir):
+    out = str(tmp_path / "roofline.json")
+    r = rawinfer("-q", "bench", "roofline", "--model", tiny_llama_dir,
+                 "--device", "cpu", "--kv-cache-memory", "16MiB", "--prompt-len", "40", "--batch", "1",
+                 "--batch", "3", "--context", "9", "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(out))
+    assert res["ceilings"]["copy_GBps"] > 0 and res["ceilings"]["gemm_GFLOPs"] > 0
+    assert [(p["phase"], p["batch"]) for p in res["phases"]] == [("prefill", 1), ("decode", 1), ("decode", 3)]
+    for p in res["phases"]:
+        assert p["tokens_per_s"] > 0 and p["GFLOPs"] > 0 and p["bound"] in ("compute", "memory")
+    assert "prefill" in r.stdout and "decode" in r.stdout
