@@ -179,16 +179,15 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
                         mx = max(mx, s)
                     m_new = max(m[i, g], mx)
                     corr = fast_exp(m[i, g] - m_new)
-                    li = l[i, g] * corr
-                    for r in range(nvis):          # a separate loop, so that the exps vectorize
-                        p = fast_exp(sc[r] - m_new)
-                        sc[r] = p
-                        li += p
                     a = acc[i, g]
                     for d in range(D):
                         a[d] *= corr
+                    li = l[i, g] * corr
+                    # NOTE: exp inside the key loop: a separate (vectorized) exp pass over the <= BS
+                    # scores measured slower here (21.7 vs 11.6 ms for 16 x 128-token prompts)
                     for r in range(nvis):
-                        p = sc[r]
+                        p = fast_exp(sc[r] - m_new)
+                        li += p
                         for d in range(D):
                             a[d] += p * vb[r, d]
                     l[i, g] = li
