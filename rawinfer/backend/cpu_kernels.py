@@ -46,13 +46,24 @@ def fast_exp(x):
     return p * _bits_as_float32((np.int32(n) + np.int32(127)) << 23)
 
 
+def _renamed(fn, name: str):
+    """A copy of fn under another name. NOTE: Numba's disk cache names its files after the function's
+    qualified name and line and does not key them on the compile options, so two builds of one
+    function (serial and parallel) would overwrite and then load each other's machine code."""
+    import types as pytypes
+    g = pytypes.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    g.__qualname__ = name
+    g.__doc__ = fn.__doc__
+    return g
+
+
 class Kernel:
     """One kernel source compiled twice: serially for small batches (a decode step of a few tokens,
     where waking the thread pool costs more than the work) and with `parallel=True` for large ones."""
 
     def __init__(self, fn, min_parallel_rows: int = 16, **options):
         self.serial = nb.njit(**_JIT, **options)(fn)
-        self.parallel = nb.njit(parallel=True, **_JIT, **options)(fn)
+        self.parallel = nb.njit(parallel=True, **_JIT, **options)(_renamed(fn, fn.__name__ + "_parallel"))
         self.min_parallel_rows = min_parallel_rows
 
     def __call__(self, rows: int, *args):
