@@ -226,8 +226,13 @@ def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None):
     ([7, 7], [7, 14], 6, 1, 8, 3),                       # multi-query (Hkv = 1)
     ([1, 1, 1], [1, 16, 33], 4, 2, 16, 16),              # pure decode batch (the two-pass decode kernel)
     ([1] * 20, list(range(3, 203, 10)), 9, 3, 64, 16),   # ... 60 work items: its parallel build
+    ([130, 1, 40], [150, 60, 40], 9, 3, 64, 16),         # long prefill chunks: 64-query tiles (BLAS path)
 ])
-def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS):
+@pytest.mark.parametrize("blas", [True, False])          # query runs >= 32 take the BLAS kernel if it can
+def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, monkeypatch):
+    if blas and not be.blas_on_numba_pool:
+        pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
+    monkeypatch.setattr(be, "blas_on_numba_pool", blas)
     qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 7)
     T = qkv.shape[0]
     out = np.empty((T, H * D), np.float32)

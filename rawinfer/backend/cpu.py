@@ -21,6 +21,8 @@ from .base import Backend
 from .cpu_fused import NO_BIAS, decoder_stack_kernel
 
 ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
+ATTN_BLAS_MIN_QUERY = 32   # batches with a query run this long take the BLAS attention (prefill)...
+ATTN_BLAS_QUERY_TILE = 64  # ... in tiles of this many queries
 INT8_GEMV_MAX_ROWS = 4  # int8 matmul: up to this many rows, dot products straight from int8 weights;
                         # above, dequantize row tiles into the scratch buffer and run BLAS on them
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Python's mmap module names it only from 3.12 on
@@ -208,6 +210,11 @@ class CPUBackend(Backend):
         if max_query_len == 1 and qkv.shape[0] == B:     # pure decode: row b is sequence b's token
             K.decode_attention_kernel(B * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
                                       np.float32(scale), H, out)
+            return
+        if self.blas_on_numba_pool and max_query_len >= ATTN_BLAS_MIN_QUERY:   # prefill: products on BLAS
+            seqs, q0, q1 = K.attention_work_items(query_start_loc, ATTN_BLAS_QUERY_TILE)
+            cpu_blas.prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs,
+                                       q0, q1, np.float32(scale), H, out, self.threads)
             return
         seqs, q0, q1 = K.attention_work_items(query_start_loc, ATTN_QUERY_TILE)   # [W] each
         K.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,

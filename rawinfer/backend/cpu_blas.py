@@ -27,6 +27,8 @@ import numba as nb
 import numpy as np
 from numba import types
 
+from .cpu_kernels import fast_exp
+
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _GEMV_MAX_ROWS = 2     # up to this many rows of x, one GEMV per row streams the weights faster than a
@@ -112,4 +114,71 @@ def int8_matmul_nt(x, q, scale, out, scratch, tile_rows, parts):
                     wt[r, k] = np.float32(q[n0 + r, k]) * s
             _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, M, rows, K, np.float32(1.0), x.ctypes.data, K,
                    wt.ctypes.data, K, np.float32(0.0), out[:, n0:].ctypes.data, N)
+        _set_threads_local(prev)
+
+
+@nb.njit(parallel=True, cache=True, fastmath={"reassoc", "contract", "arcp", "nsz"})
+def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, work_seq, work_q0,
+                      work_q1, scale, num_heads, out, parts):
+    """Causal paged attention with the two matrix products on BLAS, for batches with long query runs
+    (prefill chunks). One work item = (query tile of one sequence, kv head):
+        K, V of the visible positions gathered from the item's blocks into [n, D] buffers
+        S = Q K^T          [G * tile, n]   (the G query heads sharing the kv head stacked as rows)
+        P = softmax(S)     per row, keys after the query's position masked out
+        O = P V / sum(P)   [G * tile, D]
+    Items are dealt to threads round-robin: later tiles see more keys, and contiguous halves would
+    leave one thread with most of the work."""
+    _, Hkv, BS, D = k_cache.shape
+    G = num_heads // Hkv
+    W = work_seq.shape[0] * Hkv
+    one, zero = np.float32(1.0), np.float32(0.0)
+    for p in nb.prange(parts):
+        prev = _set_threads_local(1)
+        for w in range(p, W, parts):
+            item = w // Hkv
+            kvh = w % Hkv
+            b = work_seq[item]
+            q0 = work_q0[item]
+            nq = work_q1[item] - q0
+            qlen = query_start_loc[b + 1] - query_start_loc[b]
+            first = context_lens[b] - qlen + (q0 - query_start_loc[b])   # position of the tile's first query
+            n = first + nq                                                # keys visible to its last query
+            kc = np.empty((n, D), np.float32)
+            vc = np.empty((n, D), np.float32)
+            for j in range(n):
+                blk = block_tables[b, j // BS]
+                kc[j, :] = k_cache[blk, kvh, j % BS, :]
+                vc[j, :] = v_cache[blk, kvh, j % BS, :]
+            q = np.empty((G * nq, D), np.float32)
+            for g in range(G):
+                base = (kvh * G + g) * D
+                for i in range(nq):
+                    for d in range(D):
+                        q[g * nq + i, d] = qkv[q0 + i, base + d] * scale
+            s = np.empty((G * nq, n), np.float32)
+            _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, G * nq, n, D, one, q.ctypes.data, D, kc.ctypes.data, D,
+                   zero, s.ctypes.data, n)
+            inv = np.empty(G * nq, np.float32)
+            for row in range(G * nq):
+                visible = first + row % nq + 1
+                m = np.float32(-np.inf)
+                for j in range(visible):
+                    m = s[row, j] if s[row, j] > m else m
+                total = np.float32(0.0)
+                for j in range(visible):
+                    e = fast_exp(s[row, j] - m)
+                    s[row, j] = e
+                    total += e
+                for j in range(visible, n):
+                    s[row, j] = zero
+                inv[row] = one / total
+            o = np.empty((G * nq, D), np.float32)
+            _sgemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, G * nq, D, n, one, s.ctypes.data, n, vc.ctypes.data, D,
+                   zero, o.ctypes.data, D)
+            for g in range(G):
+                base = (kvh * G + g) * D
+                for i in range(nq):
+                    r = g * nq + i
+                    for d in range(D):
+                        out[q0 + i, base + d] = o[r, d] * inv[r]
         _set_threads_local(prev)
