@@ -68,6 +68,7 @@ class LLMEngine:
         t0 = time.monotonic()
         self.pool.load_weights(model_dir)
         log.info("loaded %s weights from %s in %.2f s", cfg.architecture, model_dir, time.monotonic() - t0)
+        self.pool.prefault_kv()
         self.tokenizer = None
         if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
             from .tokenizer import Tokenizer
@@ -80,6 +81,7 @@ class LLMEngine:
         self = cls.__new__(cls)
         self._setup(model_config, engine_config.validate())
         self.pool.init_random_weights(seed)
+        self.pool.prefault_kv()
         self.tokenizer = None
         self.model_dir = None
         return self

@@ -241,13 +241,20 @@ class MemoryPool:
         self.kv = KVCache(num_blocks=num_blocks, block_size=ecfg.block_size,
                           padding_block=num_blocks if spare else None)
         kv_shape = (num_blocks + spare, cfg.num_kv_heads, ecfg.block_size, cfg.head_dim)
-        self._prefault = backend.prefault(self.arena, off, self.kv_bytes)   # a thread, or None
+        self._kv_offset, self._prefault = off, None
         for _ in range(cfg.num_layers):
             for lst in (self.kv.k, self.kv.v):
                 lst.append(backend.carve(self.arena, off, kv_shape, kdt))
                 off += _align(int(np.prod(kv_shape)) * np.dtype(kdt).itemsize)
         assert off == self.total_bytes
         backend.upload(self.weights["rope_cos_sin"], rope_cos_sin(cfg))
+
+    def prefault_kv(self) -> None:
+        """Start mapping the KV region in (the CPU backend does it in the background). Called once the
+        weights are in: the checkpoint's file mapping is gone by then, so the two never add up in
+        resident memory."""
+        if self._prefault is None:
+            self._prefault = self.backend.prefault(self.arena, self._kv_offset, self.kv_bytes)
 
     def wait_resident(self, timeout: float | None = None) -> None:
         """Wait until the backend has finished mapping the KV region in (benchmarks call this so

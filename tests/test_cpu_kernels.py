@@ -262,3 +262,15 @@ def test_shape_and_dtype_checks():
                     np.zeros(1, np.int64), 2)
     with pytest.raises(ValueError, match="contiguous"):
         be.rmsnorm(rand(8, 4).T, rand(8), 1e-5, np.empty((4, 8), np.float32))
+
+
+def test_serial_and_parallel_builds_cache_apart():
+    """Numba names disk-cache files after the function (not its compile options): the two builds of a
+    kernel must carry different names, or one loads the other's machine code from the cache."""
+    from rawinfer.backend import cpu_kernels as K
+    kernels = [v for v in vars(K).values() if isinstance(v, K.Kernel)]
+    assert len(kernels) >= 6
+    names = set()
+    for k in kernels:
+        names |= {k.serial.py_func.__qualname__, k.parallel.py_func.__qualname__}
+    assert len(names) == 2 * len(kernels)
