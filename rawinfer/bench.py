@@ -93,7 +93,6 @@ def cmd_throughput(args) -> int:
     from .cli import engine_config_from_args
     from .engine import LLMEngine
     engine = LLMEngine(args.model, engine_config_from_args(args))
-    engine.pool.wait_resident()        # the KV pages are mapped in the background at start: not timed
     V = engine.model_config.vocab_size
     wl = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, V, args.seed,
                        args.shared_prefix)

@@ -159,7 +159,6 @@ def cmd_roofline(args) -> int:
     from .cli import engine_config_from_args
     from .engine import LLMEngine
     engine = LLMEngine(args.model, engine_config_from_args(args))
-    engine.pool.wait_resident()
     r = report(engine, args.prompt_len, args.batch, args.context)
     print_report(r)
     if args.json:

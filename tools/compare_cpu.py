@@ -35,7 +35,6 @@ model, workload, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 prompt = sys.argv[4]
 llm = LLM(model, device="cpu", num_threads=threads, kv_cache_memory="2GiB", max_num_batched_tokens=2048,
           max_num_seqs=64)
-llm.engine.pool.wait_resident()
 V = llm.engine.model_config.vocab_size
 rng = np.random.default_rng(0)
 warm = llm.generate([[100, 200, 300]] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)

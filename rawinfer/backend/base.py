@@ -48,8 +48,8 @@ class Backend(ABC):
         """One flat uint8 buffer of nbytes: the whole memory pool. Called once per engine."""
 
     def prefault(self, arena: Any, offset: int, nbytes: int) -> None:
-        """Make arena[offset : offset + nbytes] resident ahead of use, without changing its bytes
-        (the CPU backend does it in the background; a GPU pool is resident already)."""
+        """Make arena[offset : offset + nbytes] resident ahead of use, without changing its bytes (a GPU
+        pool is resident already)."""
 
     def carve(self, arena: Any, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
         """A typed, C-contiguous view of arena[offset : offset + prod(shape) * itemsize]."""
