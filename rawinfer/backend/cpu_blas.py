@@ -27,7 +27,7 @@ import numba as nb
 import numpy as np
 from numba import types
 
-from .cpu_kernels import fast_exp
+from .cpu_kernels import softmax_numerators
 
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -160,18 +160,10 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
                    zero, s.ctypes.data, n)
             inv = np.empty(G * nq, np.float32)
             for row in range(G * nq):
-                visible = first + row % nq + 1
-                m = np.float32(-np.inf)
-                for j in range(visible):
-                    m = s[row, j] if s[row, j] > m else m
-                total = np.float32(0.0)
-                for j in range(visible):
-                    e = fast_exp(s[row, j] - m)
-                    s[row, j] = e
-                    total += e
+                visible = first + row % nq + 1           # causal: keys up to the query's position
+                inv[row] = softmax_numerators(s[row], visible)
                 for j in range(visible, n):
                     s[row, j] = zero
-                inv[row] = one / total
             o = np.empty((G * nq, D), np.float32)
             _sgemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, G * nq, D, n, one, s.ctypes.data, n, vc.ctypes.data, D,
                    zero, o.ctypes.data, D)

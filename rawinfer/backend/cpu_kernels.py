@@ -57,6 +57,20 @@ def _renamed(fn, name: str):
     return g
 
 
+@nb.njit(inline="always")
+def softmax_numerators(row, n):
+    """row[:n] <- exp(row[:n] - max(row[:n])) in place; returns 1 / their sum (the normalizer)."""
+    m = np.float32(-np.inf)
+    for j in range(n):
+        m = row[j] if row[j] > m else m
+    total = np.float32(0.0)
+    for j in range(n):
+        e = fast_exp(row[j] - m)
+        row[j] = e
+        total += e
+    return np.float32(1.0) / total
+
+
 class Kernel:
     """One kernel source compiled twice: serially for small batches (a decode step of a few tokens,
     where waking the thread pool costs more than the work) and with `parallel=True` for large ones."""
@@ -243,15 +257,7 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
                     s[g, j0 + r] = acc
         inv = np.empty(G, np.float32)
         for g in range(G):
-            m = np.float32(-np.inf)
-            for j in range(n):
-                m = s[g, j] if s[g, j] > m else m
-            total = np.float32(0.0)
-            for j in range(n):
-                p = fast_exp(s[g, j] - m)
-                s[g, j] = p
-                total += p
-            inv[g] = np.float32(1.0) / total
+            inv[g] = softmax_numerators(s[g], n)
         o = np.zeros((G, D), np.float32)
         for page in range((n + BS - 1) // BS):
             vb = v_cache[block_tables[b, page], kvh]
