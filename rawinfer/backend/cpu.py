@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import os
 
-# NOTE: Numba's OpenMP workers spin after each parallel region before they sleep (300k iterations by
-# default). Every parallel region of a step (kernels and, through cpu_blas, the GEMMs) runs on that one
-# pool, so a spinning worker is exactly what the next region wants; but the spin must stay short enough
-# not to starve the step's Python work and other processes (a client, the tokenizer) once the step is
-# done. 100k iterations is ~1-3 ms. Set before Numba starts its pool (on the first parallel call); a
-# user's own value wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from ..quant import Int8Weight
 from . import cpu_blas
-from . import cpu_kernels as K
-from .base import Backend
-from .cpu_fused import NO_BIAS, decoder_stack_kernel
+
+# NOTE: Numba's OpenMP workers spin after each parallel region before they sleep (300k iterations by
+# default). When every parallel region of a step runs on that one pool (kernels and, through
+# cpu_blas, the GEMMs), a spinning worker is what the next region wants; 100k iterations (~1-3 ms)
+# keeps it short enough not to starve the step's Python work or other processes afterwards. When the
+# GEMMs run on the BLAS library's own pool instead (cpu_blas unavailable), the two pools' spinning
+# workers take each other's cores (6-8 ms vs 0.8 ms for a small GEMM after a kernel), so Numba's
+# workers sleep at once. Set before Numba starts its pool (on the first parallel call); a user's own
+# value wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "100000" if cpu_blas.available() else "0")
+
+from ..quant import Int8Weight  # noqa: E402
+from . import cpu_kernels as K  # noqa: E402
+from .base import Backend  # noqa: E402
+from .cpu_fused import NO_BIAS, decoder_stack_kernel  # noqa: E402
 
 ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
 ATTN_BLAS_MIN_QUERY = 32   # batches with a query run this long take the BLAS attention (prefill)...
