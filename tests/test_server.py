@@ -205,9 +205,10 @@ def test_abort_before_the_first_step_ends_every_sample(tiny_server):
 def test_heartbeats_keep_a_long_non_streaming_request_alive(tiny_server):
     """Nothing but heartbeats arrives for the whole request, yet a client with a short silence limit waits."""
     with Client(tiny_server.addr, timeout_s=0.4) as c:
-        its = [c.generate([5 + i, 6, 7], params={"max_tokens": 1000, **GREEDY}, stream=False) for i in range(3)]
+        # 8 requests: enough work (~1 s on the tiny model) to outlast the 0.4 s silence limit
+        its = [c.generate([5 + i, 6, 7], params={"max_tokens": 1000, **GREEDY}, stream=False) for i in range(8)]
         finals = [m for it in its for m in it]
-    assert [(f.finish_reason, len(f.token_ids)) for f in finals] == [("length", 1000)] * 3
+    assert [(f.finish_reason, len(f.token_ids)) for f in finals] == [("length", 1000)] * 8
     if max(f.timings.e2e_s for f in finals) < 0.4:
         pytest.skip("the request finished within the silence limit: nothing was shown")
 
@@ -253,8 +254,11 @@ time.sleep(60)
 """
 
 
+# NOTE: the frozen client's work must outlast the 1 s it takes to notice it: 16 requests x 4 samples x
+# 1000 tokens are ~10 s on the tiny model (4 x 4 finished in ~2.5 s, before detection, once the CPU
+# backend got faster)
 @pytest.mark.parametrize("mode, how, n, samples", [("stream", "kill", 2, 1), ("no-stream", "kill", 2, 1),
-                                                   ("no-stream", "freeze", 4, 4)])
+                                                   ("no-stream", "freeze", 16, 4)])
 def test_vanished_client_has_its_requests_aborted(tiny_server, mode, how, n, samples):
     """A killed streaming client is found by a failed chunk send, a killed non-streaming one by a failed
     heartbeat, a frozen one (SIGSTOP: connection open, nobody answering) by missed ZMTP heartbeats."""
