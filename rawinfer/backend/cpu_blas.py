@@ -27,7 +27,7 @@ import numba as nb
 import numpy as np
 from numba import types
 
-from .cpu_kernels import softmax_numerators
+from .cpu_kernels import softmax_numerators   # inlined: see the cache NOTE in cpu_fused.py
 
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112

@@ -3,9 +3,15 @@
 A decode step of one token does microseconds of work per op but pays Python and Numba dispatch for
 each of the ~11 ops of every layer (about 2 ms per step on SmolLM2's 30 layers, a fifth of the step).
 `decoder_stack_kernel` walks every layer and `decoder_layer_kernel` runs the same kernels as the
-per-op path, in the same order, from inside one compiled function: the serial builds for the elementwise ops (a few rows), the parallel builds for
-the matrix-vector products and attention. It reads and writes the same workspace buffers, so the
-results equal the per-op path up to float32 rounding of the row-matmul (fastmath reductions).
+per-op path, in the same order, from inside one compiled function: the serial builds for the
+elementwise ops (a few rows), the parallel builds for the matrix-vector products and attention. It
+reads and writes the same workspace buffers, so the results equal the per-op path up to float32
+rounding of the row-matmul (fastmath reductions).
+
+NOTE: the compiled kernels here carry copies of the cpu_kernels.py kernels they call, and Numba's disk
+cache only checks this file's timestamp: after editing cpu_kernels.py in a working tree, delete the
+cached builds (`find rawinfer -name '*.nb[ic]' -delete`) or touch this file. (An install writes every
+file anew, so it is only a concern while developing.)
 
     first layer:  x = rmsnorm(res)           other layers: res += h; x = rmsnorm(res)
     qkv = x @ Wqkv^T * scales (+ bias); rope(q, k); kv_write(k, v)
