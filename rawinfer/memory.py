@@ -241,7 +241,7 @@ class MemoryPool:
         self.kv = KVCache(num_blocks=num_blocks, block_size=ecfg.block_size,
                           padding_block=num_blocks if spare else None)
         kv_shape = (num_blocks + spare, cfg.num_kv_heads, ecfg.block_size, cfg.head_dim)
-        self._kv_offset, self._kv_resident = off, False
+        self._kv_offset = off
         for _ in range(cfg.num_layers):
             for lst in (self.kv.k, self.kv.v):
                 lst.append(backend.carve(self.arena, off, kv_shape, kdt))
@@ -253,9 +253,7 @@ class MemoryPool:
         """Map the KV region in now, so that no kernel step pays for first-touch page faults. Called
         once the weights are in: the checkpoint's file mapping is gone by then, so the two never add
         up in resident memory."""
-        if not self._kv_resident:
-            self.backend.prefault(self.arena, self._kv_offset, self.kv_bytes)
-            self._kv_resident = True
+        self.backend.prefault(self.arena, self._kv_offset, self.kv_bytes)
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weights(self, model_dir: str, progress: bool = False) -> None:

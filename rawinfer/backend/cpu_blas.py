@@ -27,7 +27,7 @@ import numba as nb
 import numpy as np
 from numba import types
 
-from .cpu_kernels import softmax_numerators   # inlined: see the cache NOTE in cpu_fused.py
+from .cpu_kernels import attention_work_item, softmax_numerators   # inlined: see the cache NOTE in cpu_fused.py
 
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -135,14 +135,9 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
     for p in nb.prange(parts):
         prev = _set_threads_local(1)
         for w in range(p, W, parts):
-            item = w // Hkv
-            kvh = w % Hkv
-            b = work_seq[item]
-            q0 = work_q0[item]
-            nq = work_q1[item] - q0
-            qlen = query_start_loc[b + 1] - query_start_loc[b]
-            first = context_lens[b] - qlen + (q0 - query_start_loc[b])   # position of the tile's first query
-            n = first + nq                                                # keys visible to its last query
+            b, kvh, q0, nq, first = attention_work_item(w, Hkv, work_seq, work_q0, work_q1, query_start_loc,
+                                                        context_lens)
+            n = first + nq                                # keys visible to the tile's last query
             kc = np.empty((n, D), np.float32)
             vc = np.empty((n, D), np.float32)
             for j in range(n):

@@ -58,6 +58,19 @@ def _renamed(fn, name: str):
 
 
 @nb.njit(inline="always")
+def attention_work_item(w, num_kv_heads, work_seq, work_q0, work_q1, query_start_loc, context_lens):
+    """Work item w of the attention kernels -> (sequence b, kv head, first query row q0, query count nq,
+    position of the tile's first query), for items laid out as (query tile from attention_work_items,
+    kv head)."""
+    item = w // num_kv_heads
+    b = work_seq[item]
+    q0 = work_q0[item]
+    qlen = query_start_loc[b + 1] - query_start_loc[b]
+    first = context_lens[b] - qlen + (q0 - query_start_loc[b])
+    return b, w % num_kv_heads, q0, work_q1[item] - q0, first
+
+
+@nb.njit(inline="always")
 def softmax_numerators(row, n):
     """row[:n] <- exp(row[:n] - max(row[:n])) in place; returns 1 / their sum (the normalizer)."""
     m = np.float32(-np.inf)
@@ -168,13 +181,8 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
     G = num_heads // Hkv
     W = work_seq.shape[0]
     for w in nb.prange(W * Hkv):
-        item = w // Hkv
-        kvh = w % Hkv
-        b = work_seq[item]
-        q0 = work_q0[item]
-        nq = work_q1[item] - q0
-        qlen = query_start_loc[b + 1] - query_start_loc[b]
-        tile_first = context_lens[b] - qlen + (q0 - query_start_loc[b])   # position of the tile's first query
+        b, kvh, q0, nq, tile_first = attention_work_item(w, Hkv, work_seq, work_q0, work_q1, query_start_loc,
+                                                         context_lens)
         last_pos = tile_first + nq - 1
         q = np.empty((nq, G, D), np.float32)
         for i in range(nq):
@@ -317,7 +325,8 @@ kv_write_kernel = Kernel(_kv_write_kernel)
 silu_mul_kernel = Kernel(_silu_mul_kernel, fastmath={"contract"})
 # NOTE: reassociation lets LLVM vectorize the dot products; no 'ninf' flag, since m starts at -inf.
 # (Rows here are work items x kv heads. A single decode sequence has only Hkv of them: waking the
-# thread pool right after a BLAS call costs far more than that work, 137 vs 12 ms per SmolLM2 step.)
+# thread pool for that little work measured 137 vs 12 ms per SmolLM2 step, back when the GEMMs ran on
+# OpenBLAS's own pool; not re-measured since cpu_blas moved them onto Numba's.)
 paged_attention_kernel = Kernel(_paged_attention_kernel, min_parallel_rows=16,
                                 fastmath={"reassoc", "contract", "arcp", "nsz"})
 decode_attention_kernel = Kernel(_decode_attention_kernel, min_parallel_rows=16,
