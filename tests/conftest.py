@@ -53,3 +53,24 @@ def smollm2_engine(smollm2_dir):
     from rawinfer import LLMEngine
     return LLMEngine(smollm2_dir, device="cpu", kv_cache_memory="512MiB", max_num_batched_tokens=1024,
                      max_num_seqs=64)
+
+
+def _staggered_generation(engine, prompts: dict, max_tokens: int) -> dict:
+    """Greedy generation where requests join one per step (so decode batches of every size up to
+    len(prompts) occur); returns {request id: generated token ids}."""
+    from rawinfer import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    out = {rid: [] for rid in prompts}
+    pending = list(prompts.items())
+    while pending or engine.has_unfinished():
+        if pending:
+            engine.add_request(*pending.pop(0), params)
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return out
+
+
+@pytest.fixture
+def staggered_generation():
+    """The function above, for tests that drive engines on different devices through the same steps."""
+    return _staggered_generation

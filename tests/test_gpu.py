@@ -319,22 +319,8 @@ def test_tiny_greedy_generation_matches_reference(tmp_path_factory):
     assert tokens[:upto] == ref["greedy_ids"][:upto].tolist()
 
 
-def _greedy_run(engine, prompts, max_tokens):
-    """Requests join one per step (decode batches of every size up to len(prompts) occur)."""
-    from rawinfer import SamplingParams
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    out = {rid: [] for rid in prompts}
-    pending = list(prompts.items())
-    while pending or engine.has_unfinished():
-        if pending:
-            engine.add_request(*pending.pop(0), params)
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    return out
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_graphs_replay_equals_eager(tmp_path_factory, dtype):
+def test_decode_graphs_replay_equals_eager(tmp_path_factory, dtype, staggered_generation):
     """The runner's decode graphs: a replay gives the bits of an eager run of the same padded batch,
     and graph-decoded tokens are what eager decoding (on teacher-forced logits) calls best."""
     from rawinfer.model_runner import bucket_for
@@ -358,7 +344,7 @@ def test_decode_graphs_replay_equals_eager(tmp_path_factory, dtype):
     runner.graphs.run = spy
     rng = np.random.default_rng(14)
     prompts = {f"r{i}": rng.integers(3, 512, n).tolist() for i, n in enumerate([3, 40, 17, 5, 90])}
-    generated = _greedy_run(graphed, prompts, 12)
+    generated = staggered_generation(graphed, prompts, 12)
     assert checked and set(runner.graphs.captured) >= {1, 2, 4, 8}
     eager = _engine(path, "cuda", max_num_seqs=8, use_cuda_graphs=False)
     assert eager.runner.graphs is None

@@ -29,7 +29,6 @@ from rawinfer.sampler import Sampler, make_generator, sample_row
 
 MIB = 1024**2
 DATA = os.path.join(os.path.dirname(__file__), "data")
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 # ---- buckets and the packed layout ------------------------------------------------------------------
@@ -209,21 +208,9 @@ def shim_engine(monkeypatch, model_dir, libraries, graphs: bool) -> LLMEngine:
                                              max_num_seqs=4, max_model_len=256, use_cuda_graphs=graphs))
 
 
-def staggered_generation(engine, prompts, max_tokens):
-    """Requests join one per step, so decode batches of 1, 2 and 3 (buckets 1, 2, 4) all occur."""
-    params = SamplingParams(max_tokens=max_tokens, **GREEDY)
-    out = {rid: [] for rid in prompts}
-    pending = list(prompts.items())
-    while pending or engine.has_unfinished():
-        if pending:
-            engine.add_request(*pending.pop(0), params)
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    return out
-
-
 @needs_shim
-def test_decode_graphs_on_the_shim_match_eager(monkeypatch, tiny_llama_dir, shim_libraries):
+def test_decode_graphs_on_the_shim_match_eager(monkeypatch, tiny_llama_dir, shim_libraries,
+                                                staggered_generation):
     prompts = {"a": [5, 6, 7], "b": list(range(20, 37)), "c": [300, 301, 9, 11, 40]}
     graphed = shim_engine(monkeypatch, tiny_llama_dir, shim_libraries, graphs=True)
     pool = graphed.pool
