@@ -67,6 +67,7 @@ class LLMEngine:
         self._setup(cfg, ecfg)
         t0 = time.monotonic()
         self.pool.load_weights(model_dir)
+        self.model.weights_loaded()
         log.info("loaded %s weights from %s in %.2f s", cfg.architecture, model_dir, time.monotonic() - t0)
         self.pool.prefault_kv()
         self.tokenizer = None
@@ -81,6 +82,7 @@ class LLMEngine:
         self = cls.__new__(cls)
         self._setup(model_config, engine_config.validate())
         self.pool.init_random_weights(seed)
+        self.model.weights_loaded()
         self.pool.prefault_kv()
         self.tokenizer = None
         self.model_dir = None

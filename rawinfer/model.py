@@ -67,6 +67,17 @@ class LlamaModel:
         self.final_norm = w["final_norm"]
         self.cos_sin = w["rope_cos_sin"]
 
+    def weights_loaded(self) -> None:
+        """Called once the pool holds the weights: the backend may repack int8 matrices for its GEMMs
+        (Backend.prepare_int8); the pool's own int8 rows stay what the other ops read."""
+        be = self.backend
+        for L in self.layers:
+            for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                if isinstance(L[k], Int8Weight):
+                    L[k] = be.prepare_int8(L[k])
+        if isinstance(self.lm_head, Int8Weight):
+            self.lm_head = be.prepare_int8(self.lm_head)
+
     def forward(self, batch: FlatBatch):
         """Run the layers; returns the logits view [S, V] (float32) of the pool's workspace."""
         self.forward_hidden(batch)

@@ -24,6 +24,7 @@ class Int8Weight:
     """A quantized matrix as the backends see it (device arrays)."""
     q: Any         # [N, K] int8
     scale: Any     # [N] float32
+    packed: Any = None   # the backend's own copy of q for its GEMMs (Backend.prepare_int8), or None
 
     @property
     def shape(self) -> tuple[int, int]:

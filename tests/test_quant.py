@@ -78,8 +78,11 @@ def test_tiny_int8_model_tracks_the_float_reference(tiny_int8_dir):
     sure = top2[:, 1] - top2[:, 0] > 0.3
     assert sure.sum() > 30
     np.testing.assert_array_equal(logits.argmax(-1)[sure], want.argmax(-1)[sure])
-    # the decode path (int8 GEMV) and the prefill path (dequantize + BLAS) agree
-    np.testing.assert_allclose(engine.score(ref["seq_ids"].tolist(), [20] + [1] * 130), logits, atol=1e-4)
+    # the decode path (int8 GEMV on float activations) and the prefill path (integer GEMM on activations
+    # quantized to int16 per token; dequantize + BLAS where that is unavailable) agree: measured 1.3e-3
+    # on logits of magnitude ~2 with the integer GEMM, < 1e-4 without
+    tol = 5e-3 if engine.backend.int_gemm else 1e-4
+    np.testing.assert_allclose(engine.score(ref["seq_ids"].tolist(), [20] + [1] * 130), logits, atol=tol)
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,11 @@ class Backend(ABC):
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return arena[offset:offset + n].view(dtype).reshape(shape)
 
+    def prepare_int8(self, w):
+        """A quant.Int8Weight as this backend computes with it (called once per matrix at load): the
+        same object, or a copy carrying a repacked layout in `packed`."""
+        return w
+
     @abstractmethod
     def upload(self, dst: Any, src: np.ndarray) -> None:
         """Copy host array src (same shape, castable dtype) into the pool view dst."""

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from . import cpu_blas
+from . import cpu_blas, cpu_qgemm
 
 # NOTE: Numba's OpenMP workers spin after each parallel region before they sleep (300k iterations by
 # default). When every parallel region of a step runs on that one pool (kernels and, through
@@ -67,6 +67,11 @@ class CPUBackend(Backend):
             numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
         self.threads = numba.get_num_threads()
         self.blas_on_numba_pool = cpu_blas.available()   # else np.matmul on OpenBLAS's (or MKL's) own pool
+        # int8 models: GEMMs (more than INT8_GEMV_MAX_ROWS rows) in integer arithmetic on int16-quantized
+        # activations (cpu_qgemm); RAWINFER_CPU_INT_GEMM=0 dequantizes the weights to float32 instead.
+        self.int_gemm = cpu_qgemm.available() and os.environ.get("RAWINFER_CPU_INT_GEMM", "1") != "0"
+        self._qx = np.empty(0, np.int16)                   # activation buffers of the integer GEMM,
+        self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
 
     # ---- memory ------------------------------------------------------------------------------
     def alloc_arena(self, nbytes: int):
@@ -120,6 +125,12 @@ class CPUBackend(Backend):
         for w in workers:
             w.join()
 
+    def prepare_int8(self, w):
+        if self.int_gemm and cpu_qgemm.supports(w.shape):
+            import dataclasses
+            return dataclasses.replace(w, packed=cpu_qgemm.pack_weights(w.q))
+        return w
+
     def upload(self, dst, src) -> None:
         src = np.asarray(src)
         if src.shape != dst.shape:
@@ -168,6 +179,14 @@ class CPUBackend(Backend):
         T, (N, Kd) = x.shape[0], w.shape
         if T <= INT8_GEMV_MAX_ROWS or scratch is None:
             K.rows_matmul_kernel(x, w.q, w.scale, out)
+            return
+        if w.packed is not None:
+            nx, ns = cpu_qgemm.x_buffer_sizes(T, Kd)
+            if self._qx.size < nx:
+                self._qx = np.empty(nx, np.int16)
+            if self._qs.size < ns:
+                self._qs = np.empty(ns, np.float32)
+            cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, self._qx, self._qs)
             return
         tile = min(INT8_TILE_ROWS, scratch.size // (self.threads * Kd))
         if self.blas_on_numba_pool and tile >= 1:
