@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rawinfer.backend import cpu_kernels as K
+from rawinfer.backend import cpu_llvm
 from rawinfer.backend.cpu import ATTN_QUERY_TILE, CPUBackend
 
 be = CPUBackend()
@@ -238,6 +240,34 @@ def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, monkeypatch):
     be.paged_attention(qkv, kc, vc, tables, ctx, qsl, scale, out, max(q_lens), max(ctx_lens))
     ref = attention_ref(qkv[:, :H * D].reshape(T, H, D), ks, vs, q_lens, ctx_lens, H, Hkv, scale)
     np.testing.assert_allclose(out.reshape(T, H, D), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("ctx_lens,H,Hkv,D,BS", [
+    ([1, 7, 8, 9], 4, 2, 32, 8),                         # contexts around the 8-row groups
+    ([3, 16, 17, 100, 255], 9, 3, 64, 16),               # SmolLM2's heads
+    ([33, 64, 65], 8, 2, 128, 32),                       # Llama's head size, larger blocks
+    ([20] * 18, 6, 6, 32, 8),                            # Hkv = H; 108 work items (parallel build)
+])
+@pytest.mark.parametrize("kernel", ["avx2", "portable"])
+def test_decode_attention_kernels(ctx_lens, H, Hkv, D, BS, kernel):
+    """Both pure-decode kernels (row b of qkv = sequence b's new token) against the reference."""
+    fn = K.decode_attention_avx2_kernel if kernel == "avx2" else K.decode_attention_kernel
+    if kernel == "avx2" and not cpu_llvm.available():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    q_lens = [1] * len(ctx_lens)
+    qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3)
+    assert K.decode_attention_avx2_fits(kc) == cpu_llvm.available()
+    out = np.full((len(ctx_lens), H * D), np.nan, np.float32)
+    scale = D ** -0.5
+    fn(len(ctx_lens) * Hkv, qkv, kc, vc, tables, ctx, np.float32(scale), H, out)
+    ref = attention_ref(qkv[:, :H * D].reshape(-1, H, D), ks, vs, q_lens, ctx_lens, H, Hkv, scale)
+    np.testing.assert_allclose(out.reshape(-1, H, D), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_decode_attention_avx2_fits_only_its_layouts():
+    assert not K.decode_attention_avx2_fits(np.zeros((2, 1, 12, 32), np.float32))   # BS % 8
+    assert not K.decode_attention_avx2_fits(np.zeros((2, 1, 16, 48), np.float32))   # D % 32
+    assert not K.decode_attention_avx2_fits(np.zeros((2, 1, 16, 64), np.float64))
 
 
 def test_paged_attention_block_table_layout_does_not_matter():

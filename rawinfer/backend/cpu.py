@@ -233,8 +233,9 @@ class CPUBackend(Backend):
         _check("context_lens", context_lens, (B,), np.int32)
         _check("query_start_loc", query_start_loc, (B + 1,), np.int32)
         if max_query_len == 1 and qkv.shape[0] == B:     # pure decode: row b is sequence b's token
-            K.decode_attention_kernel(B * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
-                                      np.float32(scale), H, out)
+            kernel = K.decode_attention_avx2_kernel if K.decode_attention_avx2_fits(k_cache) else \
+                K.decode_attention_kernel
+            kernel(B * Hkv, qkv, k_cache, v_cache, block_tables, context_lens, np.float32(scale), H, out)
             return
         if self.blas_on_numba_pool and max_query_len >= ATTN_BLAS_MIN_QUERY:   # prefill: products on BLAS
             seqs, q0, q1 = K.attention_work_items(query_start_loc, ATTN_BLAS_QUERY_TILE)

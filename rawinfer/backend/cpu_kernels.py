@@ -13,6 +13,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from .cpu_llvm import axpy_rows32, dot_rows8
+
 _JIT = dict(cache=True)
 
 
@@ -281,6 +283,62 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
                 out[b, base + d] = o[g, d] * inv[g]
 
 
+def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, out):
+    """The same two passes as _decode_attention_kernel with the inner loops as AVX2 blocks (cpu_llvm):
+    scores 8 rows of a K block at a time (dot_rows8), P @ V 32 dims at a time with the output in
+    registers across a V block's rows (axpy_rows32). Needs float32 caches, BS % 8 == 0, D % 32 == 0
+    (decode_attention_avx2_fits); the 8-row groups may read a block's rows past the context, which
+    exist (BS % 8 == 0) and whose scores are never used. Measured on 64 sequences of ~190 tokens
+    (SmolLM2 shapes): 1.44 vs 1.61 ms with the caches in DRAM, 0.75 vs 1.0-1.4 ms in L3."""
+    _, Hkv, BS, D = k_cache.shape
+    G = num_heads // Hkv
+    B = context_lens.shape[0]
+    k0, v0 = np.int64(k_cache.ctypes.data), np.int64(v_cache.ctypes.data)
+    for w in nb.prange(B * Hkv):
+        b = w // Hkv
+        kvh = w % Hkv
+        n = context_lens[b]
+        pages = (n + BS - 1) // BS
+        width = pages * BS
+        q = np.empty((G, D), np.float32)
+        for g in range(G):
+            base = (kvh * G + g) * D
+            for d in range(D):
+                q[g, d] = qkv[b, base + d] * scale
+        s = np.empty((G, width), np.float32)
+        o = np.zeros((G, D), np.float32)
+        qa, sa, oa = np.int64(q.ctypes.data), np.int64(s.ctypes.data), np.int64(o.ctypes.data)
+        for page in range(pages):
+            tile = ((np.int64(block_tables[b, page]) * Hkv + kvh) * BS) * D * 4     # bytes to [BS, D]
+            rows = min(BS, n - page * BS)
+            for g in range(G):
+                for r0 in range(0, rows, 8):
+                    dot_rows8(qa + g * D * 4, k0 + tile + r0 * D * 4, D, D // 8,
+                              sa + (g * width + page * BS + r0) * 4)
+        inv = np.empty(G, np.float32)
+        for g in range(G):
+            inv[g] = softmax_numerators(s[g], n)
+        for page in range(pages):
+            tile = ((np.int64(block_tables[b, page]) * Hkv + kvh) * BS) * D * 4
+            rows = min(BS, n - page * BS)
+            for g in range(G):
+                for d0 in range(0, D, 32):
+                    axpy_rows32(sa + (g * width + page * BS) * 4, v0 + tile + d0 * 4, rows, D,
+                                oa + (g * D + d0) * 4)
+        for g in range(G):
+            base = (kvh * G + g) * D
+            for d in range(D):
+                out[b, base + d] = o[g, d] * inv[g]
+
+
+def decode_attention_avx2_fits(k_cache) -> bool:
+    """Whether _decode_attention_avx2_kernel runs on this cache (and this CPU)."""
+    from .cpu_llvm import available
+    _, _, BS, D = k_cache.shape
+    return (available() and k_cache.dtype == np.float32 and k_cache.flags.c_contiguous and BS % 8 == 0
+            and D % 32 == 0)
+
+
 @nb.njit(**_JIT)
 def take_rows_kernel(x, indices, out):
     # out[B, C] = x[indices[B]]   (np.take with out= buffers through a slow path; this is a plain copy)
@@ -331,6 +389,8 @@ paged_attention_kernel = Kernel(_paged_attention_kernel, min_parallel_rows=16,
                                 fastmath={"reassoc", "contract", "arcp", "nsz"})
 decode_attention_kernel = Kernel(_decode_attention_kernel, min_parallel_rows=16,
                                  fastmath={"reassoc", "contract", "arcp", "nsz"})
+decode_attention_avx2_kernel = Kernel(_decode_attention_avx2_kernel, min_parallel_rows=16,
+                                      fastmath={"reassoc", "contract", "arcp", "nsz"})
 
 
 # ---- int8 weight-only kernels (rawinfer/quant.py): float32 activations, dequantized on the fly ----

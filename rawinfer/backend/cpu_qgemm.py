@@ -17,44 +17,29 @@ K = 576, 10.9k for K = 1536. Activations keep ~13-15 bits per token: on the Smol
 int8 model agrees with and without this step (152/152 confident steps either way), while 8-bit
 activations per token (127 levels; an outlier channel takes most of them) lost 4 of 152.
 
-The microkernel is written in LLVM IR (llvmlite) as a Numba intrinsic: a 6 x 16 tile of int32
-accumulators in 12 ymm registers; per k pair it broadcasts one int32 (two int16) of each of the 6 x
-rows, sign-extends 16 pairs of int8 weights to two ymm of int16, and issues 12 vpmaddwd + 12 vpaddd.
-`available()` is False on CPUs without AVX2 (or other than x86-64); the backend then dequantizes.
+The microkernel (cpu_llvm.int_gemm_tile_6x16) is a 6 x 16 tile of int32 accumulators in 12 ymm
+registers; per k pair it broadcasts one int32 (two int16) of each of the 6 x rows, sign-extends 16
+pairs of int8 weights to two ymm of int16, and issues 12 vpmaddwd + 12 vpaddd. Other layouts measured
+no faster here (int16 weights: no sign extension, twice the bytes; x rows stored pre-broadcast: more
+loads). `available()` is False on CPUs without AVX2; the backend then dequantizes.
 """
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
-PANEL_ROWS = 6      # rows of x per microkernel tile
-BLOCK_COLS = 16     # output columns per tile (two ymm of 8 int32)
+from .cpu_llvm import GEMM_COLS as BLOCK_COLS
+from .cpu_llvm import GEMM_ROWS as PANEL_ROWS
+from .cpu_llvm import available, int_gemm_tile_6x16
+
 PANELS_PER_ITEM = 16   # x panels one work item walks for its 16 columns (96 rows: ~110-300 KiB, in L2)
-
-
-def _cpu_has_avx2() -> bool:
-    try:
-        import llvmlite.binding as llvm
-        return "+avx2" in llvm.get_host_cpu_features().flatten().split(",")
-    except Exception:  # noqa: BLE001 - no host feature query: take the portable path
-        return False
-
-
-_AVX2 = _cpu_has_avx2()
-
-
-def available() -> bool:
-    return _AVX2
 
 
 def supports(shape: tuple[int, int]) -> bool:
     """Whether a [N, K] weight fits the packed layout (whole 16-column blocks, whole k pairs)."""
     N, K = shape
-    return _AVX2 and N % BLOCK_COLS == 0 and K % 2 == 0 and K > 0
+    return available() and N % BLOCK_COLS == 0 and K % 2 == 0 and K > 0
 
 
 def act_qmax(K: int) -> int:
@@ -73,91 +58,6 @@ def pack_weights(q: np.ndarray) -> np.ndarray:
 
 def packed_x_shape(M: int, K: int) -> tuple[int, int, int, int]:
     return ((M + PANEL_ROWS - 1) // PANEL_ROWS, K // 2, PANEL_ROWS, 2)
-
-
-# ---- the microkernel (LLVM IR) ----------------------------------------------------------------------
-_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-_V8I32, _V16I16, _V16I8, _V8F32 = (ir.VectorType(_I32, 8), ir.VectorType(_I16, 16), ir.VectorType(_I8, 16),
-                                    ir.VectorType(_F32, 8))
-
-
-def _i64(v: int) -> ir.Constant:
-    return ir.Constant(_I64, v)
-
-
-def _splat(builder, scalar, vty):
-    v = builder.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    mask = ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count)
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), mask)
-
-
-@intrinsic
-def _tile_6x16(typingctx, xp, wp, kpairs, op, ldo, rows, sxp, swp):
-    """out[r, 0:16] = sx[r] * sw[0:16] * (x panel row r . w block) for r < rows; pointers as int64:
-    xp -> int16 panel [kpairs, 6, 2], wp -> int8 block [kpairs, 16, 2], op -> float32 out (row stride
-    ldo floats), sxp -> float32 [6] row scales, swp -> float32 [16] column scales."""
-    sig = types.void(*([types.int64] * 8))
-
-    def codegen(context, builder, signature, args):
-        xp, wp, kpairs, op, ldo, rows, sxp, swp = args
-        R, C = PANEL_ROWS, BLOCK_COLS // 8
-        pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
-                                                   ir.FunctionType(_V8I32, [_V16I16, _V16I16]))
-        xb = builder.inttoptr(xp, _I32.as_pointer())          # one int32 = the k pair of one row
-        wb = builder.inttoptr(wp, _V16I8.as_pointer())        # one <16 x i8> = 8 columns x k pair
-        zero = ir.Constant(_V8I32, [0] * 8)
-        pre = builder.block
-        loop = builder.append_basic_block("kloop")
-        done = builder.append_basic_block("kdone")
-        builder.cbranch(builder.icmp_signed(">", kpairs, _i64(0)), loop, done)
-
-        builder.position_at_end(loop)
-        kp = builder.phi(_I64)
-        kp.add_incoming(_i64(0), pre)
-        accs = []
-        for _ in range(R * C):
-            a = builder.phi(_V8I32)
-            a.add_incoming(zero, pre)
-            accs.append(a)
-        wrow = builder.gep(wb, [builder.mul(kp, _i64(C))])
-        wv = [builder.sext(builder.load(builder.gep(wrow, [_i64(c)]), align=1), _V16I16) for c in range(C)]
-        xrow = builder.gep(xb, [builder.mul(kp, _i64(R))])
-        new = []
-        for r in range(R):
-            xs = builder.load(builder.gep(xrow, [_i64(r)]), align=2)
-            xv = builder.bitcast(_splat(builder, xs, _V8I32), _V16I16)
-            for c in range(C):
-                new.append(builder.add(accs[r * C + c], builder.call(pmaddwd, [xv, wv[c]])))
-        kp_next = builder.add(kp, _i64(1))
-        kp.add_incoming(kp_next, loop)
-        for a, n in zip(accs, new):
-            a.add_incoming(n, loop)
-        builder.cbranch(builder.icmp_signed("<", kp_next, kpairs), loop, done)
-
-        builder.position_at_end(done)
-        fin = []
-        for k in range(R * C):
-            p = builder.phi(_V8I32)
-            p.add_incoming(zero, pre)
-            p.add_incoming(new[k], loop)
-            fin.append(p)
-
-        fptr = _F32.as_pointer()
-        ob = builder.inttoptr(op, fptr)
-        sxb = builder.inttoptr(sxp, fptr)
-        swb = builder.bitcast(builder.inttoptr(swp, fptr), _V8F32.as_pointer())
-        swv = [builder.load(builder.gep(swb, [_i64(c)]), align=4) for c in range(C)]
-        for r in range(R):
-            with builder.if_then(builder.icmp_signed("<", _i64(r), rows), likely=True):
-                sv = _splat(builder, builder.load(builder.gep(sxb, [_i64(r)]), align=4), _V8F32)
-                orow = builder.gep(ob, [builder.mul(_i64(r), ldo)])
-                for c in range(C):
-                    f = builder.fmul(builder.fmul(builder.sitofp(fin[r * C + c], _V8F32), sv), swv[c])
-                    builder.store(f, builder.bitcast(builder.gep(orow, [_i64(8 * c)]), _V8F32.as_pointer()),
-                                  align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 # ---- drivers ----------------------------------------------------------------------------------------
@@ -221,7 +121,7 @@ def gemm_packed(xp, sx, wp, sw, out, M):
         for t in range(g * PANELS_PER_ITEM, min(panels, (g + 1) * PANELS_PER_ITEM)):
             m0 = t * PANEL_ROWS
             rows = min(PANEL_ROWS, M - m0)
-            _tile_6x16(x0 + t * xstride, w0 + nbk * wstride, kpairs,
+            int_gemm_tile_6x16(x0 + t * xstride, w0 + nbk * wstride, kpairs,
                        o0 + (m0 * ldo + nbk * BLOCK_COLS) * 4, ldo, rows,
                        sx0 + m0 * 4, sw0 + nbk * BLOCK_COLS * 4)
 
