@@ -107,7 +107,9 @@ def quantize_rows(x, qmax, xp, sx):
 @nb.njit(parallel=True, cache=True)
 def gemm_packed(xp, sx, wp, sw, out, M):
     """out[M, N] = (xp * sx) @ (wp * sw)^T over packed operands (see the module docstring). Work items
-    are (16 x-panels, 16 columns), consecutive items sharing their x panels."""
+    are (group of x panels, 16 columns), consecutive items sharing their x panels. The groups hold at
+    most PANELS_PER_ITEM panels and are of equal size (+-1): 84 panels as 6 x 14, not 5 x 16 + 4,
+    which left one of two threads 12 % more work."""
     panels, kpairs = xp.shape[0], xp.shape[1]
     nblocks = wp.shape[0]
     ldo = np.int64(out.shape[1])
@@ -118,12 +120,12 @@ def gemm_packed(xp, sx, wp, sw, out, M):
     mgroups = (panels + PANELS_PER_ITEM - 1) // PANELS_PER_ITEM
     for it in nb.prange(mgroups * nblocks):
         g, nbk = it // nblocks, it % nblocks
-        for t in range(g * PANELS_PER_ITEM, min(panels, (g + 1) * PANELS_PER_ITEM)):
+        for t in range(g * panels // mgroups, (g + 1) * panels // mgroups):
             m0 = t * PANEL_ROWS
             rows = min(PANEL_ROWS, M - m0)
             int_gemm_tile_6x16(x0 + t * xstride, w0 + nbk * wstride, kpairs,
-                       o0 + (m0 * ldo + nbk * BLOCK_COLS) * 4, ldo, rows,
-                       sx0 + m0 * 4, sw0 + nbk * BLOCK_COLS * 4)
+                               o0 + (m0 * ldo + nbk * BLOCK_COLS) * 4, ldo, rows,
+                               sx0 + m0 * 4, sw0 + nbk * BLOCK_COLS * 4)
 
 
 def int8_matmul(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray, xbuf: np.ndarray,
