@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="memory for KV blocks, e.g. 2GiB (default: 1GiB on the CPU; on CUDA what "
                         "--gpu-memory-utilization of the free GPU memory leaves after weights and workspace)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="element type of the KV cache (default: auto = the model's dtype on CUDA; on the CPU "
+                        "float16 for int8 models, float32 for float models)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=128, help="sequences in one step at most")
@@ -46,7 +49,7 @@ def engine_config_from_args(args) -> EngineConfig:
         kv = None if args.kv_cache_memory is None else parse_size(args.kv_cache_memory)
     except ValueError as e:
         raise CLIError(f"--kv-cache-memory: {e}") from None
-    cfg = EngineConfig(block_size=args.block_size, kv_cache_memory=kv,
+    cfg = EngineConfig(block_size=args.block_size, kv_cache_memory=kv, kv_cache_dtype=args.kv_cache_dtype,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                        device=args.device, num_threads=args.threads,

@@ -179,6 +179,9 @@ def parse_size(text: str | int) -> int:
     return value
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+
+
 @dataclass
 class EngineConfig:
     """Knobs of one engine instance. Every field is validated by `validate()`."""
@@ -187,6 +190,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None      # bytes of the pool given to KV blocks; None: 1 GiB on the
                                             # CPU, on CUDA what gpu_memory_utilization x free device
                                             # memory leaves after the weights and the workspace
+    kv_cache_dtype: str = "auto"            # "auto" | "float32" | "float16": element type of K/V blocks;
+                                            # auto: the model's dtype on CUDA; on the CPU float16 for
+                                            # int8 models, float32 for float models
     max_num_batched_tokens: int = 2048      # token budget of one step (also sizes the workspace)
     max_num_seqs: int = 128                 # sequences in one step at most
     max_model_len: int | None = None        # cap on prompt + output; defaults to the model's context
@@ -206,6 +212,7 @@ class EngineConfig:
             ("kv_cache_memory", self.kv_cache_memory is None
              or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0),
              "a positive size such as 2GiB, or None (sized automatically)"),
+            ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, "one of " + ", ".join(KV_CACHE_DTYPES)),
             ("max_num_batched_tokens", isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
              "a positive integer"),
             ("max_num_seqs", isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "a positive integer"),

@@ -177,7 +177,7 @@ class MemoryPool:
         self.cfg, self.ecfg, self.backend = cfg, ecfg, backend
         wdt = backend.weight_dtype(cfg.dtype)
         adt = backend.activation_dtype(cfg.dtype)
-        kdt = backend.kv_dtype(cfg.dtype)
+        kdt = backend.kv_dtype(cfg.dtype, ecfg.kv_cache_dtype, cfg.quant)
         T = ecfg.max_num_batched_tokens
         S = logits_rows or max(ecfg.max_num_seqs, 1)
         self.max_tokens, self.logits_rows = T, S
@@ -309,7 +309,7 @@ class MemoryPool:
         return (f"memory pool: {self.total_bytes / mib:.0f} MiB = weights {self.weight_bytes / mib:.0f} MiB + "
                 f"workspace {self.workspace_bytes / mib:.0f} MiB{extra} + KV {self.kv_bytes / mib:.0f} MiB "
                 f"sized by {self.kv_sizing} ({self.kv.num_blocks} blocks x {self.kv.block_size} tokens = "
-                f"{self.kv.num_tokens} tokens of KV{spare})")
+                f"{self.kv.num_tokens} tokens of {np.dtype(self.kv.k[0].dtype).name} KV{spare})")
 
 
 def read_safetensors_header(path: str) -> dict[str, dict]:

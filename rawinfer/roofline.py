@@ -121,7 +121,7 @@ def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
     else:
         ceil = measure_ceilings(linear=be.linear)    # the GEMM path the engine itself runs
     bpp = 1.0 + 4.0 / cfg.hidden_size if cfg.quant == "int8" else float(be.weight_dtype(cfg.dtype).itemsize)
-    kv_item = be.kv_dtype(cfg.dtype).itemsize
+    kv_item = engine.pool.kv.k[0].dtype.itemsize
     rows = []
     t = time_prefill(engine, prompt_len)
     f, b = phase_counts(cfg, prompt_len, 1, prompt_len * (prompt_len + 1) // 2, prompt_len, bpp, kv_item)

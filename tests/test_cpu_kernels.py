@@ -172,14 +172,17 @@ def test_embedding_and_take_rows():
         be.embedding(np.array([50], np.int32), table, out[:1])
 
 
-def test_kv_write_and_copy_blocks():
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_kv_write_and_copy_blocks(kv_dtype):
     H, Hkv, D, BS, NB, T = 4, 2, 8, 4, 6, 7
     qkv = rand(T, (H + 2 * Hkv) * D)
-    kc, vc = np.zeros((NB, Hkv, BS, D), np.float32), np.zeros((NB, Hkv, BS, D), np.float32)
+    qkv[0, H * D] = 1e6                                   # beyond float16's range: stored as inf
+    kc, vc = np.zeros((NB, Hkv, BS, D), kv_dtype), np.zeros((NB, Hkv, BS, D), kv_dtype)
     slots = np.array([5, 6, 7, 20, 21, 0, 13], np.int32)
     be.kv_write(qkv, kc, vc, slots, H)
-    k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
-    v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
+    with np.errstate(over="ignore"):                      # NumPy's cast rounds the same way (to nearest even)
+        k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D).astype(kv_dtype)
+        v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D).astype(kv_dtype)
     for t, s in enumerate(slots):
         np.testing.assert_array_equal(kc[s // BS, :, s % BS], k[t])
         np.testing.assert_array_equal(vc[s // BS, :, s % BS], v[t])
@@ -188,8 +191,9 @@ def test_kv_write_and_copy_blocks():
     np.testing.assert_array_equal(vc[2], vc[5])
 
 
-def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None):
-    """Random per-sequence K/V written into a pool through (shuffled) block tables."""
+def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None, kv_dtype=np.float32):
+    """Random per-sequence K/V written into a pool (of kv_dtype) through (shuffled) block tables; the
+    returned per-sequence K/V are the values the pool holds."""
     rng = np.random.default_rng(shuffle_seed)
     vrng = np.random.default_rng(value_seed) if value_seed is not None else RNG
     B = len(q_lens)
@@ -207,6 +211,7 @@ def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None):
         used += nblocks[b]
         tables[b, :len(tab)] = tab
         k, v = rand(c, Hkv, D, rng=vrng), rand(c, Hkv, D, rng=vrng)
+        k, v = k.astype(kv_dtype).astype(np.float32), v.astype(kv_dtype).astype(np.float32)
         for p in range(c):
             kc[tab[p // BS], :, p % BS] = k[p]
             vc[tab[p // BS], :, p % BS] = v[p]
@@ -215,6 +220,7 @@ def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None):
     T = sum(q_lens)
     qkv = rand(T, (H + 2 * Hkv) * D, rng=vrng)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kc, vc = kc.astype(kv_dtype), vc.astype(kv_dtype)
     return qkv, kc, vc, tables, np.asarray(ctx_lens, np.int32), qsl, seqs_k, seqs_v
 
 
@@ -229,11 +235,12 @@ def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None):
     ([130, 1, 40], [150, 60, 40], 9, 3, 64, 16),         # long prefill chunks: 64-query tiles (BLAS path)
 ])
 @pytest.mark.parametrize("blas", [True, False])          # query runs >= 32 take the BLAS kernel if it can
-def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, kv_dtype, monkeypatch):
     if blas and not be.blas_on_numba_pool:
         pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
     monkeypatch.setattr(be, "blas_on_numba_pool", blas)
-    qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 7)
+    qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 7, kv_dtype=kv_dtype)
     T = qkv.shape[0]
     out = np.empty((T, H * D), np.float32)
     scale = D ** -0.5
@@ -249,13 +256,17 @@ def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, monkeypatch):
     ([20] * 18, 6, 6, 32, 8),                            # Hkv = H; 108 work items (parallel build)
 ])
 @pytest.mark.parametrize("kernel", ["avx2", "portable"])
-def test_decode_attention_kernels(ctx_lens, H, Hkv, D, BS, kernel):
-    """Both pure-decode kernels (row b of qkv = sequence b's new token) against the reference."""
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_decode_attention_kernels(ctx_lens, H, Hkv, D, BS, kernel, kv_dtype):
+    """Both pure-decode kernels (row b of qkv = sequence b's new token) against the reference; float16
+    caches go in as their uint16 bits, as the backend passes them."""
     fn = K.decode_attention_avx2_kernel if kernel == "avx2" else K.decode_attention_kernel
     if kernel == "avx2" and not cpu_llvm.available():
         pytest.skip("this CPU has no AVX2 + FMA")
     q_lens = [1] * len(ctx_lens)
-    qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3)
+    qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3, kv_dtype=kv_dtype)
+    if kv_dtype == np.float16:
+        kc, vc = kc.view(np.uint16), vc.view(np.uint16)
     assert K.decode_attention_avx2_fits(kc) == cpu_llvm.available()
     out = np.full((len(ctx_lens), H * D), np.nan, np.float32)
     scale = D ** -0.5

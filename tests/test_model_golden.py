@@ -119,3 +119,25 @@ def test_non_contiguous_block_table_gives_the_same_logits(tiny_llama_dir):
     table = tables[-1]
     assert len(table) == 10 and table != sorted(table) and table[:4] != list(range(table[0], table[0] + 4))
     np.testing.assert_allclose(scattered, contiguous, atol=1e-5, rtol=0)
+
+
+def test_smollm2_float16_kv_cache_keeps_golden_agreement(smollm2_dir):
+    """kv_cache_dtype='float16' on the float32 model: half the KV bytes, the same confident argmax steps
+    (teacher-forced; the prompt prefilled, then the continuation decoded against the float16 cache)."""
+    engine = LLMEngine(smollm2_dir, device="cpu", kv_cache_memory="128MiB", max_num_batched_tokens=1024,
+                       kv_cache_dtype="float16")
+    assert engine.pool.kv.k[0].dtype == np.float16
+    checked = agreed = 0
+    worst = 0.0
+    for case in SMOL_CASES:
+        ref = np.load(os.path.join(SMOL, f"{case}.npz"))
+        prompt, greedy = ref["prompt_ids"].tolist(), ref["greedy_ids"].tolist()
+        logits = engine.score(prompt + greedy, [len(prompt)] + [1] * len(greedy))
+        step = logits[len(prompt) - 1:len(prompt) - 1 + len(greedy)]
+        sure = ref["step_margin"] > 0.5
+        checked += int(sure.sum())
+        agreed += int((step.argmax(-1)[sure] == np.asarray(greedy)[sure]).sum())
+        got = np.take_along_axis(step, ref["step_topk_ids"].astype(np.int64), axis=1)
+        worst = max(worst, float(np.abs(got - ref["step_topk_logits"]).max()))
+    assert checked > 50 and agreed == checked, f"{agreed}/{checked} confident steps agree"
+    assert worst < 0.1, worst          # float16 K/V: ~3 significant digits per element

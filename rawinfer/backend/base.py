@@ -77,8 +77,11 @@ class Backend(ABC):
         """The dtype weights are stored in on this device for a model converted as model_dtype."""
         return np.dtype(np.float32)
 
-    def kv_dtype(self, model_dtype: str) -> np.dtype:
-        return np.dtype(np.float32)
+    def kv_dtype(self, model_dtype: str, choice: str = "auto", quant: str | None = None) -> np.dtype:
+        """The element type of the KV cache for a model of model_dtype (quantized as quant) when the
+        user asked for `choice` (EngineConfig.kv_cache_dtype); raises ValueError for one this backend
+        cannot run."""
+        return np.dtype(np.float32 if choice == "auto" else choice)
 
     def activation_dtype(self, model_dtype: str) -> np.dtype:
         return np.dtype(np.float32)

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from . import cpu_blas, cpu_qgemm
+from . import cpu_blas, cpu_llvm, cpu_qgemm
 
 # NOTE: Numba's OpenMP workers spin after each parallel region before they sleep (300k iterations by
 # default). When every parallel region of a step runs on that one pool (kernels and, through
@@ -52,6 +52,11 @@ def _check(name: str, x, shape: tuple | None = None, dtype=None, contiguous: boo
         raise ValueError(f"{name} must be C-contiguous")
 
 
+def _kv(cache):
+    """A KV cache as the kernels take it: float16 caches as their uint16 bits (Numba has no float16)."""
+    return cache.view(np.uint16) if cache.dtype == np.float16 else cache
+
+
 class CPUBackend(Backend):
     name = "cpu"
     xp = np
@@ -72,6 +77,18 @@ class CPUBackend(Backend):
         self.int_gemm = cpu_qgemm.available() and os.environ.get("RAWINFER_CPU_INT_GEMM", "1") != "0"
         self._qx = np.empty(0, np.int16)                   # activation buffers of the integer GEMM,
         self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
+
+    def kv_dtype(self, model_dtype: str, choice: str = "auto", quant: str | None = None) -> np.dtype:
+        # float16 halves the bytes decode attention streams (it reads every cached K/V each step) and
+        # doubles the tokens a pool holds; auto takes it for int8 models, already approximate, and keeps
+        # float32 models exact. Needs F16C (every x86-64 CPU with AVX2 has it).
+        f16_ok = cpu_llvm.has_f16c()
+        if choice == "float16" and not f16_ok:
+            raise ValueError("kv_cache_dtype='float16' needs a CPU with F16C conversions, which this one lacks; "
+                             "use kv_cache_dtype='float32' (--kv-cache-dtype float32)")
+        if choice == "auto":
+            return np.dtype(np.float16 if quant is not None and f16_ok else np.float32)
+        return np.dtype(choice)
 
     # ---- memory ------------------------------------------------------------------------------
     def alloc_arena(self, nbytes: int):
@@ -220,7 +237,7 @@ class CPUBackend(Backend):
         _check("qkv", qkv, (None, (num_heads + 2 * Hkv) * D))
         _check("v_cache", v_cache, k_cache.shape, k_cache.dtype)
         _check("slot_mapping", slot_mapping, (qkv.shape[0],), np.int32)
-        K.kv_write_kernel(qkv.shape[0], qkv, k_cache, v_cache, slot_mapping, num_heads)
+        K.kv_write_kernel(qkv.shape[0], qkv, _kv(k_cache), _kv(v_cache), slot_mapping, num_heads)
 
     def paged_attention(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                         scale, out, max_query_len, max_context_len) -> None:
@@ -232,6 +249,7 @@ class CPUBackend(Backend):
         _check("block_tables", block_tables, (B, None), np.int32)
         _check("context_lens", context_lens, (B,), np.int32)
         _check("query_start_loc", query_start_loc, (B + 1,), np.int32)
+        k_cache, v_cache = _kv(k_cache), _kv(v_cache)
         if max_query_len == 1 and qkv.shape[0] == B:     # pure decode: row b is sequence b's token
             kernel = K.decode_attention_avx2_kernel if K.decode_attention_avx2_fits(k_cache) else \
                 K.decode_attention_kernel
@@ -265,7 +283,7 @@ class CPUBackend(Backend):
         plan["in_norms"] = typed([L["input_norm"] for L in layers])
         plan["post_norms"] = typed([L["post_attn_norm"] for L in layers])
         plan["b_qkvs"] = typed([L["qkv_bias"] if L["qkv_bias"] is not None else NO_BIAS for L in layers])
-        plan["k_caches"], plan["v_caches"] = typed(k_caches), typed(v_caches)
+        plan["k_caches"], plan["v_caches"] = typed([_kv(c) for c in k_caches]), typed([_kv(c) for c in v_caches])
         return plan
 
     def decoder_layers(self, plan, ws, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
@@ -287,7 +305,7 @@ class CPUBackend(Backend):
         src = np.asarray([p[0] for p in pairs], np.int64)
         dst = np.asarray([p[1] for p in pairs], np.int64)
         for cache in list(k_caches) + list(v_caches):
-            K.copy_blocks_kernel(cache, src, dst)
+            K.copy_blocks_kernel(_kv(cache), src, dst)
 
     def take_rows(self, x, indices, out) -> None:
         _check("out", out, (indices.shape[0], x.shape[1]))

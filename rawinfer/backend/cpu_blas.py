@@ -27,7 +27,8 @@ import numba as nb
 import numpy as np
 from numba import types
 
-from .cpu_kernels import attention_work_item, softmax_numerators   # inlined: see the cache NOTE in cpu_fused.py
+from .cpu_kernels import attention_work_item, kv_row_into, softmax_numerators   # inlined: see the cache NOTE
+                                                                                # in cpu_fused.py
 
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -142,8 +143,8 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
             vc = np.empty((n, D), np.float32)
             for j in range(n):
                 blk = block_tables[b, j // BS]
-                kc[j, :] = k_cache[blk, kvh, j % BS, :]
-                vc[j, :] = v_cache[blk, kvh, j % BS, :]
+                kv_row_into(k_cache, blk, kvh, j % BS, kc[j])
+                kv_row_into(v_cache, blk, kvh, j % BS, vc[j])
             q = np.empty((G * nq, D), np.float32)
             for g in range(G):
                 base = (kvh * G + g) * D

@@ -11,9 +11,9 @@ import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from .cpu_llvm import axpy_rows32, dot_rows8
+from .cpu_llvm import axpy_rows32, axpy_rows32_f16, dot_rows8, dot_rows8_f16, float_to_half, half_to_float
 
 _JIT = dict(cache=True)
 
@@ -84,6 +84,78 @@ def softmax_numerators(row, n):
         row[j] = e
         total += e
     return np.float32(1.0) / total
+
+
+# ---- KV cache element access -------------------------------------------------------------------------
+# A cache is float32, or float16 held as its uint16 bits (Numba has no float16 type on the CPU; the
+# backend passes such caches as uint16 views). Kernels read and write through these helpers, which
+# resolve per cache dtype at compile time.
+
+def kv_value(cache, x):
+    """x (float32) as an element of `cache`: itself, or its float16 bits."""
+
+
+@overload(kv_value, inline="always")
+def _kv_value(cache, x):
+    if cache.dtype == types.uint16:
+        return lambda cache, x: float_to_half(np.float32(x))
+    return lambda cache, x: np.float32(x)
+
+
+def kv_tile(cache, blk, h, buf):
+    """cache[blk, h] ([BS, D]) as float32: the view itself, or converted into buf (float32 [BS, D])."""
+
+
+@overload(kv_tile, inline="always")
+def _kv_tile(cache, blk, h, buf):
+    if cache.dtype == types.uint16:
+        def convert(cache, blk, h, buf):
+            src = cache[blk, h]
+            for r in range(src.shape[0]):
+                for d in range(src.shape[1]):
+                    buf[r, d] = half_to_float(src[r, d])
+            return buf
+        return convert
+    return lambda cache, blk, h, buf: cache[blk, h]
+
+
+def kv_row_into(cache, blk, h, r, dst):
+    """dst[D] (float32) <- cache[blk, h, r]."""
+
+
+@overload(kv_row_into, inline="always")
+def _kv_row_into(cache, blk, h, r, dst):
+    if cache.dtype == types.uint16:
+        def convert(cache, blk, h, r, dst):
+            for d in range(dst.shape[0]):
+                dst[d] = half_to_float(cache[blk, h, r, d])
+        return convert
+
+    def copy(cache, blk, h, r, dst):
+        dst[:] = cache[blk, h, r, :]
+    return copy
+
+
+def kv_dot_rows8(cache, qp, kp, ld, chunks, sp):
+    """cpu_llvm.dot_rows8 for rows of this cache's element type."""
+
+
+@overload(kv_dot_rows8, inline="always")
+def _kv_dot_rows8(cache, qp, kp, ld, chunks, sp):
+    if cache.dtype == types.uint16:
+        return lambda cache, qp, kp, ld, chunks, sp: dot_rows8_f16(qp, kp, ld, chunks, sp)
+    return lambda cache, qp, kp, ld, chunks, sp: dot_rows8(qp, kp, ld, chunks, sp)
+
+
+def kv_axpy_rows32(cache, pp, vp, rows, ld, op):
+    """cpu_llvm.axpy_rows32 for rows of this cache's element type."""
+
+
+@overload(kv_axpy_rows32, inline="always")
+def _kv_axpy_rows32(cache, pp, vp, rows, ld, op):
+    if cache.dtype == types.uint16:
+        return lambda cache, pp, vp, rows, ld, op: axpy_rows32_f16(pp, vp, rows, ld, op)
+    return lambda cache, pp, vp, rows, ld, op: axpy_rows32(pp, vp, rows, ld, op)
 
 
 class Kernel:
@@ -165,8 +237,9 @@ def _kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
         b = slot // BS
         r = slot % BS
         for h in range(Hkv):
-            k_cache[b, h, r, :] = qkv[t, k0 + h * D:k0 + (h + 1) * D]
-            v_cache[b, h, r, :] = qkv[t, v0 + h * D:v0 + (h + 1) * D]
+            for d in range(D):
+                k_cache[b, h, r, d] = kv_value(k_cache, qkv[t, k0 + h * D + d])
+                v_cache[b, h, r, d] = kv_value(v_cache, qkv[t, v0 + h * D + d])
 
 
 def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -196,9 +269,11 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
         l = np.zeros((nq, G), np.float32)
         acc = np.zeros((nq, G, D), np.float32)
         sc = np.empty(BS, np.float32)
+        ktile = np.empty((BS, D), np.float32)            # float16 caches: the block's tiles converted
+        vtile = np.empty((BS, D), np.float32)
         for page in range(last_pos // BS + 1):
-            kb = k_cache[block_tables[b, page], kvh]     # [BS, D]
-            vb = v_cache[block_tables[b, page], kvh]
+            kb = kv_tile(k_cache, block_tables[b, page], kvh, ktile)     # [BS, D]
+            vb = kv_tile(v_cache, block_tables[b, page], kvh, vtile)
             j0 = page * BS
             nk = min(BS, last_pos + 1 - j0)
             for i in range(max(0, j0 - tile_first), nq):
@@ -256,8 +331,9 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
             for d in range(D):
                 q[g, d] = qkv[b, base + d] * scale
         s = np.empty((G, n), np.float32)
+        tile = np.empty((BS, D), np.float32)             # float16 caches: a block's tile converted
         for page in range((n + BS - 1) // BS):
-            kb = k_cache[block_tables[b, page], kvh]     # [BS, D]
+            kb = kv_tile(k_cache, block_tables[b, page], kvh, tile)     # [BS, D]
             j0 = page * BS
             for r in range(min(BS, n - j0)):
                 for g in range(G):
@@ -270,7 +346,7 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
             inv[g] = softmax_numerators(s[g], n)
         o = np.zeros((G, D), np.float32)
         for page in range((n + BS - 1) // BS):
-            vb = v_cache[block_tables[b, page], kvh]
+            vb = kv_tile(v_cache, block_tables[b, page], kvh, tile)
             j0 = page * BS
             for r in range(min(BS, n - j0)):
                 for g in range(G):
@@ -286,14 +362,15 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
 def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, out):
     """The same two passes as _decode_attention_kernel with the inner loops as AVX2 blocks (cpu_llvm):
     scores 8 rows of a K block at a time (dot_rows8), P @ V 32 dims at a time with the output in
-    registers across a V block's rows (axpy_rows32). Needs float32 caches, BS % 8 == 0, D % 32 == 0
-    (decode_attention_avx2_fits); the 8-row groups may read a block's rows past the context, which
+    registers across a V block's rows (axpy_rows32), float16 caches converted as they are loaded.
+    Needs BS % 8 == 0, D % 32 == 0 (decode_attention_avx2_fits); the 8-row groups may read a block's rows past the context, which
     exist (BS % 8 == 0) and whose scores are never used. Measured on 64 sequences of ~190 tokens
     (SmolLM2 shapes): 1.44 vs 1.61 ms with the caches in DRAM, 0.75 vs 1.0-1.4 ms in L3."""
     _, Hkv, BS, D = k_cache.shape
     G = num_heads // Hkv
     B = context_lens.shape[0]
     k0, v0 = np.int64(k_cache.ctypes.data), np.int64(v_cache.ctypes.data)
+    isz = np.int64(k_cache.itemsize)
     for w in nb.prange(B * Hkv):
         b = w // Hkv
         kvh = w % Hkv
@@ -309,22 +386,22 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
         o = np.zeros((G, D), np.float32)
         qa, sa, oa = np.int64(q.ctypes.data), np.int64(s.ctypes.data), np.int64(o.ctypes.data)
         for page in range(pages):
-            tile = ((np.int64(block_tables[b, page]) * Hkv + kvh) * BS) * D * 4     # bytes to [BS, D]
+            tile = ((np.int64(block_tables[b, page]) * Hkv + kvh) * BS) * D * isz   # bytes to [BS, D]
             rows = min(BS, n - page * BS)
             for g in range(G):
                 for r0 in range(0, rows, 8):
-                    dot_rows8(qa + g * D * 4, k0 + tile + r0 * D * 4, D, D // 8,
-                              sa + (g * width + page * BS + r0) * 4)
+                    kv_dot_rows8(k_cache, qa + g * D * 4, k0 + tile + r0 * D * isz, D, D // 8,
+                                 sa + (g * width + page * BS + r0) * 4)
         inv = np.empty(G, np.float32)
         for g in range(G):
             inv[g] = softmax_numerators(s[g], n)
         for page in range(pages):
-            tile = ((np.int64(block_tables[b, page]) * Hkv + kvh) * BS) * D * 4
+            tile = ((np.int64(block_tables[b, page]) * Hkv + kvh) * BS) * D * isz
             rows = min(BS, n - page * BS)
             for g in range(G):
                 for d0 in range(0, D, 32):
-                    axpy_rows32(sa + (g * width + page * BS) * 4, v0 + tile + d0 * 4, rows, D,
-                                oa + (g * D + d0) * 4)
+                    kv_axpy_rows32(v_cache, sa + (g * width + page * BS) * 4, v0 + tile + d0 * isz, rows, D,
+                                   oa + (g * D + d0) * 4)
         for g in range(G):
             base = (kvh * G + g) * D
             for d in range(D):
@@ -335,8 +412,8 @@ def decode_attention_avx2_fits(k_cache) -> bool:
     """Whether _decode_attention_avx2_kernel runs on this cache (and this CPU)."""
     from .cpu_llvm import available
     _, _, BS, D = k_cache.shape
-    return (available() and k_cache.dtype == np.float32 and k_cache.flags.c_contiguous and BS % 8 == 0
-            and D % 32 == 0)
+    return (available() and k_cache.dtype in (np.float32, np.uint16) and k_cache.flags.c_contiguous
+            and BS % 8 == 0 and D % 32 == 0)
 
 
 @nb.njit(**_JIT)

@@ -11,7 +11,11 @@ the way the hardware wants are written here instead, each one a straight-line bl
     axpy_rows32          o[0:32] += sum_r p[r] * v[r, 0:32] with o held in 4 registers across the rows
                          (a vectorized loop over d would load and store o for every row)
 
-Arguments are raw addresses (int64) and element counts. `available()` is False where the host CPU
+    half_to_float,       float16 <-> float32 of one value held as its uint16 bits (Numba has no float16
+    float_to_half        on the CPU); loops of them vectorize to vcvtph2ps / vcvtps2ph
+
+dot_rows8 and axpy_rows32 come in two builds: float32 rows, and float16 rows (`_f16`, for the float16
+KV cache) converted as they are loaded. Arguments are raw addresses (int64) and element counts. `available()` is False where the host CPU
 lacks AVX2 or FMA (or is not x86-64): callers then take their plain Numba loops.
 
 NOTE: compiled kernels that call these carry their own copy, and Numba's disk cache only checks the
@@ -34,16 +38,25 @@ def _host_features() -> set[str]:
         return set()
 
 
-_AVX2 = {"avx2", "fma"} <= _host_features()
+_FEATURES = _host_features()
+_AVX2 = {"avx2", "fma"} <= _FEATURES
+_F16C = "f16c" in _FEATURES
 
 
 def available() -> bool:
     return _AVX2
 
 
-I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-V8I32, V16I16, V16I8, V8F32 = (ir.VectorType(I32, 8), ir.VectorType(I16, 16), ir.VectorType(I8, 16),
-                               ir.VectorType(F32, 8))
+def has_f16c() -> bool:
+    """Hardware float16 <-> float32 conversion (the float16 KV cache needs it: without it LLVM would
+    call runtime helpers a JIT-compiled kernel cannot link)."""
+    return _F16C
+
+
+I8, I16, I32, I64, F32, F16 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType(),
+                               ir.HalfType())
+V8I32, V16I16, V16I8, V8F32, V8F16 = (ir.VectorType(I32, 8), ir.VectorType(I16, 16), ir.VectorType(I8, 16),
+                                      ir.VectorType(F32, 8), ir.VectorType(F16, 8))
 
 
 def i64(v: int) -> ir.Constant:
@@ -102,6 +115,30 @@ def _vstore(builder, value, base, index, align=4):
 
 def _fma(builder):
     return builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(V8F32, [V8F32] * 3))
+
+
+# ---- float16 ----------------------------------------------------------------------------------------
+@intrinsic
+def half_to_float(typingctx, bits):
+    """float32 value of the float16 whose bits are the uint16 `bits` (exact)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], F16), F32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def float_to_half(typingctx, x):
+    """uint16 bits of float32 x rounded to float16 (to nearest even; beyond +-65504: +-inf)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], F16), I16)
+    return types.uint16(types.float32), codegen
+
+
+def _load_f32x8(builder, base, index, half: bool):
+    """8 floats from element `index` of `base` (a float* or, for half, a half* converted on load)."""
+    if half:
+        return builder.fpext(_vload(builder, base, index, V8F16, align=2), V8F32)
+    return _vload(builder, base, index, V8F32)
 
 
 # ---- integer GEMM tile ------------------------------------------------------------------------------
@@ -164,50 +201,61 @@ def _hsum8(builder, vs):
     return builder.fadd(lo, hi)
 
 
-@intrinsic
-def dot_rows8(typingctx, qp, kp, ld, chunks, sp):
-    """s[r] = q . k[r] for r in 0..7: qp -> float32 q[8 * chunks], kp -> float32 rows with a stride of
-    ld floats, sp -> float32 s[8]."""
-    sig = types.void(*([types.int64] * 5))
+def _make_dot_rows8(half: bool):
+    @intrinsic
+    def dot_rows8(typingctx, qp, kp, ld, chunks, sp):
+        """s[r] = q . k[r] for r in 0..7: qp -> float32 q[8 * chunks], kp -> rows (float32, or float16
+        for the _f16 build) with a stride of ld elements, sp -> float32 s[8]."""
+        sig = types.void(*([types.int64] * 5))
 
-    def codegen(context, builder, signature, args):
-        qp, kp, ld, chunks, sp = args
-        fma = _fma(builder)
-        qb, kb = _ptr(builder, qp, F32), _ptr(builder, kp, F32)
-        rows = [builder.gep(kb, [builder.mul(i64(r), ld)]) for r in range(8)]
+        def codegen(context, builder, signature, args):
+            qp, kp, ld, chunks, sp = args
+            fma = _fma(builder)
+            qb, kb = _ptr(builder, qp, F32), _ptr(builder, kp, F16 if half else F32)
+            rows = [builder.gep(kb, [builder.mul(i64(r), ld)]) for r in range(8)]
 
-        def step(c, accs):
-            off = builder.mul(c, i64(8))
-            qv = _vload(builder, qb, off, V8F32)
-            return [builder.call(fma, [qv, _vload(builder, rows[r], off, V8F32), accs[r]]) for r in range(8)]
+            def step(c, accs):
+                off = builder.mul(c, i64(8))
+                qv = _vload(builder, qb, off, V8F32)
+                return [builder.call(fma, [qv, _load_f32x8(builder, rows[r], off, half), accs[r]])
+                        for r in range(8)]
 
-        fin = counted_loop(builder, chunks, [ir.Constant(V8F32, [0.0] * 8)] * 8, step)
-        _vstore(builder, _hsum8(builder, fin), _ptr(builder, sp, F32), i64(0))
-        return context.get_dummy_value()
+            fin = counted_loop(builder, chunks, [ir.Constant(V8F32, [0.0] * 8)] * 8, step)
+            _vstore(builder, _hsum8(builder, fin), _ptr(builder, sp, F32), i64(0))
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+    return dot_rows8
 
 
-@intrinsic
-def axpy_rows32(typingctx, pp, vp, rows, ld, op):
-    """o[0:32] += sum_{r < rows} p[r] * v[r, 0:32]: pp -> float32 p[rows], vp -> float32 rows with a
-    stride of ld floats, op -> float32 o[32]."""
-    sig = types.void(*([types.int64] * 5))
+def _make_axpy_rows32(half: bool):
+    @intrinsic
+    def axpy_rows32(typingctx, pp, vp, rows, ld, op):
+        """o[0:32] += sum_{r < rows} p[r] * v[r, 0:32]: pp -> float32 p[rows], vp -> rows (float32, or
+        float16 for the _f16 build) with a stride of ld elements, op -> float32 o[32]."""
+        sig = types.void(*([types.int64] * 5))
 
-    def codegen(context, builder, signature, args):
-        pp, vp, rows, ld, op = args
-        fma = _fma(builder)
-        pb, vb, ob = _ptr(builder, pp, F32), _ptr(builder, vp, F32), _ptr(builder, op, F32)
-        init = [_vload(builder, ob, i64(8 * u), V8F32) for u in range(4)]
+        def codegen(context, builder, signature, args):
+            pp, vp, rows, ld, op = args
+            fma = _fma(builder)
+            pb, vb = _ptr(builder, pp, F32), _ptr(builder, vp, F16 if half else F32)
+            ob = _ptr(builder, op, F32)
+            init = [_vload(builder, ob, i64(8 * u), V8F32) for u in range(4)]
 
-        def step(r, accs):
-            p = splat(builder, builder.load(builder.gep(pb, [r]), align=4), V8F32)
-            row = builder.gep(vb, [builder.mul(r, ld)])
-            return [builder.call(fma, [p, _vload(builder, row, i64(8 * u), V8F32), accs[u]]) for u in range(4)]
+            def step(r, accs):
+                p = splat(builder, builder.load(builder.gep(pb, [r]), align=4), V8F32)
+                row = builder.gep(vb, [builder.mul(r, ld)])
+                return [builder.call(fma, [p, _load_f32x8(builder, row, i64(8 * u), half), accs[u]])
+                        for u in range(4)]
 
-        fin = counted_loop(builder, rows, init, step)
-        for u in range(4):
-            _vstore(builder, fin[u], ob, i64(8 * u))
-        return context.get_dummy_value()
+            fin = counted_loop(builder, rows, init, step)
+            for u in range(4):
+                _vstore(builder, fin[u], ob, i64(8 * u))
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+    return axpy_rows32
+
+
+dot_rows8, dot_rows8_f16 = _make_dot_rows8(False), _make_dot_rows8(True)
+axpy_rows32, axpy_rows32_f16 = _make_axpy_rows32(False), _make_axpy_rows32(True)

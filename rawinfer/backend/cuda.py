@@ -149,7 +149,10 @@ class CUDABackend(Backend):
         return {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
                 "bfloat16": np.dtype(_BF16)}[model_dtype]
 
-    def kv_dtype(self, model_dtype: str) -> np.dtype:
+    def kv_dtype(self, model_dtype: str, choice: str = "auto", quant: str | None = None) -> np.dtype:
+        if choice not in ("auto", model_dtype):
+            raise ValueError(f"kv_cache_dtype={choice!r}: the CUDA kernels keep K/V in the model's dtype "
+                             f"({model_dtype}); use kv_cache_dtype='auto' (--kv-cache-dtype auto) on CUDA")
         return self.weight_dtype(model_dtype)
 
     def activation_dtype(self, model_dtype: str) -> np.dtype:
