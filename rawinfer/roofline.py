@@ -1,7 +1,9 @@
 """`rawinfer bench roofline`: this machine's ceilings next to what prefill and decode achieve.
 
 Ceilings, measured here: memory copy bandwidth (bytes read + written per second by a large copy) and
-the float32 GEMM rate (a square BLAS/cuBLAS matmul). For one model we then time a prefill of P tokens
+the float32 GEMM rate (a square BLAS/cuBLAS matmul); for an int8 model on the CPU also the rate of
+the GEMM its matrices run on (int8 weights: the integer GEMM of backend/cpu_qgemm.py), which is then
+its compute ceiling. For one model we then time a prefill of P tokens
 and a decode step of B sequences and count, per step,
 
     FLOPs = 2 x (matrix parameters touched) x tokens  +  4 x H x D x (attended positions)
@@ -56,6 +58,18 @@ def measure_ceilings(xp=np, sync=lambda: None, copy_mib: int = 256, gemm_n: int 
     t_gemm = _best(gemm, repeat)
     return {"copy_GBps": 2 * a.nbytes / t_copy / 1e9, "gemm_GFLOPs": 2 * gemm_n**3 / t_gemm / 1e9,
             "copy_bytes": 2 * a.nbytes, "gemm_n": gemm_n}
+
+
+def measure_int8_gemm(backend, n: int = 2048, repeat: int = 5) -> float:
+    """GOP/s of the backend's GEMM with int8 weights (n x n x n): what an int8 model's matrix products
+    run on (on the CPU the integer GEMM of cpu_qgemm where it applies, else dequantize + float32)."""
+    from .quant import Int8Weight, quantize_int8
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, n), dtype=np.float32)
+    w = backend.prepare_int8(Int8Weight(*quantize_int8(rng.standard_normal((n, n), dtype=np.float32))))
+    y = np.empty_like(x)
+    scratch = np.empty(128 * n * 4, np.float32)
+    return 2 * n**3 / _best(lambda: backend.linear(x, w, y, scratch=scratch), repeat) / 1e9
 
 
 def matrix_params(cfg: ModelConfig, lm_head_rows: int, tokens: int) -> tuple[float, float]:
@@ -120,6 +134,9 @@ def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
         ceil = measure_ceilings(cupy, cupy.cuda.runtime.deviceSynchronize, copy_mib=1024, gemm_n=8192)
     else:
         ceil = measure_ceilings(linear=be.linear)    # the GEMM path the engine itself runs
+    compute_peak = ceil["gemm_GFLOPs"]
+    if cfg.quant == "int8" and be.name == "cpu":     # its matrices run on the int8-weight GEMM instead
+        ceil["int8_gemm_GOPs"] = compute_peak = measure_int8_gemm(be)
     bpp = 1.0 + 4.0 / cfg.hidden_size if cfg.quant == "int8" else float(be.weight_dtype(cfg.dtype).itemsize)
     kv_item = engine.pool.kv.k[0].dtype.itemsize
     rows = []
@@ -130,22 +147,24 @@ def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
         t = time_decode(engine, B, context)
         f, b = phase_counts(cfg, B, B, B * (context + 1), B * (context + 1), bpp, kv_item)
         rows.append(("decode", B, B, t, f, b))
-    ridge = ceil["gemm_GFLOPs"] / ceil["copy_GBps"]
-    out = {"ceilings": ceil, "ridge_flops_per_byte": ridge, "phases": []}
+    ridge = compute_peak / ceil["copy_GBps"]
+    out = {"ceilings": ceil, "compute_ceiling": compute_peak, "ridge_flops_per_byte": ridge, "phases": []}
     for phase, B, tokens, t, f, b in rows:
         ai = f / b
         out["phases"].append({
             "phase": phase, "batch": B, "tokens": tokens, "step_s": t, "tokens_per_s": tokens / t,
             "GFLOPs": f / t / 1e9, "GBps": b / t / 1e9, "flops_per_byte": ai,
             "bound": "compute" if ai > ridge else "memory",
-            "pct_of_compute_ceiling": 100 * f / t / 1e9 / ceil["gemm_GFLOPs"],
+            "pct_of_compute_ceiling": 100 * f / t / 1e9 / compute_peak,
             "pct_of_memory_ceiling": 100 * b / t / 1e9 / ceil["copy_GBps"]})
     return out
 
 
 def print_report(r: dict) -> None:
     c = r["ceilings"]
-    print(f"ceilings: copy {c['copy_GBps']:.1f} GB/s, float32 GEMM {c['gemm_GFLOPs']:.1f} GFLOP/s "
+    int8 = f", int8-weight GEMM {c['int8_gemm_GOPs']:.1f} GOP/s (the compute ceiling here)" \
+        if "int8_gemm_GOPs" in c else ""
+    print(f"ceilings: copy {c['copy_GBps']:.1f} GB/s, float32 GEMM {c['gemm_GFLOPs']:.1f} GFLOP/s{int8} "
           f"(ridge {r['ridge_flops_per_byte']:.1f} FLOP/byte)")
     print(f"{'phase':8} {'batch':>5} {'tokens/s':>10} {'GFLOP/s':>9} {'% peak':>7} {'GB/s':>7} {'% peak':>7} "
           f"{'FLOP/B':>7}  bound")

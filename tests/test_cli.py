@@ -96,3 +96,15 @@ def test_bench_roofline_reports_both_phases(tmp_path, tiny_llama_dir):
     for p in res["phases"]:
         assert p["tokens_per_s"] > 0 and p["GFLOPs"] > 0 and p["bound"] in ("compute", "memory")
     assert "prefill" in r.stdout and "decode" in r.stdout
+
+
+def test_bench_roofline_int8_model_uses_the_int8_gemm_ceiling(tmp_path, tmp_path_factory):
+    from conftest import _convert_tiny
+    model = _convert_tiny(tmp_path_factory, "tiny-llama", quant="int8")
+    out = str(tmp_path / "roofline.json")
+    r = rawinfer("-q", "bench", "roofline", "--model", model, "--device", "cpu", "--kv-cache-memory", "16MiB",
+                 "--prompt-len", "40", "--batch", "3", "--context", "9", "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(out))
+    assert res["ceilings"]["int8_gemm_GOPs"] > 0 and res["compute_ceiling"] == res["ceilings"]["int8_gemm_GOPs"]
+    assert "int8-weight GEMM" in r.stdout
