@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -313,3 +315,25 @@ def test_serial_and_parallel_builds_cache_apart():
     for k in kernels:
         names |= {k.serial.py_func.__qualname__, k.parallel.py_func.__qualname__}
     assert len(names) == 2 * len(kernels)
+
+
+def test_kernel_cache_refresh_drops_builds_of_changed_sources(tmp_path):
+    """Cached kernels inline code from other cpu*.py files, which Numba's own check does not see."""
+    from rawinfer.backend import cpu_cache
+    (tmp_path / "cpu_a.py").write_text("X = 1\n")
+    (tmp_path / "cpu_b.py").write_text("Y = 1\n")
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+
+    def cached():
+        for name in ("cpu_a.f-3.py311.nbi", "cpu_b.g-9.py311.nbc", "other.h-1.py311.nbi"):
+            (cache / name).write_bytes(b"x")
+    cached()
+    assert len(cpu_cache.refresh(str(tmp_path))) == 2            # no stamp yet: the cpu* builds go
+    assert (cache / "other.h-1.py311.nbi").exists()
+    cached()
+    assert cpu_cache.refresh(str(tmp_path)) == []                # sources unchanged: kept
+    (tmp_path / "cpu_b.py").write_text("Y = 2\n")                # one source edited: every cpu* build goes
+    assert sorted(os.path.basename(p) for p in cpu_cache.refresh(str(tmp_path))) == [
+        "cpu_a.f-3.py311.nbi", "cpu_b.g-9.py311.nbc"]
+    assert cpu_cache.refresh(str(tmp_path)) == []

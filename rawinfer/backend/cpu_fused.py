@@ -9,9 +9,8 @@ reads and writes the same workspace buffers, so the results equal the per-op pat
 rounding of the row-matmul (fastmath reductions).
 
 NOTE: the compiled kernels here carry copies of the cpu_kernels.py kernels they call, and Numba's disk
-cache only checks this file's timestamp: after editing cpu_kernels.py in a working tree, delete the
-cached builds (`find rawinfer -name '*.nb[ic]' -delete`) or touch this file. (An install writes every
-file anew, so it is only a concern while developing.)
+cache only checks this file's timestamp; cpu_cache.refresh() drops the cached builds whenever any
+cpu*.py source changed.
 
     first layer:  x = rmsnorm(res)           other layers: res += h; x = rmsnorm(res)
     qkv = x @ Wqkv^T * scales (+ bias); rope(q, k); kv_write(k, v)

@@ -24,8 +24,8 @@ P V three query rows at a time: slower than OpenBLAS on the same shapes (4.6 vs 
 500-token prompt; dot_rows8 reaches ~42 GFLOP/s on one core, OpenBLAS's sgemm ~64 there).
 
 NOTE: compiled kernels that call these carry their own copy, and Numba's disk cache only checks the
-caller's file: after editing this file in a working tree, delete the cached builds
-(`find rawinfer -name '*.nb[ic]' -delete`).
+caller's file: cpu_cache.refresh() (run on import, below) drops cached kernels built from older
+sources of any cpu*.py file.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+
+from . import cpu_cache
+
+cpu_cache.refresh()     # before any module that imports this one defines (and may load) a cached kernel
 
 
 def _host_features() -> set[str]:
