@@ -62,8 +62,8 @@ class LlamaModel:
         self.lm_head = self.embed if cfg.tie_word_embeddings else weight("lm_head")
         self.scratch = pool.workspace.dequant if cfg.quant else None
         self.fused_max_tokens = self.backend.fused_max_tokens(cfg.quant)
-        self.fused_plan = (self.backend.fused_plan(self.layers, pool.kv.k, pool.kv.v)
-                           if self.fused_max_tokens else None)
+        self.fused_plan = None            # built by weights_loaded()
+        self.fused_decode_max = 0         # pure decode batches up to this many tokens take the fused path too
         self.final_norm = w["final_norm"]
         self.cos_sin = w["rope_cos_sin"]
 
@@ -77,6 +77,9 @@ class LlamaModel:
                     L[k] = be.prepare_int8(L[k])
         if isinstance(self.lm_head, Int8Weight):
             self.lm_head = be.prepare_int8(self.lm_head)
+        if self.fused_max_tokens:
+            self.fused_plan = be.fused_plan(self.layers, self.pool.kv.k, self.pool.kv.v)
+            self.fused_decode_max = be.fused_decode_max_tokens(self.fused_plan)
 
     def forward(self, batch: FlatBatch):
         """Run the layers; returns the logits view [S, V] (float32) of the pool's workspace."""
@@ -92,7 +95,8 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         res, x = ws.residual[:T], ws.normed[:T]
         be.embedding(batch.token_ids, self.embed, res)   # the residual stream starts as the embeddings
-        if T <= self.fused_max_tokens:                    # small decode batches: one call for all layers
+        fused = T <= self.fused_max_tokens or (batch.max_query_len == 1 and T <= self.fused_decode_max)
+        if fused and self.fused_plan is not None:         # decode batches: one call for all layers
             be.decoder_layers(self.fused_plan, ws, T, batch, self.cos_sin, eps, self.scale, cfg.num_heads,
                               cfg.num_kv_heads)
         else:

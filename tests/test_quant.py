@@ -114,3 +114,44 @@ def test_smollm2_int8_agrees_with_golden(smollm2_int8_dir):
         agreed += int((logits.argmax(-1)[sure] == np.asarray(greedy)[sure]).sum())
     assert checked > 50
     assert agreed == checked, f"{agreed}/{checked} confident steps agree"
+
+
+def _fused_vs_per_op(model_dir, kv_cache_memory):
+    """Greedy tokens of 9 requests decoded together, through decoder_stack_batched_kernel (one call per
+    step) and through the per-op path; returns both and how many tokens the fused call decoded."""
+    from rawinfer import SamplingParams
+    from rawinfer.llm import LLM
+    llm = LLM(model_dir, device="cpu", kv_cache_memory=kv_cache_memory, max_num_batched_tokens=512,
+              enable_prefix_caching=False)
+    model, be = llm.engine.model, llm.engine.backend
+    assert model.fused_plan["packed"] and model.fused_decode_max > 64
+    rng = np.random.default_rng(4)
+    V = llm.engine.model_config.vocab_size
+    prompts = [[int(t) for t in rng.integers(3, V, n)] for n in (3, 17, 30, 5, 64, 9, 1, 40, 22)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    fused_rows = []
+    real = be.decoder_layers
+    be.decoder_layers = lambda plan, ws, T, *a: (fused_rows.append(T), real(plan, ws, T, *a))[1]
+    fused = [r.token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]
+    model.fused_decode_max = 0
+    per_op = [r.token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]
+    return fused, per_op, max(fused_rows)
+
+
+def test_batched_decode_in_one_call_matches_the_per_op_path(tiny_int8_dir, smollm2_int8_dir):
+    for model_dir, mem in ((tiny_int8_dir, "8MiB"), (smollm2_int8_dir, "256MiB")):   # head_dim 16 and 64
+        fused, per_op, rows = _fused_vs_per_op(model_dir, mem)
+        assert rows == 9                                 # every request decoding in one fused call
+        assert fused == per_op, model_dir
+
+
+def test_decoder_layers_refuses_what_it_cannot_run(tiny_int8_dir):
+    from rawinfer.model import FlatBatch
+    engine = LLMEngine(tiny_int8_dir, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256)
+    model = engine.model
+    z = np.zeros(8, np.int32)
+    batch = FlatBatch(z, z, z, np.zeros((1, 1), np.int32), np.ones(1, np.int32), np.array([0, 8], np.int32), z[:1],
+                      8, 8, 8)                        # one sequence's 8-token prefill chunk: not a decode batch
+    with pytest.raises(ValueError, match="pure decode"):
+        engine.backend.decoder_layers(model.fused_plan, engine.pool.workspace, 8, batch, model.cos_sin, 1e-6,
+                                      0.25, 4, 2)

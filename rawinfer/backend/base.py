@@ -140,6 +140,11 @@ class Backend(ABC):
         """Batches of at most this many tokens use decoder_layer() (0: never) for a model quantized as quant."""
         return 0
 
+    def fused_decode_max_tokens(self, plan) -> int:
+        """Pure decode batches (one new token per sequence) of up to this many tokens also use
+        decoder_layers() (0: only batches within fused_max_tokens do)."""
+        return 0
+
     def fused_plan(self, layers: list[dict], k_caches: list, v_caches: list):
         """Optional: whatever decoder_layers() needs prepared once (called when fused_max_tokens > 0)."""
         raise NotImplementedError
@@ -148,7 +153,8 @@ class Backend(ABC):
                        num_kv_heads: int) -> None:
         """Optional: every decoder layer (the same ops as model.py's per-op path, in the same order, over
         the workspace `ws` rows [:T]) in one call, for small decode batches where per-op dispatch costs
-        more than the work. Only called when T <= fused_max_tokens(quant)."""
+        more than the work. Only called when T <= fused_max_tokens(quant), or for a pure decode batch
+        of T <= fused_decode_max_tokens(plan)."""
         raise NotImplementedError
 
     def argmax(self, logits) -> np.ndarray:

@@ -21,7 +21,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "100000" if cpu_blas.available() else "0
 from ..quant import Int8Weight  # noqa: E402
 from . import cpu_kernels as K  # noqa: E402
 from .base import Backend  # noqa: E402
-from .cpu_fused import NO_BIAS, decoder_stack_kernel  # noqa: E402
+from .cpu_fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel  # noqa: E402
 
 ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
 ATTN_BLAS_MIN_QUERY = 32   # batches with a query run this long take the BLAS attention (prefill)...
@@ -273,25 +273,49 @@ class CPUBackend(Backend):
             for a in arrays:
                 out.append(a)
             return out
-        cols = {"w_qkvs": [], "s_qkvs": [], "w_os": [], "s_os": [], "w_gus": [], "s_gus": [], "w_downs": [],
-                "s_downs": []}
+        mats = (("qkv", "qkv_proj"), ("o", "o_proj"), ("gu", "gate_up_proj"), ("down", "down_proj"))
+        cols = {f"{kind}_{short}s": [] for short, _ in mats for kind in ("w", "s", "p")}
         for L in layers:
-            for short, name in (("qkv", "qkv_proj"), ("o", "o_proj"), ("gu", "gate_up_proj"), ("down", "down_proj")):
+            for short, name in mats:
                 cols[f"w_{short}s"].append(L[name].q)       # fused only for int8 models: Int8Weight
                 cols[f"s_{short}s"].append(L[name].scale)
-        plan = {k: typed(v) for k, v in cols.items()}
+                cols[f"p_{short}s"].append(L[name].packed)
+        packed = all(p is not None for short, _ in mats for p in cols[f"p_{short}s"])
+        plan = {k: typed(v) for k, v in cols.items() if not k.startswith("p_") or packed}
+        plan["packed"] = packed                             # batched decode: integer GEMMs on the packed copies
         plan["in_norms"] = typed([L["input_norm"] for L in layers])
         plan["post_norms"] = typed([L["post_attn_norm"] for L in layers])
         plan["b_qkvs"] = typed([L["qkv_bias"] if L["qkv_bias"] is not None else NO_BIAS for L in layers])
         plan["k_caches"], plan["v_caches"] = typed([_kv(c) for c in k_caches]), typed([_kv(c) for c in v_caches])
+        plan["avx2_attention"] = K.decode_attention_avx2_fits(plan["k_caches"][0])
+        plan["max_k"] = max(L[name].shape[1] for L in layers for _, name in mats)
         return plan
 
+    def fused_decode_max_tokens(self, plan) -> int:
+        # Batched decode of an int8 model in one call as well: ~11 ops x 30 layers of Python and Numba
+        # dispatch (5-15 us each) cost several ms per step next to its ~100 ms of GEMMs (64 sequences).
+        return 1 << 30 if plan["packed"] else 0
+
     def decoder_layers(self, plan, ws, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
-        if T > INT8_GEMV_MAX_ROWS:
-            raise ValueError(f"decoder_layers takes at most {INT8_GEMV_MAX_ROWS} tokens, got {T}")
         for name in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc"):
             _check(name, getattr(batch, name), None, np.int32)
         p = plan
+        if T > INT8_GEMV_MAX_ROWS:
+            if not p["packed"] or batch.max_query_len != 1:
+                raise ValueError(f"decoder_layers takes at most {INT8_GEMV_MAX_ROWS} tokens, or a pure decode "
+                                 f"batch of an int8 model with packed weights; got {T} tokens")
+            nx, ns = cpu_qgemm.x_buffer_sizes(T, p["max_k"])
+            if self._qx.size < nx:
+                self._qx = np.empty(nx, np.int16)
+            if self._qs.size < ns:
+                self._qs = np.empty(ns, np.float32)
+            decoder_stack_batched_kernel(
+                ws.hidden[:T], ws.residual[:T], ws.normed[:T], ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T],
+                p["in_norms"], p["p_qkvs"], p["s_qkvs"], p["b_qkvs"], p["p_os"], p["s_os"], p["post_norms"],
+                p["p_gus"], p["s_gus"], p["p_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
+                batch.block_tables, batch.context_lens, p["k_caches"], p["v_caches"], cos_sin, np.float32(eps),
+                np.float32(scale), num_heads, num_kv_heads, self._qx, self._qs, p["avx2_attention"])
+            return
         decoder_stack_kernel(
             ws.hidden[:T], ws.residual[:T], ws.normed[:T], ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T],
             p["in_norms"], p["w_qkvs"], p["s_qkvs"], p["b_qkvs"], p["w_os"], p["s_os"], p["post_norms"],

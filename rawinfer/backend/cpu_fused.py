@@ -8,6 +8,10 @@ elementwise ops (a few rows), the parallel builds for the matrix-vector products
 reads and writes the same workspace buffers, so the results equal the per-op path up to float32
 rounding of the row-matmul (fastmath reductions).
 
+`decoder_stack_batched_kernel` does the same for pure decode batches of any size when the weights
+have packed copies for the integer GEMM (cpu_qgemm): the parallel builds of every op, the integer
+GEMM for the matrices. With 64 sequences the dispatch it saves is a few ms of a ~100 ms step.
+
 NOTE: the compiled kernels here carry copies of the cpu_kernels.py kernels they call, and Numba's disk
 cache only checks this file's timestamp; cpu_cache.refresh() drops the cached builds whenever any
 cpu*.py source changed.
@@ -25,6 +29,7 @@ import numba as nb
 import numpy as np
 
 from . import cpu_kernels as K
+from . import cpu_qgemm
 
 # Module-level names for the compiled builds, so the jitted function below can call them.
 _rmsnorm = K.rmsnorm_kernel.serial
@@ -76,6 +81,58 @@ def decoder_stack_kernel(h, res, x, qkv, attn, gu, act,
                              w_gus[i], s_gus[i], w_downs[i], s_downs[i], positions, slot_mapping,
                              block_tables, context_lens, query_start_loc, seqs, q0, q1,
                              k_caches[i], v_caches[i], cos_sin, eps, scale, num_heads, num_kv_heads)
+
+
+# ---- batched decode (int8 models with packed weights, any number of sequences) ------------------------
+_rmsnorm_p = K.rmsnorm_kernel.parallel
+_add_rmsnorm_p = K.add_rmsnorm_kernel.parallel
+_rope_p = K.rope_kernel.parallel
+_silu_mul_p = K.silu_mul_kernel.parallel
+_kv_write_p = K.kv_write_kernel.parallel
+_decode_attention_avx2 = K.decode_attention_avx2_kernel.parallel
+_decode_attention = K.decode_attention_kernel.parallel
+
+
+@nb.njit(cache=True)
+def _int8_linear(x, wp, sw, out, xbuf, sbuf):
+    # cpu_qgemm.int8_matmul from compiled code: out = x @ (q * sw)^T over the packed weight wp
+    M, K = x.shape
+    panels = (M + cpu_qgemm.PANEL_ROWS - 1) // cpu_qgemm.PANEL_ROWS
+    xp = xbuf[:panels * (K // 2) * cpu_qgemm.PANEL_ROWS * 2].reshape((panels, K // 2, cpu_qgemm.PANEL_ROWS, 2))
+    qmax = min(32767, (2 ** 31 - 1) // (128 * K))       # cpu_qgemm.act_qmax
+    cpu_qgemm.quantize_rows(x, qmax, xp, sbuf)
+    cpu_qgemm.gemm_packed(xp, sbuf, wp, sw, out, M)
+
+
+@nb.njit(cache=True)
+def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
+                                 in_norms, p_qkvs, s_qkvs, b_qkvs, p_os, s_os, post_norms, p_gus, s_gus, p_downs,
+                                 s_downs, positions, slot_mapping, block_tables, context_lens, k_caches, v_caches,
+                                 cos_sin, eps, scale, num_heads, num_kv_heads, xbuf, sbuf, avx2_attention):
+    # Every layer of a pure decode batch (row b = sequence b's new token) in one call: the per-op path's
+    # parallel kernels in its order, the matrix products on the integer GEMM (p_* = packed weights).
+    D = cos_sin.shape[1]
+    for i in range(len(in_norms)):
+        if i == 0:
+            _rmsnorm_p(res, in_norms[i], eps, x)
+        else:
+            _add_rmsnorm_p(h, res, in_norms[i], eps, x)
+        _int8_linear(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf)
+        if b_qkvs[i].shape[0] > 0:
+            for t in range(qkv.shape[0]):
+                qkv[t] += b_qkvs[i]
+        _rope_p(qkv, positions, cos_sin, num_heads, num_kv_heads, D)
+        _kv_write_p(qkv, k_caches[i], v_caches[i], slot_mapping, num_heads)
+        if avx2_attention:
+            _decode_attention_avx2(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads,
+                                   attn)
+        else:
+            _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, attn)
+        _int8_linear(attn, p_os[i], s_os[i], h, xbuf, sbuf)
+        _add_rmsnorm_p(h, res, post_norms[i], eps, x)
+        _int8_linear(x, p_gus[i], s_gus[i], gu, xbuf, sbuf)
+        _silu_mul_p(gu, act)
+        _int8_linear(act, p_downs[i], s_downs[i], h, xbuf, sbuf)
 
 
 NO_BIAS = np.zeros(0, np.float32)   # stands in for a missing QKV bias
