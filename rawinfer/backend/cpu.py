@@ -198,12 +198,7 @@ class CPUBackend(Backend):
             K.rows_matmul_kernel(x, w.q, w.scale, out)
             return
         if w.packed is not None:
-            nx, ns = cpu_qgemm.x_buffer_sizes(T, Kd)
-            if self._qx.size < nx:
-                self._qx = np.empty(nx, np.int16)
-            if self._qs.size < ns:
-                self._qs = np.empty(ns, np.float32)
-            cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, self._qx, self._qs)
+            cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
             return
         tile = min(INT8_TILE_ROWS, scratch.size // (self.threads * Kd))
         if self.blas_on_numba_pool and tile >= 1:
@@ -218,6 +213,16 @@ class CPUBackend(Backend):
                 np.matmul(x, wt.T, out=out)
             else:
                 out[:, n0:n1] = x @ wt.T
+
+    def _int_gemm_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The integer GEMM's activation buffers (int16 panels, float32 scales) for up to rows x k,
+        grown to the largest batch seen."""
+        nx, ns = cpu_qgemm.x_buffer_sizes(rows, k)
+        if self._qx.size < nx:
+            self._qx = np.empty(nx, np.int16)
+        if self._qs.size < ns:
+            self._qs = np.empty(ns, np.float32)
+        return self._qx, self._qs
 
     def rope(self, qkv, positions, cos_sin, num_heads, num_kv_heads) -> None:
         D = cos_sin.shape[1]
@@ -304,17 +309,13 @@ class CPUBackend(Backend):
             if not p["packed"] or batch.max_query_len != 1:
                 raise ValueError(f"decoder_layers takes at most {INT8_GEMV_MAX_ROWS} tokens, or a pure decode "
                                  f"batch of an int8 model with packed weights; got {T} tokens")
-            nx, ns = cpu_qgemm.x_buffer_sizes(T, p["max_k"])
-            if self._qx.size < nx:
-                self._qx = np.empty(nx, np.int16)
-            if self._qs.size < ns:
-                self._qs = np.empty(ns, np.float32)
+            qx, qs = self._int_gemm_buffers(T, p["max_k"])
             decoder_stack_batched_kernel(
                 ws.hidden[:T], ws.residual[:T], ws.normed[:T], ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T],
                 p["in_norms"], p["p_qkvs"], p["s_qkvs"], p["b_qkvs"], p["p_os"], p["s_os"], p["post_norms"],
                 p["p_gus"], p["s_gus"], p["p_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
                 batch.block_tables, batch.context_lens, p["k_caches"], p["v_caches"], cos_sin, np.float32(eps),
-                np.float32(scale), num_heads, num_kv_heads, self._qx, self._qs, p["avx2_attention"])
+                np.float32(scale), num_heads, num_kv_heads, qx, qs, p["avx2_attention"])
             return
         decoder_stack_kernel(
             ws.hidden[:T], ws.residual[:T], ws.normed[:T], ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T],

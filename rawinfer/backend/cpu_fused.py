@@ -93,17 +93,7 @@ _silu_mul_p = K.silu_mul_kernel.parallel
 _kv_write_p = K.kv_write_kernel.parallel
 _decode_attention_avx2 = K.decode_attention_avx2_kernel.parallel
 _decode_attention = K.decode_attention_kernel.parallel
-
-
-@nb.njit(cache=True)
-def _int8_linear(x, wp, sw, out, xbuf, sbuf):
-    # cpu_qgemm.int8_matmul from compiled code: out = x @ (q * sw)^T over the packed weight wp
-    M, K = x.shape
-    panels = (M + cpu_qgemm.PANEL_ROWS - 1) // cpu_qgemm.PANEL_ROWS
-    xp = xbuf[:panels * (K // 2) * cpu_qgemm.PANEL_ROWS * 2].reshape((panels, K // 2, cpu_qgemm.PANEL_ROWS, 2))
-    qmax = min(32767, (2 ** 31 - 1) // (128 * K))       # cpu_qgemm.act_qmax
-    cpu_qgemm.quantize_rows(x, qmax, xp, sbuf)
-    cpu_qgemm.gemm_packed(xp, sbuf, wp, sw, out, M)
+_int8_matmul = cpu_qgemm.int8_matmul
 
 
 @nb.njit(cache=True)
@@ -119,7 +109,7 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
             _rmsnorm_p(res, in_norms[i], eps, x)
         else:
             _add_rmsnorm_p(h, res, in_norms[i], eps, x)
-        _int8_linear(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf)
+        _int8_matmul(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf)
         if b_qkvs[i].shape[0] > 0:
             for t in range(qkv.shape[0]):
                 qkv[t] += b_qkvs[i]
@@ -130,11 +120,11 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
                                    attn)
         else:
             _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, attn)
-        _int8_linear(attn, p_os[i], s_os[i], h, xbuf, sbuf)
+        _int8_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf)
         _add_rmsnorm_p(h, res, post_norms[i], eps, x)
-        _int8_linear(x, p_gus[i], s_gus[i], gu, xbuf, sbuf)
+        _int8_matmul(x, p_gus[i], s_gus[i], gu, xbuf, sbuf)
         _silu_mul_p(gu, act)
-        _int8_linear(act, p_downs[i], s_downs[i], h, xbuf, sbuf)
+        _int8_matmul(act, p_downs[i], s_downs[i], h, xbuf, sbuf)
 
 
 NO_BIAS = np.zeros(0, np.float32)   # stands in for a missing QKV bias

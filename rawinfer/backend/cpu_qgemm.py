@@ -45,9 +45,10 @@ def supports(shape: tuple[int, int]) -> bool:
     return available() and N % BLOCK_COLS == 0 and K % 2 == 0 and K > 0
 
 
-def act_qmax(K: int) -> int:
+@nb.njit(cache=True)
+def act_qmax(K):
     """The largest activation level that keeps K products with |w| <= 127 (128 for safety) in int32."""
-    return int(min(32767, (2 ** 31 - 1) // (128 * K)))
+    return min(32767, (2 ** 31 - 1) // (128 * K))
 
 
 def pack_weights(q: np.ndarray) -> np.ndarray:
@@ -59,7 +60,8 @@ def pack_weights(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.transpose(0, 2, 1, 3))
 
 
-def packed_x_shape(M: int, K: int) -> tuple[int, int, int, int]:
+@nb.njit(cache=True)
+def packed_x_shape(M, K):
     return ((M + PANEL_ROWS - 1) // PANEL_ROWS, K // 2, PANEL_ROWS, 2)
 
 
@@ -131,11 +133,11 @@ def gemm_packed(xp, sx, wp, sw, out, M):
                                sx0 + m0 * 4, sw0 + nbk * BLOCK_COLS * 4)
 
 
-def int8_matmul(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray, xbuf: np.ndarray,
-                sx: np.ndarray) -> None:
+@nb.njit(cache=True)
+def int8_matmul(x, wp, sw, out, xbuf, sx):
     """out[M, N] = x[M, K] @ (q * sw[:, None])^T for a weight packed by pack_weights. xbuf (int16) and
     sx (float32): buffers of at least x_buffer_sizes(M, K) elements, reused across calls (fresh pages
-    would fault in on every call)."""
+    would fault in on every call). Compiled, so that compiled code (cpu_fused) calls it too."""
     M, K = x.shape
     shape = packed_x_shape(M, K)
     xp = xbuf[:shape[0] * shape[1] * shape[2] * shape[3]].reshape(shape)
