@@ -13,6 +13,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
+from . import cpu_llvm
 from .cpu_llvm import axpy_rows32, axpy_rows32_f16, dot_rows8, dot_rows8_f16, float_to_half, half_to_float
 
 _JIT = dict(cache=True)
@@ -136,26 +137,22 @@ def _kv_row_into(cache, blk, h, r, dst):
     return copy
 
 
-def kv_dot_rows8(cache, qp, kp, ld, chunks, sp):
-    """cpu_llvm.dot_rows8 for rows of this cache's element type."""
+def _by_cache_dtype(f32_block, f16_block, doc):
+    """A function of (cache, 5 addresses/counts) that calls the cpu_llvm block built for the cache's
+    element type: f32_block for float32 caches, f16_block for float16 ones (uint16 bits)."""
+    def block(cache, a, b, c, d, e):
+        pass
+    block.__doc__ = doc
+
+    @overload(block, inline="always")
+    def _block(cache, a, b, c, d, e):
+        fn = f16_block if cache.dtype == types.uint16 else f32_block
+        return lambda cache, a, b, c, d, e: fn(a, b, c, d, e)
+    return block
 
 
-@overload(kv_dot_rows8, inline="always")
-def _kv_dot_rows8(cache, qp, kp, ld, chunks, sp):
-    if cache.dtype == types.uint16:
-        return lambda cache, qp, kp, ld, chunks, sp: dot_rows8_f16(qp, kp, ld, chunks, sp)
-    return lambda cache, qp, kp, ld, chunks, sp: dot_rows8(qp, kp, ld, chunks, sp)
-
-
-def kv_axpy_rows32(cache, pp, vp, rows, ld, op):
-    """cpu_llvm.axpy_rows32 for rows of this cache's element type."""
-
-
-@overload(kv_axpy_rows32, inline="always")
-def _kv_axpy_rows32(cache, pp, vp, rows, ld, op):
-    if cache.dtype == types.uint16:
-        return lambda cache, pp, vp, rows, ld, op: axpy_rows32_f16(pp, vp, rows, ld, op)
-    return lambda cache, pp, vp, rows, ld, op: axpy_rows32(pp, vp, rows, ld, op)
+kv_dot_rows8 = _by_cache_dtype(dot_rows8, dot_rows8_f16, "cpu_llvm.dot_rows8 for this cache's rows")
+kv_axpy_rows32 = _by_cache_dtype(axpy_rows32, axpy_rows32_f16, "cpu_llvm.axpy_rows32 for this cache's rows")
 
 
 class Kernel:
@@ -310,6 +307,27 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
                     out[q0 + i, base + d] = acc[i, g, d] * inv
 
 
+@nb.njit(inline="always")
+def decode_query_heads(qkv, b, kvh, G, D, scale):
+    """[G, D] float32: the G query heads of row b that share kv head kvh, times scale."""
+    q = np.empty((G, D), np.float32)
+    for g in range(G):
+        base = (kvh * G + g) * D
+        for d in range(D):
+            q[g, d] = qkv[b, base + d] * scale
+    return q
+
+
+@nb.njit(inline="always")
+def decode_write_heads(o, inv, b, kvh, out):
+    """out[b] columns of kv head kvh's G query heads <- o[G, D] * inv[G] (softmax normalizers)."""
+    G, D = o.shape
+    for g in range(G):
+        base = (kvh * G + g) * D
+        for d in range(D):
+            out[b, base + d] = o[g, d] * inv[g]
+
+
 def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, out):
     """Attention of one new token per sequence (a pure decode batch: row b of qkv is sequence b's token).
 
@@ -325,11 +343,7 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
         b = w // Hkv
         kvh = w % Hkv
         n = context_lens[b]
-        q = np.empty((G, D), np.float32)
-        for g in range(G):
-            base = (kvh * G + g) * D
-            for d in range(D):
-                q[g, d] = qkv[b, base + d] * scale
+        q = decode_query_heads(qkv, b, kvh, G, D, scale)
         s = np.empty((G, n), np.float32)
         tile = np.empty((BS, D), np.float32)             # float16 caches: a block's tile converted
         for page in range((n + BS - 1) // BS):
@@ -353,10 +367,7 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
                     p = s[g, j0 + r]
                     for d in range(D):
                         o[g, d] += p * vb[r, d]
-        for g in range(G):
-            base = (kvh * G + g) * D
-            for d in range(D):
-                out[b, base + d] = o[g, d] * inv[g]
+        decode_write_heads(o, inv, b, kvh, out)
 
 
 def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, out):
@@ -378,11 +389,7 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
         n = context_lens[b]
         pages = (n + BS - 1) // BS
         width = pages * BS
-        q = np.empty((G, D), np.float32)
-        for g in range(G):
-            base = (kvh * G + g) * D
-            for d in range(D):
-                q[g, d] = qkv[b, base + d] * scale
+        q = decode_query_heads(qkv, b, kvh, G, D, scale)
         s = np.empty((G, width), np.float32)
         o = np.zeros((G, D), np.float32)
         qa, sa, oa = np.int64(q.ctypes.data), np.int64(s.ctypes.data), np.int64(o.ctypes.data)
@@ -403,17 +410,13 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
                 for d0 in range(0, D, 32):
                     kv_axpy_rows32(v_cache, sa + (g * width + page * BS) * 4, v0 + tile + d0 * isz, rows, D,
                                    oa + (g * D + d0) * 4)
-        for g in range(G):
-            base = (kvh * G + g) * D
-            for d in range(D):
-                out[b, base + d] = o[g, d] * inv[g]
+        decode_write_heads(o, inv, b, kvh, out)
 
 
 def decode_attention_avx2_fits(k_cache) -> bool:
     """Whether _decode_attention_avx2_kernel runs on this cache (and this CPU)."""
-    from .cpu_llvm import available
     _, _, BS, D = k_cache.shape
-    return (available() and k_cache.dtype in (np.float32, np.uint16) and k_cache.flags.c_contiguous
+    return (cpu_llvm.available() and k_cache.dtype in (np.float32, np.uint16) and k_cache.flags.c_contiguous
             and BS % 8 == 0 and D % 32 == 0)
 
 
