@@ -252,7 +252,9 @@ def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, kv_dtype, monkey
 
 
 @pytest.mark.parametrize("ctx_lens,H,Hkv,D,BS", [
-    ([1, 7, 8, 9], 4, 2, 32, 8),                         # contexts around the 8-row groups
+    ([1, 7, 8, 9], 4, 2, 32, 8),                         # contexts around the 4-row groups and blocks
+    ([1, 4, 5, 13], 14, 2, 32, 4),                       # 7 query heads per kv head (3 + 3 + 1), BS = 4
+    ([11, 12, 25], 10, 2, 64, 12),                       # 5 heads per kv head (3 + 2), BS not a power of 2
     ([3, 16, 17, 100, 255], 9, 3, 64, 16),               # SmolLM2's heads
     ([33, 64, 65], 8, 2, 128, 32),                       # Llama's head size, larger blocks
     ([20] * 18, 6, 6, 32, 8),                            # Hkv = H; 108 work items (parallel build)
@@ -278,7 +280,7 @@ def test_decode_attention_kernels(ctx_lens, H, Hkv, D, BS, kernel, kv_dtype):
 
 
 def test_decode_attention_avx2_fits_only_its_layouts():
-    assert not K.decode_attention_avx2_fits(np.zeros((2, 1, 12, 32), np.float32))   # BS % 8
+    assert not K.decode_attention_avx2_fits(np.zeros((2, 1, 6, 32), np.float32))    # BS % 4
     assert not K.decode_attention_avx2_fits(np.zeros((2, 1, 16, 48), np.float32))   # D % 32
     assert not K.decode_attention_avx2_fits(np.zeros((2, 1, 16, 64), np.float64))
 

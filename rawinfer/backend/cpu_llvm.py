@@ -1,27 +1,31 @@
 """AVX2 building blocks of the CPU backend, written in LLVM IR (llvmlite) as Numba intrinsics.
 
-Numba compiles loops well when LLVM can vectorize them by itself; three inner loops it cannot shape
+Numba compiles loops well when LLVM can vectorize them by itself; the inner loops it cannot shape
 the way the hardware wants are written here instead, each one a straight-line block over registers:
 
     int_gemm_tile_6x16   6 x 16 int32 tile of an integer GEMM: per k pair, 12 vpmaddwd + 12 vpaddd
                          (cpu_qgemm.py has the layout and the drivers)
-    dot_rows8            8 dot products q . k[r] at once: one float32 accumulator register per row,
-                         reduced together by a transposing horizontal add (a loop over rows with a
-                         reduction each pays a horizontal sum per row)
-    axpy_rows32          o[0:32] += sum_r p[r] * v[r, 0:32] with o held in 4 registers across the rows
-                         (a vectorized loop over d would load and store o for every row)
+    dot_rows4            scores of 4 K rows against up to 3 query heads at once: one float32
+                         accumulator register per (head, row), each K row loaded (and converted from
+                         float16) once for all heads, reduced by a transposing horizontal add (a loop
+                         over rows with a reduction each pays a horizontal sum per row)
+    axpy_rows32          o[g, 0:32] += sum_r p[g, r] * v[r, 0:32] for up to 3 heads, o held in registers
+                         across the rows (a vectorized loop over d would load and store o for every row)
+    prefetch             prefetcht0 over a byte range (the next KV block while this one is scored)
 
     half_to_float,       float16 <-> float32 of one value held as its uint16 bits (Numba has no float16
     float_to_half        on the CPU); loops of them vectorize to vcvtph2ps / vcvtps2ph
 
-dot_rows8 and axpy_rows32 come in two builds: float32 rows, and float16 rows (`_f16`, for the float16
-KV cache) converted as they are loaded. Arguments are raw addresses (int64) and element counts.
-`available()` is False where the host CPU lacks AVX2 or FMA (or is not x86-64): callers then take
-their plain Numba loops.
+dot_rows4 and axpy_rows32 come in builds per head count (1..HEADS_MAX) and row type: float32 rows,
+and float16 rows (for the float16 KV cache) converted as they are loaded. Arguments are raw addresses
+(int64) and element counts. `available()` is False where the host CPU lacks AVX2 or FMA (or is not
+x86-64): callers then take their plain Numba loops.
 
-Tried and dropped: prefill attention with S = Q K^T by dot_rows8 over each row's visible keys and
-P V three query rows at a time: slower than OpenBLAS on the same shapes (4.6 vs 3.0 ms per layer for a
-500-token prompt; dot_rows8 reaches ~42 GFLOP/s on one core, OpenBLAS's sgemm ~64 there).
+Tried and dropped: prefill attention with S = Q K^T by an 8-row, one-head version of dot_rows4 over
+each row's visible keys and P V three query rows at a time: slower than OpenBLAS on the same shapes
+(4.6 vs 3.0 ms per layer for a 500-token prompt; ~42 GFLOP/s on one core, OpenBLAS's sgemm ~64 there).
+x rows read in place by the GEMM tile (6 row pointers) instead of packed into k-pair panels: the
+quantizer got 2x faster (it vectorizes) but the GEMM 5-12 % slower (measured side by side).
 
 NOTE: compiled kernels that call these carry their own copy, and Numba's disk cache only checks the
 caller's file: cpu_cache.refresh() (run on import, below) drops cached kernels built from older
@@ -197,74 +201,121 @@ def int_gemm_tile_6x16(typingctx, xp, wp, kpairs, op, ldo, rows, sxp, swp):
 
 
 # ---- attention blocks -------------------------------------------------------------------------------
-def _hsum8(builder, vs):
-    """8 vectors <8 x float> -> one vector whose lane j is the sum of vs[j]'s lanes."""
+HEADS_MAX = 3   # query heads one block call serves: 3 x 4 accumulators + operands fit the 16 ymm registers
+
+
+def _hadd(builder, a, b):
     hadd = builder.module.declare_intrinsic("llvm.x86.avx.hadd.ps.256", (),
                                             ir.FunctionType(V8F32, [V8F32, V8F32]))
-    a = [builder.call(hadd, [vs[2 * i], vs[2 * i + 1]]) for i in range(4)]
-    b0 = builder.call(hadd, [a[0], a[1]])     # lanes: sums of vs[0..3] over their low halves | high halves
-    b1 = builder.call(hadd, [a[2], a[3]])     # the same for vs[4..7]
-    idx = ir.VectorType(I32, 8)
-    lo = builder.shuffle_vector(b0, b1, ir.Constant(idx, [0, 1, 2, 3, 8, 9, 10, 11]))
-    hi = builder.shuffle_vector(b0, b1, ir.Constant(idx, [4, 5, 6, 7, 12, 13, 14, 15]))
+    return builder.call(hadd, [a, b])
+
+
+def _hsum4(builder, vs):
+    """4 vectors <8 x float> -> <4 x float> whose lane j is the sum of vs[j]'s lanes."""
+    h = _hadd(builder, _hadd(builder, vs[0], vs[1]), _hadd(builder, vs[2], vs[3]))
+    # h: lane j (j < 4) sums vs[j]'s low half, lane 4 + j its high half
+    idx = ir.VectorType(I32, 4)
+    lo = builder.shuffle_vector(h, h, ir.Constant(idx, [0, 1, 2, 3]))
+    hi = builder.shuffle_vector(h, h, ir.Constant(idx, [4, 5, 6, 7]))
     return builder.fadd(lo, hi)
 
 
-def _make_dot_rows8(half: bool):
+def _make_dot_rows4(heads: int, half: bool):
     @intrinsic
-    def dot_rows8(typingctx, qp, kp, ld, chunks, sp):
-        """s[r] = q . k[r] for r in 0..7: qp -> float32 q[8 * chunks], kp -> rows (float32, or float16
-        for the _f16 build) with a stride of ld elements, sp -> float32 s[8]."""
-        sig = types.void(*([types.int64] * 5))
+    def dot_rows4(typingctx, qp, qld, kp, ld, chunks, sp, sld):
+        """s[g, r] = q[g] . k[r] for r < 4, g < heads: each k row is loaded (and converted) once for
+        all heads. qp -> float32 q rows [heads, >= 8 * chunks] with a stride of qld elements; kp -> k rows
+        (float32, or float16 for the f16 builds) with a stride of ld elements; sp -> float32 s [heads,
+        >= 4] with a stride of sld elements."""
+        sig = types.void(*([types.int64] * 7))
 
         def codegen(context, builder, signature, args):
-            qp, kp, ld, chunks, sp = args
+            qp, qld, kp, ld, chunks, sp, sld = args
             fma = _fma(builder)
-            qb, kb = _ptr(builder, qp, F32), _ptr(builder, kp, F16 if half else F32)
-            rows = [builder.gep(kb, [builder.mul(i64(r), ld)]) for r in range(8)]
+            qb, kb, sb = _ptr(builder, qp, F32), _ptr(builder, kp, F16 if half else F32), _ptr(builder, sp, F32)
+            qrows = [builder.gep(qb, [builder.mul(i64(g), qld)]) for g in range(heads)]
+            krows = [builder.gep(kb, [builder.mul(i64(r), ld)]) for r in range(4)]
 
             def step(c, accs):
                 off = builder.mul(c, i64(8))
-                qv = _vload(builder, qb, off, V8F32)
-                return [builder.call(fma, [qv, _load_f32x8(builder, rows[r], off, half), accs[r]])
-                        for r in range(8)]
+                new = list(accs)
+                for r in range(4):
+                    kv = _load_f32x8(builder, krows[r], off, half)
+                    for g in range(heads):
+                        new[g * 4 + r] = builder.call(fma, [_vload(builder, qrows[g], off, V8F32), kv,
+                                                            accs[g * 4 + r]])
+                return new
 
-            fin = counted_loop(builder, chunks, [ir.Constant(V8F32, [0.0] * 8)] * 8, step)
-            _vstore(builder, _hsum8(builder, fin), _ptr(builder, sp, F32), i64(0))
+            fin = counted_loop(builder, chunks, [ir.Constant(V8F32, [0.0] * 8)] * (4 * heads), step)
+            for g in range(heads):
+                _vstore(builder, _hsum4(builder, fin[4 * g:4 * g + 4]), sb, builder.mul(i64(g), sld))
             return context.get_dummy_value()
 
         return sig, codegen
-    return dot_rows8
+    return dot_rows4
 
 
-def _make_axpy_rows32(half: bool):
+def _make_axpy_rows32(heads: int, half: bool):
     @intrinsic
-    def axpy_rows32(typingctx, pp, vp, rows, ld, op):
-        """o[0:32] += sum_{r < rows} p[r] * v[r, 0:32]: pp -> float32 p[rows], vp -> rows (float32, or
-        float16 for the _f16 build) with a stride of ld elements, op -> float32 o[32]."""
-        sig = types.void(*([types.int64] * 5))
+    def axpy_rows32(typingctx, pp, pld, vp, rows, ld, op, old):
+        """o[g, 0:32] += sum_{r < rows} p[g, r] * v[r, 0:32] for g < heads, with o held in registers
+        across the rows and each v row loaded (and converted) once for all heads. pp -> float32 p [heads,
+        >= rows] with a stride of pld elements; vp -> v rows (float32, or float16 for the f16 builds)
+        with a stride of ld elements; op -> float32 o [heads, >= 32] with a stride of old elements."""
+        sig = types.void(*([types.int64] * 7))
 
         def codegen(context, builder, signature, args):
-            pp, vp, rows, ld, op = args
+            pp, pld, vp, rows, ld, op, old = args
             fma = _fma(builder)
-            pb, vb = _ptr(builder, pp, F32), _ptr(builder, vp, F16 if half else F32)
-            ob = _ptr(builder, op, F32)
-            init = [_vload(builder, ob, i64(8 * u), V8F32) for u in range(4)]
+            pb, vb, ob = _ptr(builder, pp, F32), _ptr(builder, vp, F16 if half else F32), _ptr(builder, op, F32)
+            prows = [builder.gep(pb, [builder.mul(i64(g), pld)]) for g in range(heads)]
+            orows = [builder.gep(ob, [builder.mul(i64(g), old)]) for g in range(heads)]
+            init = [_vload(builder, orows[g], i64(8 * u), V8F32) for g in range(heads) for u in range(4)]
 
             def step(r, accs):
-                p = splat(builder, builder.load(builder.gep(pb, [r]), align=4), V8F32)
                 row = builder.gep(vb, [builder.mul(r, ld)])
-                return [builder.call(fma, [p, _load_f32x8(builder, row, i64(8 * u), half), accs[u]])
-                        for u in range(4)]
+                new = list(accs)
+                for u in range(4):
+                    v = _load_f32x8(builder, row, i64(8 * u), half)
+                    for g in range(heads):
+                        p = splat(builder, builder.load(builder.gep(prows[g], [r]), align=4), V8F32)
+                        new[g * 4 + u] = builder.call(fma, [p, v, accs[g * 4 + u]])
+                return new
 
             fin = counted_loop(builder, rows, init, step)
-            for u in range(4):
-                _vstore(builder, fin[u], ob, i64(8 * u))
+            for g in range(heads):
+                for u in range(4):
+                    _vstore(builder, fin[g * 4 + u], orows[g], i64(8 * u))
             return context.get_dummy_value()
 
         return sig, codegen
     return axpy_rows32
 
 
-dot_rows8, dot_rows8_f16 = _make_dot_rows8(False), _make_dot_rows8(True)
-axpy_rows32, axpy_rows32_f16 = _make_axpy_rows32(False), _make_axpy_rows32(True)
+@intrinsic
+def prefetch(typingctx, addr, nbytes):
+    """Ask the CPU to bring [addr, addr + nbytes) into its caches (one prefetcht0 per 64-byte line);
+    a hint: it never faults, whatever the address."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        addr, nbytes = args
+        i8p = ir.IntType(8).as_pointer()
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
+                                              ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]))
+        lines = builder.sdiv(builder.add(nbytes, i64(63)), i64(64))
+
+        def step(i, _):
+            p = builder.inttoptr(builder.add(addr, builder.mul(i, i64(64))), i8p)
+            builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+            return []
+
+        counted_loop(builder, lines, [], step)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# dot_rows4[half][heads] and axpy_rows32[half][heads] for 1 <= heads <= HEADS_MAX (index 0 unused)
+dot_rows4 = [[None] + [_make_dot_rows4(h, half) for h in range(1, HEADS_MAX + 1)] for half in (False, True)]
+axpy_rows32 = [[None] + [_make_axpy_rows32(h, half) for h in range(1, HEADS_MAX + 1)] for half in (False, True)]
