@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from rawinfer.backend import cpu_attention as A
 from rawinfer.backend import cpu_kernels as K
 from rawinfer.backend import cpu_llvm
 from rawinfer.backend.cpu import ATTN_QUERY_TILE, CPUBackend
@@ -264,14 +265,14 @@ def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, kv_dtype, monkey
 def test_decode_attention_kernels(ctx_lens, H, Hkv, D, BS, kernel, kv_dtype):
     """Both pure-decode kernels (row b of qkv = sequence b's new token) against the reference; float16
     caches go in as their uint16 bits, as the backend passes them."""
-    fn = K.decode_attention_avx2_kernel if kernel == "avx2" else K.decode_attention_kernel
+    fn = A.decode_attention_avx2_kernel if kernel == "avx2" else A.decode_attention_kernel
     if kernel == "avx2" and not cpu_llvm.available():
         pytest.skip("this CPU has no AVX2 + FMA")
     q_lens = [1] * len(ctx_lens)
     qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3, kv_dtype=kv_dtype)
     if kv_dtype == np.float16:
         kc, vc = kc.view(np.uint16), vc.view(np.uint16)
-    assert K.decode_attention_avx2_fits(kc) == cpu_llvm.available()
+    assert A.decode_attention_avx2_fits(kc) == cpu_llvm.available()
     out = np.full((len(ctx_lens), H * D), np.nan, np.float32)
     scale = D ** -0.5
     fn(len(ctx_lens) * Hkv, qkv, kc, vc, tables, ctx, np.float32(scale), H, out)
@@ -280,9 +281,9 @@ def test_decode_attention_kernels(ctx_lens, H, Hkv, D, BS, kernel, kv_dtype):
 
 
 def test_decode_attention_avx2_fits_only_its_layouts():
-    assert not K.decode_attention_avx2_fits(np.zeros((2, 1, 6, 32), np.float32))    # BS % 4
-    assert not K.decode_attention_avx2_fits(np.zeros((2, 1, 16, 48), np.float32))   # D % 32
-    assert not K.decode_attention_avx2_fits(np.zeros((2, 1, 16, 64), np.float64))
+    assert not A.decode_attention_avx2_fits(np.zeros((2, 1, 6, 32), np.float32))    # BS % 4
+    assert not A.decode_attention_avx2_fits(np.zeros((2, 1, 16, 48), np.float32))   # D % 32
+    assert not A.decode_attention_avx2_fits(np.zeros((2, 1, 16, 64), np.float64))
 
 
 def test_paged_attention_block_table_layout_does_not_matter():
@@ -310,9 +311,10 @@ def test_shape_and_dtype_checks():
 def test_serial_and_parallel_builds_cache_apart():
     """Numba names disk-cache files after the function (not its compile options): the two builds of a
     kernel must carry different names, or one loads the other's machine code from the cache."""
+    from rawinfer.backend import cpu_attention as A
     from rawinfer.backend import cpu_kernels as K
-    kernels = [v for v in vars(K).values() if isinstance(v, K.Kernel)]
-    assert len(kernels) >= 6
+    kernels = [v for mod in (K, A) for v in vars(mod).values() if isinstance(v, K.Kernel)]
+    assert len(kernels) >= 8
     names = set()
     for k in kernels:
         names |= {k.serial.py_func.__qualname__, k.parallel.py_func.__qualname__}

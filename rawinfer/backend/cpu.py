@@ -19,6 +19,7 @@ from . import cpu_blas, cpu_llvm, cpu_qgemm
 os.environ.setdefault("GOMP_SPINCOUNT", "100000" if cpu_blas.available() else "0")
 
 from ..quant import Int8Weight  # noqa: E402
+from . import cpu_attention as A  # noqa: E402
 from . import cpu_kernels as K  # noqa: E402
 from .base import Backend  # noqa: E402
 from .cpu_fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel  # noqa: E402
@@ -256,17 +257,17 @@ class CPUBackend(Backend):
         _check("query_start_loc", query_start_loc, (B + 1,), np.int32)
         k_cache, v_cache = _kv(k_cache), _kv(v_cache)
         if max_query_len == 1 and qkv.shape[0] == B:     # pure decode: row b is sequence b's token
-            kernel = K.decode_attention_avx2_kernel if K.decode_attention_avx2_fits(k_cache) else \
-                K.decode_attention_kernel
+            kernel = A.decode_attention_avx2_kernel if A.decode_attention_avx2_fits(k_cache) else \
+                A.decode_attention_kernel
             kernel(B * Hkv, qkv, k_cache, v_cache, block_tables, context_lens, np.float32(scale), H, out)
             return
         if self.blas_on_numba_pool and max_query_len >= ATTN_BLAS_MIN_QUERY:   # prefill: products on BLAS
-            seqs, q0, q1 = K.attention_work_items(query_start_loc, ATTN_BLAS_QUERY_TILE)
+            seqs, q0, q1 = A.attention_work_items(query_start_loc, ATTN_BLAS_QUERY_TILE)
             cpu_blas.prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs,
                                        q0, q1, np.float32(scale), H, out, self.threads)
             return
-        seqs, q0, q1 = K.attention_work_items(query_start_loc, ATTN_QUERY_TILE)   # [W] each
-        K.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
+        seqs, q0, q1 = A.attention_work_items(query_start_loc, ATTN_QUERY_TILE)   # [W] each
+        A.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
                                  query_start_loc, seqs, q0, q1, np.float32(scale), H, out)
 
     def fused_plan(self, layers, k_caches, v_caches):
@@ -292,7 +293,7 @@ class CPUBackend(Backend):
         plan["post_norms"] = typed([L["post_attn_norm"] for L in layers])
         plan["b_qkvs"] = typed([L["qkv_bias"] if L["qkv_bias"] is not None else NO_BIAS for L in layers])
         plan["k_caches"], plan["v_caches"] = typed([_kv(c) for c in k_caches]), typed([_kv(c) for c in v_caches])
-        plan["avx2_attention"] = K.decode_attention_avx2_fits(plan["k_caches"][0])
+        plan["avx2_attention"] = A.decode_attention_avx2_fits(plan["k_caches"][0])
         plan["max_k"] = max(L[name].shape[1] for L in layers for _, name in mats)
         return plan
 

@@ -27,7 +27,8 @@ import numba as nb
 import numpy as np
 from numba import types
 
-from .cpu_kernels import attention_work_item, kv_row_into, softmax_numerators   # inlined: see the cache NOTE
+from .cpu_attention import attention_work_item, softmax_numerators   # inlined: see the cache NOTE
+from .cpu_kernels import kv_row_into
                                                                                 # in cpu_fused.py
 
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from . import cpu_attention as A
 from . import cpu_kernels as K
 from . import cpu_qgemm
 
@@ -38,10 +39,10 @@ _add_rmsnorm = K.add_rmsnorm_kernel.serial
 _rope = K.rope_kernel.serial
 _silu_mul = K.silu_mul_kernel.parallel   # NOTE: its serial build does not vectorize here (10.2 vs 4.6 us for
                                          # one 1536-wide row, the parallel build on one thread)
-_attention = K.paged_attention_kernel.parallel
+_attention = A.paged_attention_kernel.parallel
 _kv_write = K.kv_write_kernel.serial
 _matmul = K.rows_matmul_kernel
-_work_items = K.attention_work_items
+_work_items = A.attention_work_items
 
 
 @nb.njit(cache=True)
@@ -91,8 +92,8 @@ _add_rmsnorm_p = K.add_rmsnorm_kernel.parallel
 _rope_p = K.rope_kernel.parallel
 _silu_mul_p = K.silu_mul_kernel.parallel
 _kv_write_p = K.kv_write_kernel.parallel
-_decode_attention_avx2 = K.decode_attention_avx2_kernel.parallel
-_decode_attention = K.decode_attention_kernel.parallel
+_decode_attention_avx2 = A.decode_attention_avx2_kernel.parallel
+_decode_attention = A.decode_attention_kernel.parallel
 _int8_matmul = cpu_qgemm.int8_matmul
 
 
