@@ -199,6 +199,7 @@ class CPUBackend(Backend):
             K.rows_matmul_kernel(x, w.q, w.scale, out)
             return
         if w.packed is not None:
+            _check("x", x, None, np.float32)     # the quantizer reads the rows as raw float32
             cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
             return
         tile = min(INT8_TILE_ROWS, scratch.size // (self.threads * Kd))

@@ -12,6 +12,7 @@ the way the hardware wants are written here instead, each one a straight-line bl
     axpy_rows32          o[g, 0:32] += sum_r p[g, r] * v[r, 0:32] for up to 3 heads, o held in registers
                          across the rows (a vectorized loop over d would load and store o for every row)
     prefetch             prefetcht0 over a byte range (the next KV block while this one is scored)
+    abs_max              max |x| over a float32 row, 8 lanes at a time (the activation quantizer's scale)
 
     half_to_float,       float16 <-> float32 of one value held as its uint16 bits (Numba has no float16
     float_to_half        on the CPU); loops of them vectorize to vcvtph2ps / vcvtps2ph
@@ -319,3 +320,34 @@ def prefetch(typingctx, addr, nbytes):
 # dot_rows4[half][heads] and axpy_rows32[half][heads] for 1 <= heads <= HEADS_MAX (index 0 unused)
 dot_rows4 = [[None] + [_make_dot_rows4(h, half) for h in range(1, HEADS_MAX + 1)] for half in (False, True)]
 axpy_rows32 = [[None] + [_make_axpy_rows32(h, half) for h in range(1, HEADS_MAX + 1)] for half in (False, True)]
+
+
+# ---- reductions ---------------------------------------------------------------------------------------
+@intrinsic
+def abs_max(typingctx, addr, n):
+    """max |x[j]| over the n float32 values at addr (0 when n == 0; NaNs are skipped, as by
+    `m = a if a > m else m`). Eight lanes at a time in generic vector IR: the plain Numba loop stays
+    scalar (LLVM vectorizes a select-based max only under no-NaN math): 12.7 vs ~2 us for 64 x 576."""
+    sig = types.float32(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        addr, n = args
+        base = _ptr(builder, addr, F32)
+        fabs8 = builder.module.declare_intrinsic("llvm.fabs.v8f32", (), ir.FunctionType(V8F32, [V8F32]))
+        fabs1 = builder.module.declare_intrinsic("llvm.fabs.f32", (), ir.FunctionType(F32, [F32]))
+
+        def bigger(m, v):
+            return builder.select(builder.fcmp_ordered(">", v, m), v, m)
+
+        chunks = builder.sdiv(n, i64(8))
+        vmax, = counted_loop(builder, chunks, [ir.Constant(V8F32, [0.0] * 8)], lambda c, m: [
+            bigger(m[0], builder.call(fabs8, [_vload(builder, base, builder.mul(c, i64(8)), V8F32)]))])
+        m = builder.extract_element(vmax, ir.Constant(I32, 0))
+        for lane in range(1, 8):
+            m = bigger(m, builder.extract_element(vmax, ir.Constant(I32, lane)))
+        tail0 = builder.mul(chunks, i64(8))
+        m, = counted_loop(builder, builder.sub(n, tail0), [m], lambda j, a: [
+            bigger(a[0], builder.call(fabs1, [builder.load(builder.gep(base, [builder.add(tail0, j)]), align=4)]))])
+        return m
+
+    return sig, codegen
