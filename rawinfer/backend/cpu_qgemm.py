@@ -16,10 +16,11 @@ Numbers:
     out[m, n] = sx[m] * sw[n] * sum_k xp[m, k] * wp[n, k]   (exact integer sum in int32)
 
 qmax = min(32767, (2^31 - 1) // (128 K)) keeps every int32 sum exact (|w| <= 127): 29k levels for
-K = 576, 10.9k for K = 1536. The quantizer finds each row's max |x| with cpu_llvm.abs_max and writes the
-panels as int32 k pairs: 13 vs 17.6 us for 64 x 576 rows, 1.0 vs 1.5 ms for 2048 x 1536. Activations keep ~13-15 bits per token: on the SmolLM2 golden data the
+K = 576, 10.9k for K = 1536. Activations keep ~13-15 bits per token: on the SmolLM2 golden data the
 int8 model agrees with and without this step (152/152 confident steps either way), while 8-bit
-activations per token (127 levels; an outlier channel takes most of them) lost 4 of 152.
+activations per token (127 levels; an outlier channel takes most of them) lost 4 of 152. The
+quantizer finds each row's max |x| with cpu_llvm.abs_max and writes the panels as int32 k pairs:
+13 vs 17.6 us for 64 x 576 rows, 1.0 vs 1.5 ms for 2048 x 1536 (a scalar max loop and int16 stores).
 
 The microkernel (cpu_llvm.int_gemm_tile_6x16) is a 6 x 16 tile of int32 accumulators in 12 ymm
 registers; per k pair it broadcasts one int32 (two int16) of each of the 6 x rows, sign-extends 16
