@@ -181,7 +181,7 @@ class CPUBackend(Backend):
         K.add_rmsnorm_kernel(x.shape[0], x, residual, weight, np.float32(eps), out)
 
     def linear(self, x, w, out, bias=None, scratch=None) -> None:
-        _check("x", x, (None, w.shape[1]))
+        _check("x", x, (None, w.shape[1]), np.float32)   # BLAS and the int8 quantizer read it as raw float32
         _check("out", out, (x.shape[0], w.shape[0]))
         if isinstance(w, Int8Weight):
             self._linear_int8(x, w, out, scratch)
@@ -199,7 +199,6 @@ class CPUBackend(Backend):
             K.rows_matmul_kernel(x, w.q, w.scale, out)
             return
         if w.packed is not None:
-            _check("x", x, None, np.float32)     # the quantizer reads the rows as raw float32
             cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
             return
         tile = min(INT8_TILE_ROWS, scratch.size // (self.threads * Kd))

@@ -169,6 +169,13 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
 
 
 @nb.njit(inline="always")
+def tile_offset(block_tables, b, page, kvh, Hkv, tbytes):
+    """Bytes from a cache's start [NB, Hkv, BS, D] to the tile [BS, D] of kv head kvh in sequence b's
+    page-th block (tbytes = BS * D * itemsize)."""
+    return (np.int64(block_tables[b, page]) * Hkv + kvh) * tbytes
+
+
+@nb.njit(inline="always")
 def decode_query_heads(qkv, b, kvh, G, D, scale):
     """[G, D] float32: the G query heads of row b that share kv head kvh, times scale."""
     q = np.empty((G, D), np.float32)
@@ -256,7 +263,7 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
         if w + 1 < B * Hkv:                              # the next item's first two K blocks
             b1, h1 = (w + 1) // Hkv, (w + 1) % Hkv
             for page in range(min(2, (context_lens[b1] + BS - 1) // BS)):
-                prefetch(k0 + ((np.int64(block_tables[b1, page]) * Hkv + h1) * BS) * D * isz, tbytes)
+                prefetch(k0 + tile_offset(block_tables, b1, page, h1, Hkv, tbytes), tbytes)
         n = context_lens[b]
         pages = (n + BS - 1) // BS
         width = pages * BS
@@ -265,9 +272,9 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
         o = np.zeros((G, D), np.float32)
         qa, sa, oa = np.int64(q.ctypes.data), np.int64(s.ctypes.data), np.int64(o.ctypes.data)
         for page in range(pages):
-            tile = ((np.int64(block_tables[b, page]) * Hkv + kvh) * BS) * D * isz   # bytes to [BS, D]
+            tile = tile_offset(block_tables, b, page, kvh, Hkv, tbytes)
             if page + 2 < pages:
-                prefetch(k0 + ((np.int64(block_tables[b, page + 2]) * Hkv + kvh) * BS) * D * isz, tbytes)
+                prefetch(k0 + tile_offset(block_tables, b, page + 2, kvh, Hkv, tbytes), tbytes)
             prefetch(v0 + tile, tbytes)
             rows = min(BS, n - page * BS)
             for g0 in range(0, G, HM):
@@ -278,7 +285,7 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
         for g in range(G):
             inv[g] = softmax_numerators(s[g], n)
         for page in range(pages):
-            tile = ((np.int64(block_tables[b, page]) * Hkv + kvh) * BS) * D * isz
+            tile = tile_offset(block_tables, b, page, kvh, Hkv, tbytes)
             rows = min(BS, n - page * BS)
             for g0 in range(0, G, HM):
                 for d0 in range(0, D, 32):

@@ -221,6 +221,11 @@ def _hsum4(builder, vs):
     return builder.fadd(lo, hi)
 
 
+def _row_ptrs(builder, base, n, stride):
+    """Pointers to rows 0..n-1 of a matrix at `base` with a stride of `stride` elements."""
+    return [builder.gep(base, [builder.mul(i64(i), stride)]) for i in range(n)]
+
+
 def _make_dot_rows4(heads: int, half: bool):
     @intrinsic
     def dot_rows4(typingctx, qp, qld, kp, ld, chunks, sp, sld):
@@ -234,8 +239,7 @@ def _make_dot_rows4(heads: int, half: bool):
             qp, qld, kp, ld, chunks, sp, sld = args
             fma = _fma(builder)
             qb, kb, sb = _ptr(builder, qp, F32), _ptr(builder, kp, F16 if half else F32), _ptr(builder, sp, F32)
-            qrows = [builder.gep(qb, [builder.mul(i64(g), qld)]) for g in range(heads)]
-            krows = [builder.gep(kb, [builder.mul(i64(r), ld)]) for r in range(4)]
+            qrows, krows = _row_ptrs(builder, qb, heads, qld), _row_ptrs(builder, kb, 4, ld)
 
             def step(c, accs):
                 off = builder.mul(c, i64(8))
@@ -269,8 +273,7 @@ def _make_axpy_rows32(heads: int, half: bool):
             pp, pld, vp, rows, ld, op, old = args
             fma = _fma(builder)
             pb, vb, ob = _ptr(builder, pp, F32), _ptr(builder, vp, F16 if half else F32), _ptr(builder, op, F32)
-            prows = [builder.gep(pb, [builder.mul(i64(g), pld)]) for g in range(heads)]
-            orows = [builder.gep(ob, [builder.mul(i64(g), old)]) for g in range(heads)]
+            prows, orows = _row_ptrs(builder, pb, heads, pld), _row_ptrs(builder, ob, heads, old)
             init = [_vload(builder, orows[g], i64(8 * u), V8F32) for g in range(heads) for u in range(4)]
 
             def step(r, accs):
