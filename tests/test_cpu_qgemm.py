@@ -83,9 +83,9 @@ def test_gemm_at_the_overflow_bound_is_exact(K):
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 2, 16), (5, 6, 32), (6, 100, 48), (7, 576, 960), (13, 30, 16),
-                                   (100, 576, 1536), (97, 1536, 576)])
+                                   (100, 576, 1536), (97, 1536, 576), (8, 64, 32), (9, 30, 16), (64, 576, 960)])
 def test_int8_matmul_matches_integer_reference(M, K, N):
-    """The GEMM equals the exact integer product of the quantized operands, scaled (up to float32
+    """Every last-panel size (M % 6 = 0..5 takes the 6-, 2-, 2-, 4-, 4-, 6-row tile builds). The GEMM equals the exact integer product of the quantized operands, scaled (up to float32
     rounding of the scaling), and the float product up to the activations' quantization step."""
     x = RNG.standard_normal((M, K)).astype(np.float32)
     q, sw = quantize_int8(RNG.standard_normal((N, K)).astype(np.float32))

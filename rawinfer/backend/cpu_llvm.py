@@ -3,7 +3,8 @@
 Numba compiles loops well when LLVM can vectorize them by itself; the inner loops it cannot shape
 the way the hardware wants are written here instead, each one a straight-line block over registers:
 
-    int_gemm_tile_6x16   6 x 16 int32 tile of an integer GEMM: per k pair, 12 vpmaddwd + 12 vpaddd
+    int_gemm_tiles[R]    R x 16 int32 tile of an integer GEMM (R = 2, 4, 6 rows of a 6-row panel): per k
+                         pair, 2R vpmaddwd + 2R vpaddd
                          (cpu_qgemm.py has the layout and the drivers)
     dot_rows4            scores of 4 K rows against up to 3 query heads at once: one float32
                          accumulator register per (head, row), each K row loaded (and converted from
@@ -159,46 +160,57 @@ def _load_f32x8(builder, base, index, half: bool):
 GEMM_ROWS, GEMM_COLS = 6, 16
 
 
-@intrinsic
-def int_gemm_tile_6x16(typingctx, xp, wp, kpairs, op, ldo, rows, sxp, swp):
-    """out[r, 0:16] = sx[r] * sw[0:16] * (x panel row r . w block) for r < rows. xp -> int16 panel
-    [kpairs, 6, 2]; wp -> int8 block [kpairs, 16, 2]; op -> float32 out (row stride ldo floats);
+def _make_int_gemm_tile(R: int):
+    """The tile below computing only the first R rows of the 6-row panel (R accumulator rows)."""
+    @intrinsic
+    def int_gemm_tile(typingctx, xp, wp, kpairs, op, ldo, rows, sxp, swp):
+        sig = types.void(*([types.int64] * 8))
+
+        def codegen(context, builder, signature, args):
+            _int_gemm_tile_code(builder, R, args)
+            return context.get_dummy_value()
+        return sig, codegen
+    return int_gemm_tile
+
+
+def _int_gemm_tile_code(builder, R, args):
+    """out[r, 0:16] = sx[r] * sw[0:16] * (x panel row r . w block) for r < min(rows, R). xp -> int16
+    panel [kpairs, 6, 2]; wp -> int8 block [kpairs, 16, 2]; op -> float32 out (row stride ldo floats);
     sxp -> float32 [6] row scales; swp -> float32 [16] column scales."""
-    sig = types.void(*([types.int64] * 8))
+    xp, wp, kpairs, op, ldo, rows, sxp, swp = args
+    C = GEMM_COLS // 8
+    pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
+                                               ir.FunctionType(V8I32, [V16I16, V16I16]))
+    xb = _ptr(builder, xp, I32)                    # one int32 = the k pair of one row
+    wb = _ptr(builder, wp, V16I8)                  # one <16 x i8> = 8 columns x one k pair
 
-    def codegen(context, builder, signature, args):
-        xp, wp, kpairs, op, ldo, rows, sxp, swp = args
-        R, C = GEMM_ROWS, GEMM_COLS // 8
-        pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
-                                                   ir.FunctionType(V8I32, [V16I16, V16I16]))
-        xb = _ptr(builder, xp, I32)                    # one int32 = the k pair of one row
-        wb = _ptr(builder, wp, V16I8)                  # one <16 x i8> = 8 columns x one k pair
-
-        def step(kp, accs):
-            wrow = builder.gep(wb, [builder.mul(kp, i64(C))])
-            wv = [builder.sext(builder.load(builder.gep(wrow, [i64(c)]), align=1), V16I16) for c in range(C)]
-            xrow = builder.gep(xb, [builder.mul(kp, i64(R))])
-            new = []
-            for r in range(R):
-                xv = builder.bitcast(splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=2), V8I32),
-                                     V16I16)
-                for c in range(C):
-                    new.append(builder.add(accs[r * C + c], builder.call(pmaddwd, [xv, wv[c]])))
-            return new
-
-        fin = counted_loop(builder, kpairs, [ir.Constant(V8I32, [0] * 8)] * (R * C), step)
-        ob, sxb = _ptr(builder, op, F32), _ptr(builder, sxp, F32)
-        swb = _ptr(builder, swp, F32)
-        swv = [_vload(builder, swb, i64(8 * c), V8F32) for c in range(C)]
+    def step(kp, accs):
+        wrow = builder.gep(wb, [builder.mul(kp, i64(C))])
+        wv = [builder.sext(builder.load(builder.gep(wrow, [i64(c)]), align=1), V16I16) for c in range(C)]
+        xrow = builder.gep(xb, [builder.mul(kp, i64(GEMM_ROWS))])
+        new = []
         for r in range(R):
-            with builder.if_then(builder.icmp_signed("<", i64(r), rows), likely=True):
-                sv = splat(builder, builder.load(builder.gep(sxb, [i64(r)]), align=4), V8F32)
-                for c in range(C):
-                    f = builder.fmul(builder.fmul(builder.sitofp(fin[r * C + c], V8F32), sv), swv[c])
-                    _vstore(builder, f, ob, builder.add(builder.mul(i64(r), ldo), i64(8 * c)))
-        return context.get_dummy_value()
+            xv = builder.bitcast(splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=2), V8I32),
+                                 V16I16)
+            for c in range(C):
+                new.append(builder.add(accs[r * C + c], builder.call(pmaddwd, [xv, wv[c]])))
+        return new
 
-    return sig, codegen
+    fin = counted_loop(builder, kpairs, [ir.Constant(V8I32, [0] * 8)] * (R * C), step)
+    ob, sxb = _ptr(builder, op, F32), _ptr(builder, sxp, F32)
+    swb = _ptr(builder, swp, F32)
+    swv = [_vload(builder, swb, i64(8 * c), V8F32) for c in range(C)]
+    for r in range(R):
+        with builder.if_then(builder.icmp_signed("<", i64(r), rows), likely=True):
+            sv = splat(builder, builder.load(builder.gep(sxb, [i64(r)]), align=4), V8F32)
+            for c in range(C):
+                f = builder.fmul(builder.fmul(builder.sitofp(fin[r * C + c], V8F32), sv), swv[c])
+                _vstore(builder, f, ob, builder.add(builder.mul(i64(r), ldo), i64(8 * c)))
+
+
+# int_gemm_tiles[R] for R = 2, 4, 6: a panel's last rows (M % 6) cost only the rows computed: with 64
+# sequences the 11th panel holds 4 rows, a third of its vpmaddwd spent on zeros with one 6-row build.
+int_gemm_tiles = {R: _make_int_gemm_tile(R) for R in (2, 4, GEMM_ROWS)}
 
 
 # ---- attention blocks -------------------------------------------------------------------------------

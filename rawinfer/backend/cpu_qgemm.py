@@ -22,7 +22,7 @@ activations per token (127 levels; an outlier channel takes most of them) lost 4
 quantizer finds each row's max |x| with cpu_llvm.abs_max and writes the panels as int32 k pairs:
 13 vs 17.6 us for 64 x 576 rows, 1.0 vs 1.5 ms for 2048 x 1536 (a scalar max loop and int16 stores).
 
-The microkernel (cpu_llvm.int_gemm_tile_6x16) is a 6 x 16 tile of int32 accumulators in 12 ymm
+The microkernel (cpu_llvm.int_gemm_tiles) is a 6 x 16 tile of int32 accumulators in 12 ymm
 registers; per k pair it broadcasts one int32 (two int16) of each of the 6 x rows, sign-extends 16
 pairs of int8 weights to two ymm of int16, and issues 12 vpmaddwd + 12 vpaddd. Other layouts measured
 no faster here (int16 weights: no sign extension, twice the bytes; x rows stored pre-broadcast: more
@@ -36,7 +36,9 @@ import numpy as np
 
 from .cpu_llvm import GEMM_COLS as BLOCK_COLS
 from .cpu_llvm import GEMM_ROWS as PANEL_ROWS
-from .cpu_llvm import abs_max, available, int_gemm_tile_6x16
+from .cpu_llvm import abs_max, available, int_gemm_tiles
+
+_tile2, _tile4, _tile6 = int_gemm_tiles[2], int_gemm_tiles[4], int_gemm_tiles[PANEL_ROWS]
 
 PANELS_PER_ITEM = 16   # x panels one work item walks for its 16 columns (96 rows: ~110-300 KiB, in L2)
 
@@ -109,6 +111,17 @@ def quantize_rows(x, qmax, xp, sx):
                     xp[t, kp, r, 1] = 0
 
 
+@nb.njit(inline="always")
+def _tile(rows, xp, wp, kpairs, op, ldo, sxp, swp):
+    # The build that computes the fewest rows covering `rows` (a last panel of M % 6 rows).
+    if rows > 4:
+        _tile6(xp, wp, kpairs, op, ldo, rows, sxp, swp)
+    elif rows > 2:
+        _tile4(xp, wp, kpairs, op, ldo, rows, sxp, swp)
+    else:
+        _tile2(xp, wp, kpairs, op, ldo, rows, sxp, swp)
+
+
 @nb.njit(parallel=True, cache=True)
 def gemm_packed(xp, sx, wp, sw, out, M):
     """out[M, N] = (xp * sx) @ (wp * sw)^T over packed operands (see the module docstring). Work items
@@ -128,9 +141,8 @@ def gemm_packed(xp, sx, wp, sw, out, M):
         for t in range(g * panels // mgroups, (g + 1) * panels // mgroups):
             m0 = t * PANEL_ROWS
             rows = min(PANEL_ROWS, M - m0)
-            int_gemm_tile_6x16(x0 + t * xstride, w0 + nbk * wstride, kpairs,
-                               o0 + (m0 * ldo + nbk * BLOCK_COLS) * 4, ldo, rows,
-                               sx0 + m0 * 4, sw0 + nbk * BLOCK_COLS * 4)
+            _tile(rows, x0 + t * xstride, w0 + nbk * wstride, kpairs, o0 + (m0 * ldo + nbk * BLOCK_COLS) * 4,
+                  ldo, sx0 + m0 * 4, sw0 + nbk * BLOCK_COLS * 4)
 
 
 @nb.njit(cache=True)
