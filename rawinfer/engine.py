@@ -204,8 +204,9 @@ class LLMEngine:
         logits = self.runner.run(batch)
         self.scheduler.advance(batch)
         states = [self._state(seq) for seq in to_sample]
-        tokens = self.sampler.sample(logits, [s.params for s in to_sample],
-                                     [s.all_token_ids for s in to_sample], [st.rng for st in states])
+        # token histories only where a repetition penalty reads them (a list copy of each sequence)
+        histories = [s.all_token_ids if s.params.repetition_penalty != 1.0 else None for s in to_sample]
+        tokens = self.sampler.sample(logits, [s.params for s in to_sample], histories, [st.rng for st in states])
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         for row, (seq, st, tok) in enumerate(zip(to_sample, states, tokens)):

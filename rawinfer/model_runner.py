@@ -147,8 +147,7 @@ class DecodeGraphs:
         for row, s in enumerate(batch.seqs):
             seq = s.seq
             pos = seq.num_computed_tokens
-            n_prompt = len(seq.prompt_token_ids)
-            token_ids.append(seq.prompt_token_ids[pos] if pos < n_prompt else seq.output_token_ids[pos - n_prompt])
+            token_ids.extend(seq.token_ids_between(pos, pos + 1))
             positions.append(pos)
             tables.append(block_manager.block_table(seq.seq_id))
             if s.needs_logits:
@@ -194,11 +193,18 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, all_logits: bool = False) -> FlatBatch:
         """Flatten the scheduled chunks. Logits rows: each sequence's last token when its chunk reaches
         the end of its known tokens (or every row when all_logits, for teacher-forced scoring)."""
-        BS = self.block_size
-        B = len(batch.seqs)
         tables = [self.bm.block_table(s.seq.seq_id) for s in batch.seqs]
         MB = max((len(t) for t in tables), default=1) or 1
-        block_tables = np.zeros((B, MB), np.int32)
+        block_tables = np.zeros((len(batch.seqs), MB), np.int32)
+        if batch.seqs and not all_logits and all(s.num_new_tokens == 1 for s in batch.seqs):
+            return self._prepare_decode(batch, tables, block_tables)
+        return self._prepare_chunks(batch, tables, block_tables, all_logits)
+
+    def _prepare_chunks(self, batch: ScheduledBatch, tables: list[list[int]], block_tables: np.ndarray,
+                        all_logits: bool) -> FlatBatch:
+        """prepare() for any batch (prefill chunks, mixed steps)."""
+        BS = self.block_size
+        B = len(batch.seqs)
         ids, positions, slots, logits_idx = [], [], [], []
         context_lens = np.zeros(B, np.int32)
         qsl = np.zeros(B + 1, np.int32)
@@ -209,7 +215,7 @@ class ModelRunner:
             pos = np.arange(start, start + n, dtype=np.int32)
             tab = np.asarray(table, np.int32)
             block_tables[b, :len(tab)] = tab
-            ids.append(np.asarray(seq.all_token_ids[start:start + n], np.int32))
+            ids.append(np.asarray(seq.token_ids_between(start, start + n), np.int32))
             positions.append(pos)
             slots.append(tab[pos // BS] * BS + pos % BS)
             context_lens[b] = start + n
@@ -232,6 +238,36 @@ class ModelRunner:
             num_tokens=row,
             max_query_len=int(max((s.num_new_tokens for s in batch.seqs), default=0)),
             max_context_len=int(context_lens.max()) if B else 0,
+        )
+
+    def _prepare_decode(self, batch: ScheduledBatch, tables: list[list[int]], block_tables: np.ndarray) -> FlatBatch:
+        """prepare() for a pure decode step (one new token per sequence) in scalar Python, without the
+        general path's per-sequence arrays: 0.3 vs 1.4 ms for 64 sequences."""
+        BS = self.block_size
+        B = len(batch.seqs)
+        ids, positions, slots, logits_idx = [0] * B, [0] * B, [0] * B, []
+        for b, (s, table) in enumerate(zip(batch.seqs, tables)):
+            seq = s.seq
+            pos = seq.num_computed_tokens
+            ids[b] = seq.token_ids_between(pos, pos + 1)[0]
+            positions[b] = pos
+            slots[b] = table[pos // BS] * BS + pos % BS
+            block_tables[b, :len(table)] = table
+            if s.needs_logits:
+                logits_idx.append(b)
+        pos = np.asarray(positions, np.int32)
+        be = self.backend
+        return FlatBatch(
+            token_ids=be.as_index_array(np.asarray(ids, np.int32)),
+            positions=be.as_index_array(pos),
+            slot_mapping=be.as_index_array(np.asarray(slots, np.int32)),
+            block_tables=be.as_index_array(block_tables),
+            context_lens=be.as_index_array(pos + 1),
+            query_start_loc=be.as_index_array(np.arange(B + 1, dtype=np.int32)),
+            logits_indices=be.as_index_array(np.asarray(logits_idx, np.int32)),
+            num_tokens=B,
+            max_query_len=1,
+            max_context_len=int(pos.max()) + 1,
         )
 
     def run(self, batch: ScheduledBatch):

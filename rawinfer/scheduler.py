@@ -145,8 +145,11 @@ class Scheduler:
 
     def advance(self, batch: ScheduledBatch) -> None:
         """After the forward pass: the scheduled tokens are in the cache; register full blocks."""
+        bs = self.bm.block_size
         for s in batch.seqs:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
-            if self.ecfg.enable_prefix_caching:
+            # only when a block filled up (a decode step mostly fills none; all_token_ids copies the sequence)
+            if self.ecfg.enable_prefix_caching and \
+                    seq.num_computed_tokens // bs > (seq.num_computed_tokens - s.num_new_tokens) // bs:
                 self.bm.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)

@@ -77,6 +77,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building all_token_ids (a list copy of the whole sequence)."""
+        P = len(self.prompt_token_ids)
+        if start >= P:
+            return self.output_token_ids[start - P:end - P]
+        if end <= P:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - P]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

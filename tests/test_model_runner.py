@@ -313,3 +313,51 @@ def test_sampler_without_device_sampler_is_the_host_rule(tiny_llama_dir):
     got = Sampler(CPUBackend()).sample(logits, params, hist, [make_generator(9, i) for i in range(4)])
     want = [sample_row(logits[i], params[i], hist[i], make_generator(9, i)) for i in range(4)]
     assert got == want
+
+
+# ---- the step's host inputs -------------------------------------------------------------------------
+def test_token_ids_between_matches_all_token_ids():
+    from rawinfer.sequence import Sequence
+    seq = Sequence(seq_id="s", request_id="s", index=0, prompt_token_ids=[5, 6, 7], params=SamplingParams())
+    for t in (8, 9):
+        seq.append_token(t, 0.0)
+    for a in range(6):
+        for b in range(a, 6):
+            assert seq.token_ids_between(a, b) == seq.all_token_ids[a:b], (a, b)
+
+
+def test_decode_fast_path_equals_the_chunk_path():
+    """A pure decode step's inputs built by the scalar fast path equal the general path's, field by field
+    (tables of different lengths, a position on a block boundary, a row that needs no logits)."""
+    from types import SimpleNamespace
+
+    from rawinfer.model_runner import ModelRunner
+    from rawinfer.scheduler import ScheduledBatch, ScheduledSeq
+    from rawinfer.sequence import Sequence
+    tables = {"a": [7, 3], "b": [1], "c": [4, 9, 2]}
+    runner = object.__new__(ModelRunner)
+    runner.backend, runner.block_size = CPUBackend(), 4
+    runner.bm = SimpleNamespace(block_table=lambda sid: list(tables[sid]))
+    batch = ScheduledBatch()
+    for sid, prompt, out, computed in (("a", [1, 2, 3, 4, 5], [6], 5), ("b", [8, 9], [10], 2),
+                                       ("c", list(range(20, 28)), [30, 31, 32], 8)):
+        seq = Sequence(seq_id=sid, request_id=sid, index=0, prompt_token_ids=prompt, params=SamplingParams())
+        for t in out:
+            seq.append_token(t, 0.0)
+        seq.num_computed_tokens = computed      # c: one new token, two more known (no logits this step)
+        batch.seqs.append(ScheduledSeq(seq, 1))
+    rows = [runner.bm.block_table(s.seq.seq_id) for s in batch.seqs]
+    bt = lambda: np.zeros((3, 3), np.int32)
+    fast = runner._prepare_decode(batch, rows, bt())
+    slow = runner._prepare_chunks(batch, rows, bt(), False)
+    called = []
+    runner._prepare_chunks = lambda *a: called.append(1)
+    runner.prepare(batch)                              # a pure decode step takes the fast path
+    assert not called
+    for name in ("token_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
+                 "logits_indices"):
+        np.testing.assert_array_equal(getattr(fast, name), getattr(slow, name), err_msg=name)
+    assert (fast.num_tokens, fast.max_query_len, fast.max_context_len) == \
+        (slow.num_tokens, slow.max_query_len, slow.max_context_len)
+    assert fast.token_ids.tolist() == [6, 10, 30] and fast.slot_mapping.tolist() == [3 * 4 + 1, 4 * 1 + 2, 2 * 4 + 0]
+    assert fast.logits_indices.tolist() == [0, 1]
