@@ -122,8 +122,7 @@ class LlamaModel:
                            batch.query_start_loc, self.scale, attn, batch.max_query_len, batch.max_context_len)
         be.linear(attn, L["o_proj"], h, scratch=self.scratch)
         be.add_rmsnorm(h, res, L["post_attn_norm"], eps, x)
-        be.linear(x, L["gate_up_proj"], gu, scratch=self.scratch)
-        be.silu_mul(gu, act)
+        be.linear_silu_mul(x, L["gate_up_proj"], gu, act, scratch=self.scratch)
         be.linear(act, L["down_proj"], h, scratch=self.scratch)
 
     def compute_logits(self, indices):

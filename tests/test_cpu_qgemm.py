@@ -99,6 +99,53 @@ def test_int8_matmul_matches_integer_reference(M, K, N):
     assert np.abs(out - flt).max() <= 2e-4 * np.abs(flt).max()
 
 
+def silu_ref(g: np.ndarray) -> np.ndarray:
+    return g / (1.0 + np.exp(-g))
+
+
+@pytest.mark.parametrize("M,K,F", [(1, 2, 16), (7, 576, 48), (64, 576, 1536), (100, 30, 32), (13, 1536, 16)])
+def test_int8_matmul_silu_is_silu_of_gate_times_up(M, K, F):
+    """The gate/up GEMM with silu * up in its epilogue equals the plain GEMM into [T, 2F] followed by
+    silu_mul bit for bit (the same tiles, the same float32 expression), and the float reference up to
+    the activations' quantization."""
+    from rawinfer.backend import cpu_kernels as K_
+    x = RNG.standard_normal((M, K)).astype(np.float32)
+    q, sw = quantize_int8(RNG.standard_normal((2 * F, K)).astype(np.float32))
+    wp = Q.pack_weights(q)
+    nx, ns = Q.x_buffer_sizes(M, K)
+    xb, sb = np.empty(nx, np.int16), np.empty(ns, np.float32)
+    fused = np.full((M, F), np.nan, np.float32)
+    Q.int8_matmul_silu(x, wp, sw, fused, xb, sb)
+    gu = np.empty((M, 2 * F), np.float32)
+    Q.int8_matmul(x, wp, sw, gu, xb, sb)
+    apart = np.empty((M, F), np.float32)
+    K_.silu_mul_kernel(M, gu, apart)
+    np.testing.assert_array_equal(fused, apart)
+    g = x.astype(np.float64) @ (q.astype(np.float64) * sw[:, None]).T
+    ref = silu_ref(g[:, :F]) * g[:, F:]
+    assert np.abs(fused - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_backend_linear_silu_mul_takes_the_fused_gemm(monkeypatch):
+    be = CPUBackend()
+    T, K, F = 40, 64, 48
+    q, scale = quantize_int8(RNG.standard_normal((2 * F, K)).astype(np.float32))
+    w = be.prepare_int8(Int8Weight(q, scale))
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    calls = []
+    real = Q.int8_matmul_silu
+    monkeypatch.setattr(Q, "int8_matmul_silu", lambda *a: (calls.append(1), real(*a)))
+    out, gu = np.empty((T, F), np.float32), np.empty((T, 2 * F), np.float32)
+    be.linear_silu_mul(x, w, gu, out, scratch=np.empty(128 * K, np.float32))
+    assert calls
+    ref = np.empty_like(out)
+    be.linear(x, w, gu, scratch=np.empty(128 * K, np.float32))
+    be.silu_mul(gu, ref)
+    np.testing.assert_array_equal(out, ref)
+    with pytest.raises(ValueError, match="out"):
+        be.linear_silu_mul(x, w, gu, np.empty((T, F + 1), np.float32), scratch=np.empty(128 * K, np.float32))
+
+
 @pytest.mark.parametrize("T,K,N", [(INT8_GEMV_MAX_ROWS + 1, 64, 48), (40, 576, 960), (200, 34, 64)])
 def test_backend_linear_uses_the_packed_weight(T, K, N, monkeypatch):
     be = CPUBackend()

@@ -115,6 +115,12 @@ class Backend(ABC):
     def silu_mul(self, gate_up, out) -> None:
         """out[T, F] = silu(gate_up[:, :F]) * gate_up[:, F:]   (gate_up is [T, 2F])."""
 
+    def linear_silu_mul(self, x, w, gate_up, out, scratch=None) -> None:
+        """out[T, F] = silu(x @ Wg^T) * (x @ Wu^T) for the gate_up weight w = [Wg; Wu] ([2F, K]); gate_up
+        [T, 2F] is workspace a backend may skip. By default linear() into gate_up, then silu_mul()."""
+        self.linear(x, w, gate_up, scratch=scratch)
+        self.silu_mul(gate_up, out)
+
     @abstractmethod
     def kv_write(self, qkv, k_cache, v_cache, slot_mapping, num_heads: int) -> None:
         """Scatter the k and v heads of qkv[T, (H+2Hkv)*D] into k_cache/v_cache[NB, Hkv, BS, D] at

@@ -193,6 +193,18 @@ class CPUBackend(Backend):
         if bias is not None:
             out += bias
 
+    def linear_silu_mul(self, x, w, gate_up, out, scratch=None) -> None:
+        # int8 GEMMs on packed weights: silu * up in the GEMM's epilogue, gate_up never stored (2,048-row
+        # prefill: 32.9 vs 35.7 ms per layer for the GEMM and silu_mul; the same bits)
+        T = x.shape[0]
+        if (isinstance(w, Int8Weight) and w.packed is not None and T > INT8_GEMV_MAX_ROWS and scratch is not None
+                and w.shape[0] % (2 * cpu_qgemm.BLOCK_COLS) == 0):
+            _check("x", x, (None, w.shape[1]), np.float32)
+            _check("out", out, (T, w.shape[0] // 2))
+            cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, w.shape[1]))
+            return
+        super().linear_silu_mul(x, w, gate_up, out, scratch)
+
     def _linear_int8(self, x, w: Int8Weight, out, scratch) -> None:
         T, (N, Kd) = x.shape[0], w.shape
         if T <= INT8_GEMV_MAX_ROWS or scratch is None:

@@ -11,7 +11,7 @@ rounding of the row-matmul (fastmath reductions).
 
 `decoder_stack_batched_kernel` does the same for pure decode batches of any size when the weights
 have packed copies for the integer GEMM (cpu_qgemm): the parallel builds of every op, the integer
-GEMM for the matrices. With 64 sequences the dispatch it saves is a few ms of a ~100 ms step.
+GEMM for the matrices (silu * up in the gate/up GEMM's epilogue, as CPUBackend.linear_silu_mul). With 64 sequences the dispatch it saves is a few ms of a ~100 ms step.
 
 NOTE: the compiled kernels here carry copies of the cpu_kernels.py kernels they call, and Numba's disk
 cache only checks this file's timestamp; cpu_cache.refresh() drops the cached builds whenever any
@@ -95,6 +95,7 @@ _kv_write_p = K.kv_write_kernel.parallel
 _decode_attention_avx2 = A.decode_attention_avx2_kernel.parallel
 _decode_attention = A.decode_attention_kernel.parallel
 _int8_matmul = cpu_qgemm.int8_matmul
+_int8_matmul_silu = cpu_qgemm.int8_matmul_silu
 
 
 @nb.njit(cache=True)
@@ -123,8 +124,11 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
             _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, attn)
         _int8_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf)
         _add_rmsnorm_p(h, res, post_norms[i], eps, x)
-        _int8_matmul(x, p_gus[i], s_gus[i], gu, xbuf, sbuf)
-        _silu_mul_p(gu, act)
+        if p_gus[i].shape[0] % 2 == 0:
+            _int8_matmul_silu(x, p_gus[i], s_gus[i], act, xbuf, sbuf)
+        else:
+            _int8_matmul(x, p_gus[i], s_gus[i], gu, xbuf, sbuf)
+            _silu_mul_p(gu, act)
         _int8_matmul(act, p_downs[i], s_downs[i], h, xbuf, sbuf)
 
 
