@@ -122,31 +122,38 @@ class Kernel:
         (self.parallel if rows >= self.min_parallel_rows else self.serial)(*args)
 
 
+# NOTE: the loops below index row views (x[t], qkv[t, a:b]) with the plain loop counter. Written as
+# qkv[t, base + i], the index may be negative as far as Numba knows, and the wraparound select it adds
+# kept LLVM from vectorizing: rope 1.0 vs 0.27 ms, kv_write 0.43 vs 0.15 ms, add_rmsnorm 0.70 vs
+# 0.24 ms for 2,048 SmolLM2 rows (rope and kv_write give the same bits; the norms' sums of squares
+# vectorize only with reassociation, so their last bits moved).
 def _rmsnorm_kernel(x, weight, eps, out):
     # x[T, C] any float, weight[C], out[T, C]; statistics in float32
     T, C = x.shape
     for t in nb.prange(T):
+        xr, o = x[t], out[t]
         ss = np.float32(0.0)
         for c in range(C):
-            v = np.float32(x[t, c])
+            v = np.float32(xr[c])
             ss += v * v
         inv = np.float32(1.0) / np.sqrt(ss / np.float32(C) + np.float32(eps))
         for c in range(C):
-            out[t, c] = np.float32(x[t, c]) * inv * weight[c]
+            o[c] = np.float32(xr[c]) * inv * weight[c]
 
 
 def _add_rmsnorm_kernel(x, residual, weight, eps, out):
     # residual[T, C] += x[T, C]; out = rmsnorm(residual) * weight
     T, C = x.shape
     for t in nb.prange(T):
+        xr, r, o = x[t], residual[t], out[t]
+        for c in range(C):
+            r[c] += np.float32(xr[c])
         ss = np.float32(0.0)
         for c in range(C):
-            v = residual[t, c] + np.float32(x[t, c])
-            residual[t, c] = v
-            ss += v * v
+            ss += r[c] * r[c]
         inv = np.float32(1.0) / np.sqrt(ss / np.float32(C) + np.float32(eps))
         for c in range(C):
-            out[t, c] = residual[t, c] * inv * weight[c]
+            o[c] = r[c] * inv * weight[c]
 
 
 def _rope_kernel(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
@@ -156,15 +163,14 @@ def _rope_kernel(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
     nrot = num_heads + num_kv_heads
     for t in nb.prange(T):
         p = positions[t]
+        cos, sin = cos_sin[p, :half], cos_sin[p, half:2 * half]
         for h in range(nrot):
-            base = h * head_dim
+            x1 = qkv[t, h * head_dim:h * head_dim + half]
+            x2 = qkv[t, h * head_dim + half:(h + 1) * head_dim]
             for i in range(half):
-                c = cos_sin[p, i]
-                s = cos_sin[p, half + i]
-                x1 = qkv[t, base + i]
-                x2 = qkv[t, base + half + i]
-                qkv[t, base + i] = x1 * c - x2 * s
-                qkv[t, base + half + i] = x2 * c + x1 * s
+                a, b = x1[i], x2[i]
+                x1[i] = a * cos[i] - b * sin[i]
+                x2[i] = b * cos[i] + a * sin[i]
 
 
 def _silu_mul_kernel(gate_up, out):
@@ -188,9 +194,12 @@ def _kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
         b = slot // BS
         r = slot % BS
         for h in range(Hkv):
+            kd, vd = k_cache[b, h, r], v_cache[b, h, r]
+            ks, vs = qkv[t, k0 + h * D:k0 + (h + 1) * D], qkv[t, v0 + h * D:v0 + (h + 1) * D]
             for d in range(D):
-                k_cache[b, h, r, d] = kv_value(k_cache, qkv[t, k0 + h * D + d])
-                v_cache[b, h, r, d] = kv_value(v_cache, qkv[t, v0 + h * D + d])
+                kd[d] = kv_value(k_cache, ks[d])
+            for d in range(D):
+                vd[d] = kv_value(v_cache, vs[d])
 
 
 @nb.njit(**_JIT)
@@ -208,8 +217,8 @@ def copy_blocks_kernel(cache, src, dst):
 
 
 # ---- entry points: (rows, *args) -> serial or parallel build ----------------------------------
-rmsnorm_kernel = Kernel(_rmsnorm_kernel)
-add_rmsnorm_kernel = Kernel(_add_rmsnorm_kernel)
+rmsnorm_kernel = Kernel(_rmsnorm_kernel, fastmath={"reassoc", "nsz"})          # reassoc: a vector sum
+add_rmsnorm_kernel = Kernel(_add_rmsnorm_kernel, fastmath={"reassoc", "nsz"})
 rope_kernel = Kernel(_rope_kernel)
 kv_write_kernel = Kernel(_kv_write_kernel)
 silu_mul_kernel = Kernel(_silu_mul_kernel, fastmath={"contract"})
