@@ -121,8 +121,9 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
         for i in range(nq):
             for g in range(G):
                 base = (kvh * G + g) * D
+                src, dst = qkv[q0 + i, base:base + D], q[i, g]       # row views: see cpu_kernels
                 for d in range(D):
-                    q[i, g, d] = qkv[q0 + i, base + d] * scale
+                    dst[d] = src[d] * scale
         m = np.full((nq, G), -np.inf, np.float32)
         l = np.zeros((nq, G), np.float32)
         acc = np.zeros((nq, G, D), np.float32)
@@ -164,8 +165,9 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
             for g in range(G):
                 inv = np.float32(1.0) / l[i, g]
                 base = (kvh * G + g) * D
+                src, dst = acc[i, g], out[q0 + i, base:base + D]
                 for d in range(D):
-                    out[q0 + i, base + d] = acc[i, g, d] * inv
+                    dst[d] = src[d] * inv
 
 
 @nb.njit(inline="always")
@@ -181,8 +183,9 @@ def decode_query_heads(qkv, b, kvh, G, D, scale):
     q = np.empty((G, D), np.float32)
     for g in range(G):
         base = (kvh * G + g) * D
+        src, dst = qkv[b, base:base + D], q[g]
         for d in range(D):
-            q[g, d] = qkv[b, base + d] * scale
+            dst[d] = src[d] * scale
     return q
 
 
@@ -192,8 +195,9 @@ def decode_write_heads(o, inv, b, kvh, out):
     G, D = o.shape
     for g in range(G):
         base = (kvh * G + g) * D
+        src, dst = o[g], out[b, base:base + D]
         for d in range(D):
-            out[b, base + d] = o[g, d] * inv[g]
+            dst[d] = src[d] * inv[g]
 
 
 def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, out):

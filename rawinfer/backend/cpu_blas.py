@@ -150,8 +150,9 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
             for g in range(G):
                 base = (kvh * G + g) * D
                 for i in range(nq):
+                    src, dst = qkv[q0 + i, base:base + D], q[g * nq + i]    # row views: see cpu_kernels
                     for d in range(D):
-                        q[g * nq + i, d] = qkv[q0 + i, base + d] * scale
+                        dst[d] = src[d] * scale
             s = np.empty((G * nq, n), np.float32)
             _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, G * nq, n, D, one, q.ctypes.data, D, kc.ctypes.data, D,
                    zero, s.ctypes.data, n)
@@ -168,6 +169,7 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
                 base = (kvh * G + g) * D
                 for i in range(nq):
                     r = g * nq + i
+                    src, dst = o[r], out[q0 + i, base:base + D]
                     for d in range(D):
-                        out[q0 + i, base + d] = o[r, d] * inv[r]
+                        dst[d] = src[d] * inv[r]
         _set_threads_local(prev)
