@@ -102,7 +102,8 @@ class Sampler:
         self._device_sample = getattr(backend, "sample", None)   # CUDA: cuda/sampling.cu; CPU: none
 
     def sample(self, logits, params: list[SamplingParams], histories: list, rngs: list) -> list[int]:
-        """logits: device [S, V]; one (params, token history, generator) per row -> S token ids.
+        """logits: device [S, V]; one (params, token history, generator) per row -> S token ids. A row's
+        history is read only when its params have a repetition penalty (the engine passes None otherwise).
 
         Plain greedy rows are reduced on the device (no logits copy); so are sampled rows without a
         repetition penalty where the backend has a device sampler; the other rows are copied to the

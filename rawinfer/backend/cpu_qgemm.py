@@ -155,8 +155,8 @@ def _panel_groups(panels):
 def gemm_packed_silu(xp, sx, wp, sw, out, M):
     """out[M, F] = silu(g) * u for [g | u] = (xp * sx) @ (wp * sw)^T, wp packing a gate_up weight [2F, K]
     (gate rows, then up rows). Each work item computes the tiles of gate block j and up block j into
-    registers-sized scratch and writes only their product: the [M, 2F] gate_up array is never stored
-    and read back (at 2,048 rows, 50 MB of traffic per layer that a separate silu_mul pass costs)."""
+    a small scratch and writes only their product: the [M, 2F] gate_up array is never stored and read
+    back (at 2,048 rows, 50 MB of traffic per layer that a separate silu_mul pass costs)."""
     panels, kpairs = xp.shape[0], xp.shape[1]
     half = wp.shape[0] // 2
     ldo = np.int64(out.shape[1])
