@@ -194,17 +194,20 @@ class ModelRunner:
         """Flatten the scheduled chunks. Logits rows: each sequence's last token when its chunk reaches
         the end of its known tokens (or every row when all_logits, for teacher-forced scoring)."""
         tables = [self.bm.block_table(s.seq.seq_id) for s in batch.seqs]
-        MB = max((len(t) for t in tables), default=1) or 1
-        block_tables = np.zeros((len(batch.seqs), MB), np.int32)
         if batch.seqs and not all_logits and all(s.num_new_tokens == 1 for s in batch.seqs):
-            return self._prepare_decode(batch, tables, block_tables)
-        return self._prepare_chunks(batch, tables, block_tables, all_logits)
+            return self._prepare_decode(batch, tables)
+        return self._prepare_chunks(batch, tables, all_logits)
 
-    def _prepare_chunks(self, batch: ScheduledBatch, tables: list[list[int]], block_tables: np.ndarray,
-                        all_logits: bool) -> FlatBatch:
+    @staticmethod
+    def _zero_block_tables(tables: list[list[int]]) -> np.ndarray:
+        """int32 [B, longest table] of zeros, for the rows' tables to be copied in."""
+        return np.zeros((len(tables), max((len(t) for t in tables), default=1) or 1), np.int32)
+
+    def _prepare_chunks(self, batch: ScheduledBatch, tables: list[list[int]], all_logits: bool) -> FlatBatch:
         """prepare() for any batch (prefill chunks, mixed steps)."""
         BS = self.block_size
         B = len(batch.seqs)
+        block_tables = self._zero_block_tables(tables)
         ids, positions, slots, logits_idx = [], [], [], []
         context_lens = np.zeros(B, np.int32)
         qsl = np.zeros(B + 1, np.int32)
@@ -240,11 +243,12 @@ class ModelRunner:
             max_context_len=int(context_lens.max()) if B else 0,
         )
 
-    def _prepare_decode(self, batch: ScheduledBatch, tables: list[list[int]], block_tables: np.ndarray) -> FlatBatch:
+    def _prepare_decode(self, batch: ScheduledBatch, tables: list[list[int]]) -> FlatBatch:
         """prepare() for a pure decode step (one new token per sequence) in scalar Python, without the
         general path's per-sequence arrays: 0.3 vs 1.4 ms for 64 sequences."""
         BS = self.block_size
         B = len(batch.seqs)
+        block_tables = self._zero_block_tables(tables)
         ids, positions, slots, logits_idx = [0] * B, [0] * B, [0] * B, []
         for b, (s, table) in enumerate(zip(batch.seqs, tables)):
             seq = s.seq

@@ -347,9 +347,8 @@ def test_decode_fast_path_equals_the_chunk_path():
         seq.num_computed_tokens = computed      # c: one new token, two more known (no logits this step)
         batch.seqs.append(ScheduledSeq(seq, 1))
     rows = [runner.bm.block_table(s.seq.seq_id) for s in batch.seqs]
-    bt = lambda: np.zeros((3, 3), np.int32)
-    fast = runner._prepare_decode(batch, rows, bt())
-    slow = runner._prepare_chunks(batch, rows, bt(), False)
+    fast = runner._prepare_decode(batch, rows)
+    slow = runner._prepare_chunks(batch, rows, False)
     called = []
     runner._prepare_chunks = lambda *a: called.append(1)
     runner.prepare(batch)                              # a pure decode step takes the fast path

@@ -195,23 +195,28 @@ class CPUBackend(Backend):
 
     def linear_silu_mul(self, x, w, gate_up, out, scratch=None) -> None:
         # int8 GEMMs on packed weights: silu * up in the GEMM's epilogue, gate_up never stored (2,048-row
-        # prefill: 0.92-1.00x the time of the GEMM and silu_mul apart, the same bits)
-        T = x.shape[0]
-        if (isinstance(w, Int8Weight) and w.packed is not None and T > INT8_GEMV_MAX_ROWS and scratch is not None
-                and w.shape[0] % (2 * cpu_qgemm.BLOCK_COLS) == 0):
+        # prefill: 0.92-1.00x the time of the GEMM and silu_mul apart, the same bits). Gate block j pairs
+        # with up block j + half: an even count of 16-column blocks (the batched decode kernel's test too).
+        if isinstance(w, Int8Weight) and self._on_packed_gemm(x, w, scratch) and w.packed.shape[0] % 2 == 0:
             _check("x", x, (None, w.shape[1]), np.float32)
-            _check("out", out, (T, w.shape[0] // 2))
-            cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, w.shape[1]))
+            _check("out", out, (x.shape[0], w.shape[0] // 2))
+            cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(*x.shape))
             return
         super().linear_silu_mul(x, w, gate_up, out, scratch)
 
+    @staticmethod
+    def _on_packed_gemm(x, w: Int8Weight, scratch) -> bool:
+        """Whether an int8 product of x takes the integer GEMM on w's packed copy (more rows than the
+        matrix-vector kernel takes, a workspace given, a packed copy made at load)."""
+        return x.shape[0] > INT8_GEMV_MAX_ROWS and scratch is not None and w.packed is not None
+
     def _linear_int8(self, x, w: Int8Weight, out, scratch) -> None:
         T, (N, Kd) = x.shape[0], w.shape
+        if self._on_packed_gemm(x, w, scratch):
+            cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
+            return
         if T <= INT8_GEMV_MAX_ROWS or scratch is None:
             K.rows_matmul_kernel(x, w.q, w.scale, out)
-            return
-        if w.packed is not None:
-            cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
             return
         tile = min(INT8_TILE_ROWS, scratch.size // (self.threads * Kd))
         if self.blas_on_numba_pool and tile >= 1:

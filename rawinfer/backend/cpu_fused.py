@@ -11,7 +11,8 @@ rounding of the row-matmul (fastmath reductions).
 
 `decoder_stack_batched_kernel` does the same for pure decode batches of any size when the weights
 have packed copies for the integer GEMM (cpu_qgemm): the parallel builds of every op, the integer
-GEMM for the matrices (silu * up in the gate/up GEMM's epilogue, as CPUBackend.linear_silu_mul). With 64 sequences the dispatch it saves is a few ms of a ~100 ms step.
+GEMM for the matrices (silu * up in the gate/up GEMM's epilogue, as CPUBackend.linear_silu_mul).
+With 64 sequences the dispatch it saves is a few ms of a ~100 ms step.
 
 NOTE: the compiled kernels here carry copies of the cpu_kernels.py kernels they call, and Numba's disk
 cache only checks this file's timestamp; cpu_cache.refresh() drops the cached builds whenever any

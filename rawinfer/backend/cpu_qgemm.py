@@ -134,8 +134,7 @@ def gemm_packed(xp, sx, wp, sw, out, M):
     ldo = np.int64(out.shape[1])
     x0, w0, o0 = np.int64(xp.ctypes.data), np.int64(wp.ctypes.data), np.int64(out.ctypes.data)
     sx0, sw0 = np.int64(sx.ctypes.data), np.int64(sw.ctypes.data)
-    xstride = np.int64(kpairs * PANEL_ROWS * 2 * 2)           # bytes per x panel
-    wstride = np.int64(kpairs * BLOCK_COLS * 2)               # bytes per weight block
+    xstride, wstride = _strides(kpairs)
     mgroups = _panel_groups(panels)
     for it in nb.prange(mgroups * nblocks):
         g, nbk = it // nblocks, it % nblocks
@@ -151,6 +150,12 @@ def _panel_groups(panels):
     return (panels + PANELS_PER_ITEM - 1) // PANELS_PER_ITEM
 
 
+@nb.njit(inline="always")
+def _strides(kpairs):
+    # bytes per x panel (int16 [kpairs, 6, 2]) and per weight block (int8 [kpairs, 16, 2])
+    return np.int64(kpairs * PANEL_ROWS * 2 * 2), np.int64(kpairs * BLOCK_COLS * 2)
+
+
 @nb.njit(parallel=True, cache=True, fastmath={"contract"})
 def gemm_packed_silu(xp, sx, wp, sw, out, M):
     """out[M, F] = silu(g) * u for [g | u] = (xp * sx) @ (wp * sw)^T, wp packing a gate_up weight [2F, K]
@@ -162,8 +167,7 @@ def gemm_packed_silu(xp, sx, wp, sw, out, M):
     ldo = np.int64(out.shape[1])
     x0, w0, sx0, sw0 = np.int64(xp.ctypes.data), np.int64(wp.ctypes.data), np.int64(sx.ctypes.data), \
         np.int64(sw.ctypes.data)
-    xstride = np.int64(kpairs * PANEL_ROWS * 2 * 2)
-    wstride = np.int64(kpairs * BLOCK_COLS * 2)
+    xstride, wstride = _strides(kpairs)
     mgroups = _panel_groups(panels)
     for it in nb.prange(mgroups * half):
         g, j = it // half, it % half
