@@ -31,9 +31,10 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="memory for KV blocks, e.g. 2GiB (default: 1GiB on the CPU; on CUDA what "
                         "--gpu-memory-utilization of the free GPU memory leaves after weights and workspace)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "int8"],
                    help="element type of the KV cache (default: auto = the model's dtype on CUDA; on the CPU "
-                        "float16 for int8 models, float32 for float models)")
+                        "int8 for int8 models, float32 for float models; int8: CPU only, a float32 scale per "
+                        "token and kv head)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=128, help="sequences in one step at most")

@@ -179,7 +179,7 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 
 
 @dataclass
@@ -190,8 +190,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None      # bytes of the pool given to KV blocks; None: 1 GiB on the
                                             # CPU, on CUDA what gpu_memory_utilization x free device
                                             # memory leaves after the weights and the workspace
-    kv_cache_dtype: str = "auto"            # "auto" | "float32" | "float16": element type of K/V blocks;
-                                            # auto: the model's dtype on CUDA; on the CPU float16 for
+    kv_cache_dtype: str = "auto"            # "auto" | "float32" | "float16" | "int8" (CPU: one float32
+                                            # scale per token and kv head): element type of K/V blocks;
+                                            # auto: the model's dtype on CUDA; on the CPU int8 for
                                             # int8 models, float32 for float models
     max_num_batched_tokens: int = 2048      # token budget of one step (also sizes the workspace)
     max_num_seqs: int = 128                 # sequences in one step at most

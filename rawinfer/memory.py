@@ -165,8 +165,19 @@ class KVCache:
         return self.num_blocks * self.block_size
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, itemsize: int) -> int:
-    return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
+def kv_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype) -> tuple:
+    """Shape of one layer's K (or V) cache: [blocks, kv heads, tokens, head_dim]. An int8 cache (CPU)
+    adds ceil(4 * block_size / head_dim) rows to each (block, kv head) tile for its tokens' float32
+    scales (backend/cpu_kernels.py: KV cache element access)."""
+    rows = block_size
+    if np.dtype(dtype) == np.int8:
+        rows += -(-4 * block_size // head_dim)
+    return (num_blocks, num_kv_heads, rows, head_dim)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
+    shape = kv_cache_shape(1, cfg.num_kv_heads, block_size, cfg.head_dim, dtype)
+    return cfg.num_layers * 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
 class MemoryPool:
@@ -213,7 +224,7 @@ class MemoryPool:
             kv_bytes, self.kv_sizing = kv_region_bytes(ecfg, weight_bytes + ws_bytes, free)
         else:
             self.kv_sizing = "the caller"
-        per_block = kv_bytes_per_block(cfg, ecfg.block_size, np.dtype(kdt).itemsize)
+        per_block = kv_bytes_per_block(cfg, ecfg.block_size, kdt)
         spare = 1 if self.uses_cuda_graphs else 0
         num_blocks = kv_bytes // per_block - spare
         if num_blocks < 1:
@@ -240,7 +251,7 @@ class MemoryPool:
         self.workspace = Workspace(**bufs)
         self.kv = KVCache(num_blocks=num_blocks, block_size=ecfg.block_size,
                           padding_block=num_blocks if spare else None)
-        kv_shape = (num_blocks + spare, cfg.num_kv_heads, ecfg.block_size, cfg.head_dim)
+        kv_shape = kv_cache_shape(num_blocks + spare, cfg.num_kv_heads, ecfg.block_size, cfg.head_dim, kdt)
         self._kv_offset = off
         for _ in range(cfg.num_layers):
             for lst in (self.kv.k, self.kv.v):

@@ -83,7 +83,7 @@ def matrix_params(cfg: ModelConfig, lm_head_rows: int, tokens: int) -> tuple[flo
 
 
 def phase_counts(cfg: ModelConfig, tokens: int, logits_rows: int, attended: int, kv_read_tokens: int,
-                 weight_bytes_per_param: float, kv_itemsize: int) -> tuple[float, float]:
+                 weight_bytes_per_param: float, kv_itemsize: float) -> tuple[float, float]:
     """(FLOPs, bytes) of one forward pass; `attended` = sum over queries of the positions each sees,
     `kv_read_tokens` = cached positions whose K and V are streamed once."""
     flops, params = matrix_params(cfg, logits_rows, tokens)
@@ -138,7 +138,8 @@ def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
     if cfg.quant == "int8" and be.name == "cpu":     # its matrices run on the int8-weight GEMM instead
         ceil["int8_gemm_GOPs"] = compute_peak = measure_int8_gemm(be)
     bpp = 1.0 + 4.0 / cfg.hidden_size if cfg.quant == "int8" else float(be.weight_dtype(cfg.dtype).itemsize)
-    kv_item = engine.pool.kv.k[0].dtype.itemsize
+    k0 = engine.pool.kv.k[0]                         # bytes per cached element (int8: with its row scales)
+    kv_item = k0.nbytes / (k0.shape[0] * cfg.num_kv_heads * engine.pool.kv.block_size * cfg.head_dim)
     rows = []
     t = time_prefill(engine, prompt_len)
     f, b = phase_counts(cfg, prompt_len, 1, prompt_len * (prompt_len + 1) // 2, prompt_len, bpp, kv_item)

@@ -11,6 +11,7 @@ from rawinfer.backend import cpu_attention as A
 from rawinfer.backend import cpu_kernels as K
 from rawinfer.backend import cpu_llvm
 from rawinfer.backend.cpu import ATTN_QUERY_TILE, CPUBackend
+from rawinfer.memory import kv_cache_shape
 
 be = CPUBackend()
 RNG = np.random.default_rng(1234)
@@ -175,36 +176,73 @@ def test_embedding_and_take_rows():
         be.embedding(np.array([50], np.int32), table, out[:1])
 
 
-@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def quantize_rows_ref(x):
+    """x [..., D] float32 -> (int8 rows, float32 scales [...]) as an int8 KV cache holds them: scale
+    max|row| / 127, values rounded to nearest (an all-zero row: zeros, scale 0)."""
+    m = np.abs(x).max(-1).astype(np.float32)
+    inv = np.where(m > 0, np.float32(127.0) / np.where(m > 0, m, 1), 0).astype(np.float32)
+    return np.rint(x * inv[..., None]).astype(np.int8), (m / np.float32(127.0)).astype(np.float32)
+
+
+def tile_scales(cache, blk, h, BS):
+    """The float32 row scales of an int8 cache's (block, kv head) tile (memory.kv_cache_shape)."""
+    D = cache.shape[3]
+    return cache[blk, h].reshape(-1)[BS * D:BS * D + 4 * BS].view(np.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16, np.int8])
 def test_kv_write_and_copy_blocks(kv_dtype):
     H, Hkv, D, BS, NB, T = 4, 2, 8, 4, 6, 7
     qkv = rand(T, (H + 2 * Hkv) * D)
     qkv[0, H * D] = 1e6                                   # beyond float16's range: stored as inf
-    kc, vc = np.zeros((NB, Hkv, BS, D), kv_dtype), np.zeros((NB, Hkv, BS, D), kv_dtype)
+    qkv[3, (H + Hkv) * D:(H + Hkv + 1) * D] = 0           # an all-zero V row: int8 scale 0
+    shape = kv_cache_shape(NB, Hkv, BS, D, kv_dtype)
+    assert shape == ((NB, Hkv, BS + 2, D) if kv_dtype == np.int8 else (NB, Hkv, BS, D))
+    kc, vc = np.zeros(shape, kv_dtype), np.zeros(shape, kv_dtype)
     slots = np.array([5, 6, 7, 20, 21, 0, 13], np.int32)
     be.kv_write(qkv, kc, vc, slots, H)
-    with np.errstate(over="ignore"):                      # NumPy's cast rounds the same way (to nearest even)
-        k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D).astype(kv_dtype)
-        v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D).astype(kv_dtype)
-    for t, s in enumerate(slots):
-        np.testing.assert_array_equal(kc[s // BS, :, s % BS], k[t])
-        np.testing.assert_array_equal(vc[s // BS, :, s % BS], v[t])
+    k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
+    if kv_dtype == np.int8:
+        (kq, ks), (vq, vs) = quantize_rows_ref(k), quantize_rows_ref(v)
+        for t, s in enumerate(slots):
+            np.testing.assert_array_equal(kc[s // BS, :, s % BS], kq[t])
+            np.testing.assert_array_equal(vc[s // BS, :, s % BS], vq[t])
+            for h in range(Hkv):
+                assert tile_scales(kc, s // BS, h, BS)[s % BS] == ks[t, h]
+                assert tile_scales(vc, s // BS, h, BS)[s % BS] == vs[t, h]
+        assert vs[3, 0] == 0 and not vq[3, 0].any()
+        assert np.abs(kq.astype(np.float32) * ks[..., None] - k).max() <= np.abs(k).max(-1).max() / 254 * 1.001
+    else:
+        with np.errstate(over="ignore"):                  # NumPy's cast rounds the same way (to nearest even)
+            k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+        for t, s in enumerate(slots):
+            np.testing.assert_array_equal(kc[s // BS, :, s % BS], k[t])
+            np.testing.assert_array_equal(vc[s // BS, :, s % BS], v[t])
     be.copy_blocks([kc], [vc], [(1, 4), (5, 2)])
-    np.testing.assert_array_equal(kc[4], kc[1])
+    np.testing.assert_array_equal(kc[4], kc[1])           # whole tiles: an int8 cache's scales too
     np.testing.assert_array_equal(vc[2], vc[5])
 
 
 def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None, kv_dtype=np.float32):
     """Random per-sequence K/V written into a pool (of kv_dtype) through (shuffled) block tables; the
-    returned per-sequence K/V are the values the pool holds."""
+    returned per-sequence K/V are the values the pool holds (int8: the rows dequantized)."""
     rng = np.random.default_rng(shuffle_seed)
     vrng = np.random.default_rng(value_seed) if value_seed is not None else RNG
     B = len(q_lens)
     nblocks = [-(-c // BS) for c in ctx_lens]
     NB = sum(nblocks) + 3
     perm = rng.permutation(NB).astype(np.int32)
-    kc = rand(NB, Hkv, BS, D, rng=vrng)   # garbage everywhere a sequence does not own
-    vc = rand(NB, Hkv, BS, D, rng=vrng)
+    if kv_dtype == np.int8:                               # garbage rows and scales everywhere else
+        shape = kv_cache_shape(NB, Hkv, BS, D, np.int8)
+        kc, vc = (vrng.integers(-128, 128, shape).astype(np.int8) for _ in range(2))
+        for c in (kc, vc):
+            for blk in range(NB):
+                for h in range(Hkv):
+                    tile_scales(c, blk, h, BS)[:] = vrng.random(BS, np.float32)
+    else:
+        kc = rand(NB, Hkv, BS, D, rng=vrng)   # garbage everywhere a sequence does not own
+        vc = rand(NB, Hkv, BS, D, rng=vrng)
     MB = max(nblocks)
     tables = np.full((B, MB), 0, np.int32)
     seqs_k, seqs_v = [], []
@@ -214,10 +252,19 @@ def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None, 
         used += nblocks[b]
         tables[b, :len(tab)] = tab
         k, v = rand(c, Hkv, D, rng=vrng), rand(c, Hkv, D, rng=vrng)
-        k, v = k.astype(kv_dtype).astype(np.float32), v.astype(kv_dtype).astype(np.float32)
-        for p in range(c):
-            kc[tab[p // BS], :, p % BS] = k[p]
-            vc[tab[p // BS], :, p % BS] = v[p]
+        if kv_dtype == np.int8:
+            (kq, ks), (vq, vs) = quantize_rows_ref(k), quantize_rows_ref(v)
+            for p in range(c):
+                kc[tab[p // BS], :, p % BS], vc[tab[p // BS], :, p % BS] = kq[p], vq[p]
+                for h in range(Hkv):
+                    tile_scales(kc, tab[p // BS], h, BS)[p % BS] = ks[p, h]
+                    tile_scales(vc, tab[p // BS], h, BS)[p % BS] = vs[p, h]
+            k, v = kq.astype(np.float32) * ks[..., None], vq.astype(np.float32) * vs[..., None]
+        else:
+            k, v = k.astype(kv_dtype).astype(np.float32), v.astype(kv_dtype).astype(np.float32)
+            for p in range(c):
+                kc[tab[p // BS], :, p % BS] = k[p]
+                vc[tab[p // BS], :, p % BS] = v[p]
         seqs_k.append(k)
         seqs_v.append(v)
     T = sum(q_lens)
@@ -238,7 +285,7 @@ def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None, 
     ([130, 1, 40], [150, 60, 40], 9, 3, 64, 16),         # long prefill chunks: 64-query tiles (BLAS path)
 ])
 @pytest.mark.parametrize("blas", [True, False])          # query runs >= 32 take the BLAS kernel if it can
-@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16, np.int8])
 def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, kv_dtype, monkeypatch):
     if blas and not be.blas_on_numba_pool:
         pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
@@ -250,6 +297,7 @@ def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, kv_dtype, monkey
     be.paged_attention(qkv, kc, vc, tables, ctx, qsl, scale, out, max(q_lens), max(ctx_lens))
     ref = attention_ref(qkv[:, :H * D].reshape(T, H, D), ks, vs, q_lens, ctx_lens, H, Hkv, scale)
     np.testing.assert_allclose(out.reshape(T, H, D), ref, rtol=2e-5, atol=2e-5)
+    assert np.isfinite(out).all()
 
 
 @pytest.mark.parametrize("ctx_lens,H,Hkv,D,BS", [
@@ -261,10 +309,11 @@ def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, kv_dtype, monkey
     ([20] * 18, 6, 6, 32, 8),                            # Hkv = H; 108 work items (parallel build)
 ])
 @pytest.mark.parametrize("kernel", ["avx2", "portable"])
-@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16, np.int8])
 def test_decode_attention_kernels(ctx_lens, H, Hkv, D, BS, kernel, kv_dtype):
     """Both pure-decode kernels (row b of qkv = sequence b's new token) against the reference; float16
-    caches go in as their uint16 bits, as the backend passes them."""
+    caches go in as their uint16 bits, as the backend passes them; int8 ones with their row scales
+    (the AVX2 kernel applies them to the scores and the weights, not to the rows)."""
     fn = A.decode_attention_avx2_kernel if kernel == "avx2" else A.decode_attention_kernel
     if kernel == "avx2" and not cpu_llvm.available():
         pytest.skip("this CPU has no AVX2 + FMA")
@@ -284,6 +333,9 @@ def test_decode_attention_avx2_fits_only_its_layouts():
     assert not A.decode_attention_avx2_fits(np.zeros((2, 1, 6, 32), np.float32))    # BS % 4
     assert not A.decode_attention_avx2_fits(np.zeros((2, 1, 16, 48), np.float32))   # D % 32
     assert not A.decode_attention_avx2_fits(np.zeros((2, 1, 16, 64), np.float64))
+    assert A.decode_attention_avx2_fits(np.zeros(kv_cache_shape(2, 1, 16, 64, np.int8), np.int8)) == \
+        cpu_llvm.available()
+    assert not A.decode_attention_avx2_fits(np.zeros(kv_cache_shape(2, 1, 6, 64, np.int8), np.int8))
 
 
 def test_paged_attention_block_table_layout_does_not_matter():

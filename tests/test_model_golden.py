@@ -121,12 +121,15 @@ def test_non_contiguous_block_table_gives_the_same_logits(tiny_llama_dir):
     np.testing.assert_allclose(scattered, contiguous, atol=1e-5, rtol=0)
 
 
-def test_smollm2_float16_kv_cache_keeps_golden_agreement(smollm2_dir):
-    """kv_cache_dtype='float16' on the float32 model: half the KV bytes, the same confident argmax steps
-    (teacher-forced; the prompt prefilled, then the continuation decoded against the float16 cache)."""
+@pytest.mark.parametrize("kv_dtype,max_err", [("float16", 0.1), ("int8", 1.0)])
+def test_smollm2_reduced_kv_cache_keeps_golden_agreement(smollm2_dir, kv_dtype, max_err):
+    """kv_cache_dtype float16 / int8 on the float32 model: 1/2 / ~1/4 of the KV bytes, the same
+    confident argmax steps (teacher-forced; the prompt prefilled, then the continuation decoded against
+    the reduced cache). Measured worst top-k logit error: float16 0.021, int8 0.64 (and 195/198 of all
+    steps, near-ties included, vs 198/198)."""
     engine = LLMEngine(smollm2_dir, device="cpu", kv_cache_memory="128MiB", max_num_batched_tokens=1024,
-                       kv_cache_dtype="float16")
-    assert engine.pool.kv.k[0].dtype == np.float16
+                       kv_cache_dtype=kv_dtype)
+    assert engine.pool.kv.k[0].dtype == np.dtype(kv_dtype)
     checked = agreed = 0
     worst = 0.0
     for case in SMOL_CASES:
@@ -140,4 +143,4 @@ def test_smollm2_float16_kv_cache_keeps_golden_agreement(smollm2_dir):
         got = np.take_along_axis(step, ref["step_topk_ids"].astype(np.int64), axis=1)
         worst = max(worst, float(np.abs(got - ref["step_topk_logits"]).max()))
     assert checked > 50 and agreed == checked, f"{agreed}/{checked} confident steps agree"
-    assert worst < 0.1, worst          # float16 K/V: ~3 significant digits per element
+    assert worst < max_err, worst

@@ -123,7 +123,7 @@ def test_pool_sizes_kv_from_free_device_memory():
     cfg = tiny_config()
     pool = MemoryPool(cfg, EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, gpu_memory_utilization=0.5),
                       FakeGPU())
-    per_block = kv_bytes_per_block(cfg, 16, 4)
+    per_block = kv_bytes_per_block(cfg, 16, np.float32)
     budget = 32 * MIB
     assert pool.kv_bytes == (budget - pool.weight_bytes - pool.workspace_bytes) // per_block * per_block
     assert budget - per_block < pool.total_bytes <= budget

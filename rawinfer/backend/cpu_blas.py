@@ -28,7 +28,7 @@ import numpy as np
 from numba import types
 
 from .cpu_attention import attention_work_item, softmax_numerators   # inlined: see the cache NOTE
-from .cpu_kernels import kv_row_into
+from .cpu_kernels import kv_dims, kv_row_into
                                                                                 # in cpu_fused.py
 
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
@@ -130,7 +130,7 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
         O = P V / sum(P)   [G * tile, D]
     Items are dealt to threads round-robin: later tiles see more keys, and contiguous halves would
     leave one thread with most of the work."""
-    _, Hkv, BS, D = k_cache.shape
+    Hkv, BS, D = kv_dims(k_cache)
     G = num_heads // Hkv
     W = work_seq.shape[0] * Hkv
     one, zero = np.float32(1.0), np.float32(0.0)

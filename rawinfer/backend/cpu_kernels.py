@@ -60,19 +60,67 @@ def _renamed(fn, name: str):
 
 
 # ---- KV cache element access -------------------------------------------------------------------------
-# A cache is float32, or float16 held as its uint16 bits (Numba has no float16 type on the CPU; the
-# backend passes such caches as uint16 views). Kernels read and write through these helpers, which
-# resolve per cache dtype at compile time.
+# A cache is float32, float16 held as its uint16 bits (Numba has no float16 type on the CPU; the backend
+# passes such caches as uint16 views), or int8 with one float32 scale per row (token, kv head): an int8
+# cache is [NB, Hkv, BS + E, D], each (block, kv head) tile holding its BS rows of D int8 values and then
+# its BS scales in E = ceil(4 BS / D) more rows (memory.kv_cache_shape), so that a tile stays one
+# contiguous range (one prefetch, one block copy) and its rows 64-byte aligned. Kernels read and write
+# through these helpers, which resolve per cache dtype at compile time.
 
-def kv_value(cache, x):
-    """x (float32) as an element of `cache`: itself, or its float16 bits."""
+def kv_dims(cache):
+    """(Hkv, BS, D): kv heads, tokens per block and head size of a cache."""
 
 
-@overload(kv_value, inline="always")
-def _kv_value(cache, x):
+@overload(kv_dims, inline="always")
+def _kv_dims(cache):
+    if cache.dtype == types.int8:
+        # rows = BS + ceil(4 BS / D) and BS = floor(rows D / (D + 4)) invert each other
+        return lambda cache: (cache.shape[1], cache.shape[2] * cache.shape[3] // (cache.shape[3] + 4),
+                              cache.shape[3])
+    return lambda cache: (cache.shape[1], cache.shape[2], cache.shape[3])
+
+
+@nb.njit(inline="always")
+def kv_scales(cache, blk, h):
+    """float32 [BS]: the row scales of an int8 cache's tile (block blk, kv head h), a view."""
+    _, BS, D = kv_dims(cache)
+    return cache[blk, h].reshape(cache.shape[2] * D)[BS * D:BS * D + 4 * BS].view(np.float32)
+
+
+@nb.njit(**_JIT)
+def _quantize_row(src, dst, scales, r):
+    # NOTE: a function of its own: inlined into kv_write's prange loop, the running max tripped
+    # Numba's SSA pass (NumbaIRAssumptionWarning) and the rows came out wrong
+    m = np.float32(0.0)
+    for d in range(src.shape[0]):
+        m = max(m, abs(src[d]))
+    inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
+    for d in range(src.shape[0]):
+        dst[d] = np.int8(np.rint(src[d] * inv))
+    scales[r] = m / np.float32(127.0)
+
+
+def kv_store_row(cache, blk, h, r, src):
+    """cache[blk, h, r] <- src (float32 [D]): copied, rounded to float16, or quantized to int8 with
+    scale max|src| / 127 (to nearest; an all-zero row gets scale 0)."""
+
+
+@overload(kv_store_row, inline="always")
+def _kv_store_row(cache, blk, h, r, src):
+    if cache.dtype == types.int8:
+        return lambda cache, blk, h, r, src: _quantize_row(src, cache[blk, h, r], kv_scales(cache, blk, h), r)
     if cache.dtype == types.uint16:
-        return lambda cache, x: float_to_half(np.float32(x))
-    return lambda cache, x: np.float32(x)
+        def to_half(cache, blk, h, r, src):
+            dst = cache[blk, h, r]
+            for d in range(src.shape[0]):
+                dst[d] = float_to_half(src[d])
+        return to_half
+
+    def copy(cache, blk, h, r, src):
+        dst = cache[blk, h, r]
+        for d in range(src.shape[0]):
+            dst[d] = src[d]
+    return copy
 
 
 def kv_tile(cache, blk, h, buf):
@@ -81,6 +129,15 @@ def kv_tile(cache, blk, h, buf):
 
 @overload(kv_tile, inline="always")
 def _kv_tile(cache, blk, h, buf):
+    if cache.dtype == types.int8:
+        def dequantize(cache, blk, h, buf):
+            sc = kv_scales(cache, blk, h)
+            for r in range(buf.shape[0]):
+                src, dst, s = cache[blk, h, r], buf[r], sc[r]
+                for d in range(buf.shape[1]):
+                    dst[d] = np.float32(src[d]) * s
+            return buf
+        return dequantize
     if cache.dtype == types.uint16:
         def convert(cache, blk, h, buf):
             src = cache[blk, h]
@@ -98,6 +155,12 @@ def kv_row_into(cache, blk, h, r, dst):
 
 @overload(kv_row_into, inline="always")
 def _kv_row_into(cache, blk, h, r, dst):
+    if cache.dtype == types.int8:
+        def dequantize(cache, blk, h, r, dst):
+            src, s = cache[blk, h, r], kv_scales(cache, blk, h)[r]
+            for d in range(dst.shape[0]):
+                dst[d] = np.float32(src[d]) * s
+        return dequantize
     if cache.dtype == types.uint16:
         def convert(cache, blk, h, r, dst):
             for d in range(dst.shape[0]):
@@ -186,7 +249,7 @@ def _kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
     # k_cache/v_cache[NB, Hkv, BS, D] <- k/v heads of qkv[T, (H+2Hkv)*D] at slot_mapping[T]
     # NOTE: slots are distinct within a batch, so tokens can be written in parallel.
     T = qkv.shape[0]
-    _, Hkv, BS, D = k_cache.shape
+    Hkv, BS, D = kv_dims(k_cache)
     k0 = num_heads * D
     v0 = k0 + Hkv * D
     for t in nb.prange(T):
@@ -194,12 +257,8 @@ def _kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
         b = slot // BS
         r = slot % BS
         for h in range(Hkv):
-            kd, vd = k_cache[b, h, r], v_cache[b, h, r]
-            ks, vs = qkv[t, k0 + h * D:k0 + (h + 1) * D], qkv[t, v0 + h * D:v0 + (h + 1) * D]
-            for d in range(D):
-                kd[d] = kv_value(k_cache, ks[d])
-            for d in range(D):
-                vd[d] = kv_value(v_cache, vs[d])
+            kv_store_row(k_cache, b, h, r, qkv[t, k0 + h * D:k0 + (h + 1) * D])
+            kv_store_row(v_cache, b, h, r, qkv[t, v0 + h * D:v0 + (h + 1) * D])
 
 
 @nb.njit(**_JIT)
@@ -211,7 +270,7 @@ def take_rows_kernel(x, indices, out):
 
 @nb.njit(**_JIT)
 def copy_blocks_kernel(cache, src, dst):
-    # cache[NB, Hkv, BS, D]: block dst[i] <- block src[i]
+    # cache[NB, ...]: block dst[i] <- block src[i] (an int8 cache's scales included)
     for i in range(src.shape[0]):
         cache[dst[i]] = cache[src[i]]
 

@@ -18,8 +18,10 @@ the way the hardware wants are written here instead, each one a straight-line bl
     half_to_float,       float16 <-> float32 of one value held as its uint16 bits (Numba has no float16
     float_to_half        on the CPU); loops of them vectorize to vcvtph2ps / vcvtps2ph
 
-dot_rows4 and axpy_rows32 come in builds per head count (1..HEADS_MAX) and row type: float32 rows,
-and float16 rows (for the float16 KV cache) converted as they are loaded. Arguments are raw addresses
+dot_rows4 and axpy_rows32 come in builds per head count (1..HEADS_MAX) and row type (ELEMS): float32
+rows, float16 rows (the float16 KV cache) and int8 rows (the int8 KV cache) converted as they are
+loaded; the int8 builds also take the rows' scales and apply them to the 4 scores / to the weights
+p[g, r], one multiply per row instead of one per element. Arguments are raw addresses
 (int64) and element counts. `available()` is False where the host CPU lacks AVX2 or FMA (or is not
 x86-64): callers then take their plain Numba loops.
 
@@ -149,10 +151,18 @@ def float_to_half(typingctx, x):
     return types.uint16(types.float32), codegen
 
 
-def _load_f32x8(builder, base, index, half: bool):
-    """8 floats from element `index` of `base` (a float* or, for half, a half* converted on load)."""
-    if half:
+ELEMS = ("f32", "f16", "i8")   # row element types of the attention blocks (KV cache dtypes)
+_ELEM_IR = {"f32": F32, "f16": F16, "i8": I8}
+
+
+def _load_f32x8(builder, base, index, elem: str):
+    """8 floats from element `index` of `base`, a row of `elem` (ELEMS): float32 as they are, float16
+    converted (vcvtph2ps), int8 sign-extended and converted (vpmovsxbd + vcvtdq2ps; the row's scale is
+    the caller's to apply)."""
+    if elem == "f16":
         return builder.fpext(_vload(builder, base, index, V8F16, align=2), V8F32)
+    if elem == "i8":
+        return builder.sitofp(_vload(builder, base, index, ir.VectorType(I8, 8), align=1), V8F32)
     return _vload(builder, base, index, V8F32)
 
 
@@ -238,64 +248,74 @@ def _row_ptrs(builder, base, n, stride):
     return [builder.gep(base, [builder.mul(i64(i), stride)]) for i in range(n)]
 
 
-def _make_dot_rows4(heads: int, half: bool):
+def _make_dot_rows4(heads: int, elem: str):
     @intrinsic
-    def dot_rows4(typingctx, qp, qld, kp, ld, chunks, sp, sld):
+    def dot_rows4(typingctx, qp, qld, kp, ld, chunks, sp, sld, scp):
         """s[g, r] = q[g] . k[r] for r < 4, g < heads: each k row is loaded (and converted) once for
         all heads. qp -> float32 q rows [heads, >= 8 * chunks] with a stride of qld elements; kp -> k rows
-        (float32, or float16 for the f16 builds) with a stride of ld elements; sp -> float32 s [heads,
-        >= 4] with a stride of sld elements."""
-        sig = types.void(*([types.int64] * 7))
+        (of the build's element type, ELEMS) with a stride of ld elements; sp -> float32 s [heads,
+        >= 4] with a stride of sld elements; scp -> the 4 rows' float32 scales (int8 builds: s[g, r]
+        is times scale[r]; the others ignore it)."""
+        sig = types.void(*([types.int64] * 8))
 
         def codegen(context, builder, signature, args):
-            qp, qld, kp, ld, chunks, sp, sld = args
+            qp, qld, kp, ld, chunks, sp, sld, scp = args
             fma = _fma(builder)
-            qb, kb, sb = _ptr(builder, qp, F32), _ptr(builder, kp, F16 if half else F32), _ptr(builder, sp, F32)
+            qb, kb, sb = _ptr(builder, qp, F32), _ptr(builder, kp, _ELEM_IR[elem]), _ptr(builder, sp, F32)
             qrows, krows = _row_ptrs(builder, qb, heads, qld), _row_ptrs(builder, kb, 4, ld)
 
             def step(c, accs):
                 off = builder.mul(c, i64(8))
                 new = list(accs)
                 for r in range(4):
-                    kv = _load_f32x8(builder, krows[r], off, half)
+                    kv = _load_f32x8(builder, krows[r], off, elem)
                     for g in range(heads):
                         new[g * 4 + r] = builder.call(fma, [_vload(builder, qrows[g], off, V8F32), kv,
                                                             accs[g * 4 + r]])
                 return new
 
             fin = counted_loop(builder, chunks, [ir.Constant(V8F32, [0.0] * 8)] * (4 * heads), step)
+            scales = _vload(builder, _ptr(builder, scp, F32), i64(0), ir.VectorType(F32, 4)) if elem == "i8" else None
             for g in range(heads):
-                _vstore(builder, _hsum4(builder, fin[4 * g:4 * g + 4]), sb, builder.mul(i64(g), sld))
+                sums = _hsum4(builder, fin[4 * g:4 * g + 4])
+                _vstore(builder, sums if scales is None else builder.fmul(sums, scales), sb, builder.mul(i64(g), sld))
             return context.get_dummy_value()
 
         return sig, codegen
     return dot_rows4
 
 
-def _make_axpy_rows32(heads: int, half: bool):
+def _make_axpy_rows32(heads: int, elem: str):
     @intrinsic
-    def axpy_rows32(typingctx, pp, pld, vp, rows, ld, op, old):
+    def axpy_rows32(typingctx, pp, pld, vp, rows, ld, op, old, scp):
         """o[g, 0:32] += sum_{r < rows} p[g, r] * v[r, 0:32] for g < heads, with o held in registers
         across the rows and each v row loaded (and converted) once for all heads. pp -> float32 p [heads,
-        >= rows] with a stride of pld elements; vp -> v rows (float32, or float16 for the f16 builds)
-        with a stride of ld elements; op -> float32 o [heads, >= 32] with a stride of old elements."""
-        sig = types.void(*([types.int64] * 7))
+        >= rows] with a stride of pld elements; vp -> v rows (of the build's element type, ELEMS) with
+        a stride of ld elements; op -> float32 o [heads, >= 32] with a stride of old elements; scp -> the
+        rows' float32 scales (int8 builds: p[g, r] is taken times scale[r]; the others ignore it)."""
+        sig = types.void(*([types.int64] * 8))
 
         def codegen(context, builder, signature, args):
-            pp, pld, vp, rows, ld, op, old = args
+            pp, pld, vp, rows, ld, op, old, scp = args
             fma = _fma(builder)
-            pb, vb, ob = _ptr(builder, pp, F32), _ptr(builder, vp, F16 if half else F32), _ptr(builder, op, F32)
+            pb, vb, ob = _ptr(builder, pp, F32), _ptr(builder, vp, _ELEM_IR[elem]), _ptr(builder, op, F32)
             prows, orows = _row_ptrs(builder, pb, heads, pld), _row_ptrs(builder, ob, heads, old)
             init = [_vload(builder, orows[g], i64(8 * u), V8F32) for g in range(heads) for u in range(4)]
 
+            scb = _ptr(builder, scp, F32)
+
             def step(r, accs):
                 row = builder.gep(vb, [builder.mul(r, ld)])
+                ps = [builder.load(builder.gep(prows[g], [r]), align=4) for g in range(heads)]
+                if elem == "i8":
+                    sc = builder.load(builder.gep(scb, [r]), align=4)
+                    ps = [builder.fmul(p, sc) for p in ps]
+                ps = [splat(builder, p, V8F32) for p in ps]
                 new = list(accs)
                 for u in range(4):
-                    v = _load_f32x8(builder, row, i64(8 * u), half)
+                    v = _load_f32x8(builder, row, i64(8 * u), elem)
                     for g in range(heads):
-                        p = splat(builder, builder.load(builder.gep(prows[g], [r]), align=4), V8F32)
-                        new[g * 4 + u] = builder.call(fma, [p, v, accs[g * 4 + u]])
+                        new[g * 4 + u] = builder.call(fma, [ps[g], v, accs[g * 4 + u]])
                 return new
 
             fin = counted_loop(builder, rows, init, step)
@@ -332,9 +352,10 @@ def prefetch(typingctx, addr, nbytes):
     return sig, codegen
 
 
-# dot_rows4[half][heads] and axpy_rows32[half][heads] for 1 <= heads <= HEADS_MAX (index 0 unused)
-dot_rows4 = [[None] + [_make_dot_rows4(h, half) for h in range(1, HEADS_MAX + 1)] for half in (False, True)]
-axpy_rows32 = [[None] + [_make_axpy_rows32(h, half) for h in range(1, HEADS_MAX + 1)] for half in (False, True)]
+# dot_rows4[elem][heads] and axpy_rows32[elem][heads] for elem in ELEMS, 1 <= heads <= HEADS_MAX (index 0
+# unused)
+dot_rows4 = {e: [None] + [_make_dot_rows4(h, e) for h in range(1, HEADS_MAX + 1)] for e in ELEMS}
+axpy_rows32 = {e: [None] + [_make_axpy_rows32(h, e) for h in range(1, HEADS_MAX + 1)] for e in ELEMS}
 
 
 # ---- reductions ---------------------------------------------------------------------------------------
