@@ -28,7 +28,7 @@ import numpy as np
 from numba import types
 
 from .cpu_attention import attention_work_item, softmax_numerators   # inlined: see the cache NOTE
-from .cpu_kernels import kv_dims, kv_row_into
+from .cpu_kernels import kv_dims, kv_row_into, kv_scale_table
                                                                                 # in cpu_fused.py
 
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
@@ -134,6 +134,7 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
     G = num_heads // Hkv
     W = work_seq.shape[0] * Hkv
     one, zero = np.float32(1.0), np.float32(0.0)
+    k_table, v_table = kv_scale_table(k_cache), kv_scale_table(v_cache)
     for p in nb.prange(parts):
         prev = _set_threads_local(1)
         for w in range(p, W, parts):
@@ -144,8 +145,8 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
             vc = np.empty((n, D), np.float32)
             for j in range(n):
                 blk = block_tables[b, j // BS]
-                kv_row_into(k_cache, blk, kvh, j % BS, kc[j])
-                kv_row_into(v_cache, blk, kvh, j % BS, vc[j])
+                kv_row_into(k_cache, k_table, blk, kvh, j % BS, kc[j])
+                kv_row_into(v_cache, v_table, blk, kvh, j % BS, vc[j])
             q = np.empty((G * nq, D), np.float32)
             for g in range(G):
                 base = (kvh * G + g) * D

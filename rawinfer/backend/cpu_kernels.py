@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from .cpu_llvm import float_to_half, half_to_float   # NOTE: importing cpu_llvm runs cpu_cache.refresh()
+from .cpu_llvm import abs_max, float_to_half, half_to_float   # NOTE: importing cpu_llvm runs cpu_cache.refresh()
 
 _JIT = dict(cache=True)
 
@@ -87,36 +87,45 @@ def kv_scales(cache, blk, h):
     return cache[blk, h].reshape(cache.shape[2] * D)[BS * D:BS * D + 4 * BS].view(np.float32)
 
 
-@nb.njit(**_JIT)
-def _quantize_row(src, dst, scales, r):
-    # NOTE: a function of its own: inlined into kv_write's prange loop, the running max tripped
-    # Numba's SSA pass (NumbaIRAssumptionWarning) and the rows came out wrong
-    m = np.float32(0.0)
-    for d in range(src.shape[0]):
-        m = max(m, abs(src[d]))
-    inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
-    for d in range(src.shape[0]):
-        dst[d] = np.int8(np.rint(src[d] * inv))
-    scales[r] = m / np.float32(127.0)
+def kv_scale_table(cache):
+    """What kv_store_row and kv_row_into reach an int8 cache's row scales through: the whole cache as a
+    flat float32 view, taken once per kernel outside its parallel loop (a view taken per row inside a
+    prange loop lost its stores, and costs ~50 ns a row); an empty array for float caches."""
 
 
-def kv_store_row(cache, blk, h, r, src):
+@overload(kv_scale_table, inline="always")
+def _kv_scale_table(cache):
+    if cache.dtype == types.int8:
+        return lambda cache: cache.reshape(cache.size).view(np.float32)
+    return lambda cache: np.empty(0, np.float32)
+
+
+def kv_store_row(cache, table, blk, h, r, src):
     """cache[blk, h, r] <- src (float32 [D]): copied, rounded to float16, or quantized to int8 with
-    scale max|src| / 127 (to nearest; an all-zero row gets scale 0)."""
+    scale max|src| / 127 (to nearest; an all-zero row stores zeros and scale 0), the scale written
+    through table = kv_scale_table(cache)."""
 
 
 @overload(kv_store_row, inline="always")
-def _kv_store_row(cache, blk, h, r, src):
+def _kv_store_row(cache, table, blk, h, r, src):
     if cache.dtype == types.int8:
-        return lambda cache, blk, h, r, src: _quantize_row(src, cache[blk, h, r], kv_scales(cache, blk, h), r)
+        def quantize(cache, table, blk, h, r, src):
+            Hkv, BS, D = kv_dims(cache)
+            dst = cache[blk, h, r]
+            m = abs_max(np.int64(src.ctypes.data), D)    # (a running-max loop here tripped Numba's SSA pass)
+            inv = np.float32(127.0) / max(m, np.float32(1e-30))
+            for d in range(D):
+                dst[d] = np.int8(np.rint(src[d] * inv))
+            table[((np.int64(blk) * Hkv + h) * cache.shape[2] * D + BS * D) // 4 + r] = m / np.float32(127.0)
+        return quantize
     if cache.dtype == types.uint16:
-        def to_half(cache, blk, h, r, src):
+        def to_half(cache, table, blk, h, r, src):
             dst = cache[blk, h, r]
             for d in range(src.shape[0]):
                 dst[d] = float_to_half(src[d])
         return to_half
 
-    def copy(cache, blk, h, r, src):
+    def copy(cache, table, blk, h, r, src):
         dst = cache[blk, h, r]
         for d in range(src.shape[0]):
             dst[d] = src[d]
@@ -149,25 +158,28 @@ def _kv_tile(cache, blk, h, buf):
     return lambda cache, blk, h, buf: cache[blk, h]
 
 
-def kv_row_into(cache, blk, h, r, dst):
-    """dst[D] (float32) <- cache[blk, h, r]."""
+def kv_row_into(cache, table, blk, h, r, dst):
+    """dst[D] (float32) <- cache[blk, h, r] (int8: times its scale, read through table =
+    kv_scale_table(cache))."""
 
 
 @overload(kv_row_into, inline="always")
-def _kv_row_into(cache, blk, h, r, dst):
+def _kv_row_into(cache, table, blk, h, r, dst):
     if cache.dtype == types.int8:
-        def dequantize(cache, blk, h, r, dst):
-            src, s = cache[blk, h, r], kv_scales(cache, blk, h)[r]
-            for d in range(dst.shape[0]):
+        def dequantize(cache, table, blk, h, r, dst):
+            Hkv, BS, D = kv_dims(cache)
+            src = cache[blk, h, r]
+            s = table[((np.int64(blk) * Hkv + h) * cache.shape[2] * D + BS * D) // 4 + r]
+            for d in range(D):
                 dst[d] = np.float32(src[d]) * s
         return dequantize
     if cache.dtype == types.uint16:
-        def convert(cache, blk, h, r, dst):
+        def convert(cache, table, blk, h, r, dst):
             for d in range(dst.shape[0]):
                 dst[d] = half_to_float(cache[blk, h, r, d])
         return convert
 
-    def copy(cache, blk, h, r, dst):
+    def copy(cache, table, blk, h, r, dst):
         dst[:] = cache[blk, h, r, :]
     return copy
 
@@ -252,13 +264,14 @@ def _kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
     Hkv, BS, D = kv_dims(k_cache)
     k0 = num_heads * D
     v0 = k0 + Hkv * D
+    k_table, v_table = kv_scale_table(k_cache), kv_scale_table(v_cache)
     for t in nb.prange(T):
         slot = slot_mapping[t]
         b = slot // BS
         r = slot % BS
         for h in range(Hkv):
-            kv_store_row(k_cache, b, h, r, qkv[t, k0 + h * D:k0 + (h + 1) * D])
-            kv_store_row(v_cache, b, h, r, qkv[t, v0 + h * D:v0 + (h + 1) * D])
+            kv_store_row(k_cache, k_table, b, h, r, qkv[t, k0 + h * D:k0 + (h + 1) * D])
+            kv_store_row(v_cache, v_table, b, h, r, qkv[t, v0 + h * D:v0 + (h + 1) * D])
 
 
 @nb.njit(**_JIT)
