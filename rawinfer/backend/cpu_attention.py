@@ -20,7 +20,7 @@ from numba import types
 from numba.extending import overload
 
 from . import cpu_llvm
-from .cpu_kernels import _JIT, Kernel, fast_exp, kv_dims, kv_tile
+from .cpu_kernels import _JIT, Kernel, fast_exp, kv_dims, kv_scale_table, kv_tile
 from .cpu_llvm import prefetch
 
 
@@ -113,6 +113,7 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
     Hkv, BS, D = kv_dims(k_cache)
     G = num_heads // Hkv
     W = work_seq.shape[0]
+    k_table, v_table = kv_scale_table(k_cache), kv_scale_table(v_cache)
     for w in nb.prange(W * Hkv):
         b, kvh, q0, nq, tile_first = attention_work_item(w, Hkv, work_seq, work_q0, work_q1, query_start_loc,
                                                          context_lens)
@@ -131,8 +132,8 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
         ktile = np.empty((BS, D), np.float32)            # float16 caches: the block's tiles converted
         vtile = np.empty((BS, D), np.float32)
         for page in range(last_pos // BS + 1):
-            kb = kv_tile(k_cache, block_tables[b, page], kvh, ktile)     # [BS, D]
-            vb = kv_tile(v_cache, block_tables[b, page], kvh, vtile)
+            kb = kv_tile(k_cache, k_table, block_tables[b, page], kvh, ktile)     # [BS, D]
+            vb = kv_tile(v_cache, v_table, block_tables[b, page], kvh, vtile)
             j0 = page * BS
             nk = min(BS, last_pos + 1 - j0)
             for i in range(max(0, j0 - tile_first), nq):
@@ -211,6 +212,7 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
     Hkv, BS, D = kv_dims(k_cache)
     G = num_heads // Hkv
     B = context_lens.shape[0]
+    k_table, v_table = kv_scale_table(k_cache), kv_scale_table(v_cache)
     for w in nb.prange(B * Hkv):
         b = w // Hkv
         kvh = w % Hkv
@@ -219,7 +221,7 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
         s = np.empty((G, n), np.float32)
         tile = np.empty((BS, D), np.float32)             # float16 caches: a block's tile converted
         for page in range((n + BS - 1) // BS):
-            kb = kv_tile(k_cache, block_tables[b, page], kvh, tile)     # [BS, D]
+            kb = kv_tile(k_cache, k_table, block_tables[b, page], kvh, tile)     # [BS, D]
             j0 = page * BS
             for r in range(min(BS, n - j0)):
                 for g in range(G):
@@ -232,7 +234,7 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
             inv[g] = softmax_numerators(s[g], n)
         o = np.zeros((G, D), np.float32)
         for page in range((n + BS - 1) // BS):
-            vb = kv_tile(v_cache, block_tables[b, page], kvh, tile)
+            vb = kv_tile(v_cache, v_table, block_tables[b, page], kvh, tile)
             j0 = page * BS
             for r in range(min(BS, n - j0)):
                 for g in range(G):

@@ -80,17 +80,11 @@ def _kv_dims(cache):
     return lambda cache: (cache.shape[1], cache.shape[2], cache.shape[3])
 
 
-@nb.njit(inline="always")
-def kv_scales(cache, blk, h):
-    """float32 [BS]: the row scales of an int8 cache's tile (block blk, kv head h), a view."""
-    _, BS, D = kv_dims(cache)
-    return cache[blk, h].reshape(cache.shape[2] * D)[BS * D:BS * D + 4 * BS].view(np.float32)
-
-
 def kv_scale_table(cache):
-    """What kv_store_row and kv_row_into reach an int8 cache's row scales through: the whole cache as a
-    flat float32 view, taken once per kernel outside its parallel loop (a view taken per row inside a
-    prange loop lost its stores, and costs ~50 ns a row); an empty array for float caches."""
+    """What the helpers below reach an int8 cache's row scales through: the whole cache as a flat
+    float32 view, taken once per kernel outside its parallel loop (a view of the tile's scale rows
+    taken per row inside a prange loop lost its stores, and cost ~50 ns a row); an empty array for
+    float caches."""
 
 
 @overload(kv_scale_table, inline="always")
@@ -98,6 +92,14 @@ def _kv_scale_table(cache):
     if cache.dtype == types.int8:
         return lambda cache: cache.reshape(cache.size).view(np.float32)
     return lambda cache: np.empty(0, np.float32)
+
+
+@nb.njit(inline="always")
+def kv_scale_index(cache, blk, h, r):
+    """Index in kv_scale_table(cache) of the scale of an int8 cache's row (blk, h, r): the tile's
+    float32 values past its BS * D int8 ones."""
+    Hkv, BS, D = kv_dims(cache)
+    return ((np.int64(blk) * Hkv + h) * cache.shape[2] * D + BS * D) // 4 + r
 
 
 def kv_store_row(cache, table, blk, h, r, src):
@@ -110,13 +112,13 @@ def kv_store_row(cache, table, blk, h, r, src):
 def _kv_store_row(cache, table, blk, h, r, src):
     if cache.dtype == types.int8:
         def quantize(cache, table, blk, h, r, src):
-            Hkv, BS, D = kv_dims(cache)
+            D = src.shape[0]
             dst = cache[blk, h, r]
             m = abs_max(np.int64(src.ctypes.data), D)    # (a running-max loop here tripped Numba's SSA pass)
             inv = np.float32(127.0) / max(m, np.float32(1e-30))
             for d in range(D):
                 dst[d] = np.int8(np.rint(src[d] * inv))
-            table[((np.int64(blk) * Hkv + h) * cache.shape[2] * D + BS * D) // 4 + r] = m / np.float32(127.0)
+            table[kv_scale_index(cache, blk, h, r)] = m / np.float32(127.0)
         return quantize
     if cache.dtype == types.uint16:
         def to_half(cache, table, blk, h, r, src):
@@ -132,30 +134,31 @@ def _kv_store_row(cache, table, blk, h, r, src):
     return copy
 
 
-def kv_tile(cache, blk, h, buf):
-    """cache[blk, h] ([BS, D]) as float32: the view itself, or converted into buf (float32 [BS, D])."""
+def kv_tile(cache, table, blk, h, buf):
+    """cache[blk, h] ([BS, D]) as float32: the view itself, or converted into buf (float32 [BS, D];
+    int8: times the rows' scales, read through table = kv_scale_table(cache))."""
 
 
 @overload(kv_tile, inline="always")
-def _kv_tile(cache, blk, h, buf):
+def _kv_tile(cache, table, blk, h, buf):
     if cache.dtype == types.int8:
-        def dequantize(cache, blk, h, buf):
-            sc = kv_scales(cache, blk, h)
+        def dequantize(cache, table, blk, h, buf):
+            i0 = kv_scale_index(cache, blk, h, 0)
             for r in range(buf.shape[0]):
-                src, dst, s = cache[blk, h, r], buf[r], sc[r]
+                src, dst, s = cache[blk, h, r], buf[r], table[i0 + r]
                 for d in range(buf.shape[1]):
                     dst[d] = np.float32(src[d]) * s
             return buf
         return dequantize
     if cache.dtype == types.uint16:
-        def convert(cache, blk, h, buf):
+        def convert(cache, table, blk, h, buf):
             src = cache[blk, h]
             for r in range(src.shape[0]):
                 for d in range(src.shape[1]):
                     buf[r, d] = half_to_float(src[r, d])
             return buf
         return convert
-    return lambda cache, blk, h, buf: cache[blk, h]
+    return lambda cache, table, blk, h, buf: cache[blk, h]
 
 
 def kv_row_into(cache, table, blk, h, r, dst):
@@ -167,10 +170,8 @@ def kv_row_into(cache, table, blk, h, r, dst):
 def _kv_row_into(cache, table, blk, h, r, dst):
     if cache.dtype == types.int8:
         def dequantize(cache, table, blk, h, r, dst):
-            Hkv, BS, D = kv_dims(cache)
-            src = cache[blk, h, r]
-            s = table[((np.int64(blk) * Hkv + h) * cache.shape[2] * D + BS * D) // 4 + r]
-            for d in range(D):
+            src, s = cache[blk, h, r], table[kv_scale_index(cache, blk, h, r)]
+            for d in range(dst.shape[0]):
                 dst[d] = np.float32(src[d]) * s
         return dequantize
     if cache.dtype == types.uint16:
