@@ -146,6 +146,30 @@ def test_backend_linear_silu_mul_takes_the_fused_gemm(monkeypatch):
         be.linear_silu_mul(x, w, gu, np.empty((T, F + 1), np.float32), scratch=np.empty(128 * K, np.float32))
 
 
+@pytest.mark.parametrize("T,K,F", [(1, 576, 1536), (INT8_GEMV_MAX_ROWS, 37, 24), (2, 1, 5), (3, 1536, 7)])
+def test_few_rows_linear_silu_mul_is_one_fused_gemv(T, K, F):
+    """A few rows (decode) of an int8 gate/up product: rows_matmul_silu_kernel, silu * up straight from
+    the int8 rows, agrees with the two-pass matrix-vector product + silu_mul to float32 rounding (its
+    dot products reassociate), at any K and F (not multiples of the vector width), with or without a
+    workspace."""
+    be = CPUBackend()
+    q, scale = quantize_int8(RNG.standard_normal((2 * F, K)).astype(np.float32))
+    w = be.prepare_int8(Int8Weight(q, scale))
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    gu = np.empty((T, 2 * F), np.float32)
+    ref = np.empty((T, F), np.float32)
+    be.linear(x, w, gu)
+    be.silu_mul(gu, ref)
+    for scratch in (None, np.empty(128 * K, np.float32)):
+        out = np.full((T, F), np.nan, np.float32)
+        be.linear_silu_mul(x, w, np.full_like(gu, np.nan), out, scratch=scratch)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    g = x.astype(np.float64) @ (q.astype(np.float64) * scale[:, None]).T
+    np.testing.assert_allclose(out, silu_ref(g[:, :F]) * g[:, F:], rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="out"):
+        be.linear_silu_mul(x, w, gu, np.empty((T, F + 1), np.float32))
+
+
 @pytest.mark.parametrize("T,K,N", [(INT8_GEMV_MAX_ROWS + 1, 64, 48), (40, 576, 960), (200, 34, 64)])
 def test_backend_linear_uses_the_packed_weight(T, K, N, monkeypatch):
     be = CPUBackend()

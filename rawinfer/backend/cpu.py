@@ -203,6 +203,11 @@ class CPUBackend(Backend):
             _check("out", out, (x.shape[0], w.shape[0] // 2))
             cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(*x.shape))
             return
+        if isinstance(w, Int8Weight) and (x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None):
+            _check("x", x, (None, w.shape[1]), np.float32)      # a few rows: the fused matrix-vector kernel
+            _check("out", out, (x.shape[0], w.shape[0] // 2))
+            K.rows_matmul_silu_kernel(x, w.q, w.scale, out)
+            return
         super().linear_silu_mul(x, w, gate_up, out, scratch)
 
     @staticmethod

@@ -4,10 +4,10 @@ A decode step of one token does microseconds of work per op but pays Python and 
 each of the ~11 ops of every layer (about 2 ms per step on SmolLM2's 30 layers, a fifth of the step).
 `decoder_stack_kernel` walks every layer and `decoder_layer_kernel` runs the same kernels as the
 per-op path, in the same order, from inside one compiled function: the serial builds for the
-elementwise ops (a few rows) but silu, the parallel builds for silu, the matrix-vector products and
-attention. It
-reads and writes the same workspace buffers, so the results equal the per-op path up to float32
-rounding of the row-matmul (fastmath reductions).
+elementwise ops (a few rows), the parallel builds for the matrix-vector products (silu * up fused into
+the gate/up one, as CPUBackend.linear_silu_mul does for a few rows) and attention. It reads and
+writes the same workspace buffers, so the results equal the per-op path up to float32 rounding of
+the row-matmul (fastmath reductions).
 
 `decoder_stack_batched_kernel` does the same for pure decode batches of any size when the weights
 have packed copies for the integer GEMM (cpu_qgemm): the parallel builds of every op, the integer
@@ -38,11 +38,10 @@ from . import cpu_qgemm
 _rmsnorm = K.rmsnorm_kernel.serial
 _add_rmsnorm = K.add_rmsnorm_kernel.serial
 _rope = K.rope_kernel.serial
-_silu_mul = K.silu_mul_kernel.parallel   # NOTE: its serial build does not vectorize here (10.2 vs 4.6 us for
-                                         # one 1536-wide row, the parallel build on one thread)
 _attention = A.paged_attention_kernel.parallel
 _kv_write = K.kv_write_kernel.serial
 _matmul = K.rows_matmul_kernel
+_matmul_silu = K.rows_matmul_silu_kernel
 _work_items = A.attention_work_items
 
 
@@ -67,8 +66,7 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
                scale, num_heads, attn)
     _matmul(attn, w_o, s_o, h)
     _add_rmsnorm(h, res, post_norm, eps, x)
-    _matmul(x, w_gu, s_gu, gu)
-    _silu_mul(gu, act)
+    _matmul_silu(x, w_gu, s_gu, act)               # silu(gate) * up (gu: unused workspace here)
     _matmul(act, w_down, s_down, h)
 
 

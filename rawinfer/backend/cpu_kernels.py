@@ -317,6 +317,30 @@ def rows_matmul_kernel(x, w, scale, out):
 
 
 @nb.njit(parallel=True, **_FAST)
+def rows_matmul_silu_kernel(x, w, scale, out):
+    # out[T, F] = silu(x @ Wg^T * sg) * (x @ Wu^T * su) for a few rows T of a gate_up weight w = [Wg; Wu]
+    # (int8 [2F, K], scales [2F]): each item streams gate row n and up row F + n and writes only their
+    # product, one parallel region instead of two (rows_matmul_kernel, then silu_mul) and no [T, 2F]
+    # store. Single-stream SmolLM2 decode, alternating with the two-pass version: 1.00-1.07x per run
+    # (median ~1.02x; the same tokens).
+    T, K = x.shape
+    F = w.shape[0] // 2
+    for n in nb.prange(F):
+        sg, su = scale[n], scale[F + n]
+        wg, wu = w[n], w[F + n]
+        for t in range(T):
+            xt = x[t]
+            g = np.float32(0.0)
+            u = np.float32(0.0)
+            for k in range(K):
+                g += xt[k] * np.float32(wg[k])
+            for k in range(K):
+                u += xt[k] * np.float32(wu[k])
+            g *= sg
+            out[t, n] = g / (np.float32(1.0) + fast_exp(-g)) * (u * su)
+
+
+@nb.njit(parallel=True, **_FAST)
 def int8_dequant_rows_kernel(q, scale, n0, out):
     # out[R, K] = q[n0:n0+R] * scale[n0:n0+R, None]   (a float32 tile for a BLAS GEMM)
     R, K = out.shape
