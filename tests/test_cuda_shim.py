@@ -443,3 +443,10 @@ def test_sample_agrees_with_the_cpu_sampler(backend):
                               np.array([p.top_p for p in params]), np.array([p.min_p for p in params]), uniform)
     assert ambiguous.sum() <= 1
     np.testing.assert_array_equal(got[~ambiguous], np.array(want)[~ambiguous])
+
+
+def test_kv_cache_dtype_int8_is_refused_on_cuda(backend):
+    """The int8 KV cache is the CPU backend's; CUDA keeps K/V in the model's dtype and says so."""
+    assert backend.kv_dtype("float16", "auto") == np.float16
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'.*--kv-cache-dtype auto"):
+        backend.kv_dtype("float16", "int8", "int8")
