@@ -18,6 +18,8 @@ The paged KV cache of one layer (one tensor for K, one for V):
     A token at logical position p of a sequence lives in physical block block_table[p // BS], row
     p % BS; its "slot" is block_table[p // BS] * BS + p % BS.  Keeping a head's BS x D tile contiguous
     lets one GPU thread block (or one CPU loop) stream a whole tile for all the query heads that share it.
+    (The CPU's int8 cache appends each tile's BS float32 row scales as ceil(4 BS / D) more rows:
+    k_cache[NB, Hkv, BS + E, D], memory.kv_cache_shape.)
 
 Attention metadata of a flat batch of B sequences:
 

@@ -174,7 +174,7 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
 @nb.njit(inline="always")
 def tile_offset(block_tables, b, page, kvh, Hkv, tbytes):
     """Bytes from a cache's start [NB, Hkv, BS, D] to the tile [BS, D] of kv head kvh in sequence b's
-    page-th block (tbytes = BS * D * itemsize)."""
+    page-th block (tbytes = BS * D * itemsize; an int8 cache's tiles also hold their scale rows)."""
     return (np.int64(block_tables[b, page]) * Hkv + kvh) * tbytes
 
 
