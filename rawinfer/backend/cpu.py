@@ -198,16 +198,17 @@ class CPUBackend(Backend):
         # int8 GEMMs on packed weights: silu * up in the GEMM's epilogue, gate_up never stored (2,048-row
         # prefill: 0.92-1.00x the time of the GEMM and silu_mul apart, the same bits). Gate block j pairs
         # with up block j + half: an even count of 16-column blocks (the batched decode kernel's test too).
-        if isinstance(w, Int8Weight) and self._on_packed_gemm(x, w, scratch) and w.packed.shape[0] % 2 == 0:
-            _check("x", x, (None, w.shape[1]), np.float32)
-            _check("out", out, (x.shape[0], w.shape[0] // 2))
-            cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(*x.shape))
-            return
-        if isinstance(w, Int8Weight) and (x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None):
-            _check("x", x, (None, w.shape[1]), np.float32)      # a few rows: the fused matrix-vector kernel
-            _check("out", out, (x.shape[0], w.shape[0] // 2))
-            K.rows_matmul_silu_kernel(x, w.q, w.scale, out)
-            return
+        # A few rows: silu * up in the int8 matrix-vector kernel the same way.
+        if isinstance(w, Int8Weight):
+            gemm = self._on_packed_gemm(x, w, scratch) and w.packed.shape[0] % 2 == 0
+            if gemm or x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None:
+                _check("x", x, (None, w.shape[1]), np.float32)
+                _check("out", out, (x.shape[0], w.shape[0] // 2))
+                if gemm:
+                    cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(*x.shape))
+                else:
+                    K.rows_matmul_silu_kernel(x, w.q, w.scale, out)
+                return
         super().linear_silu_mul(x, w, gate_up, out, scratch)
 
     @staticmethod

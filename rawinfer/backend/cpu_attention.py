@@ -20,7 +20,7 @@ from numba import types
 from numba.extending import overload
 
 from . import cpu_llvm
-from .cpu_kernels import _JIT, Kernel, fast_exp, kv_dims, kv_scale_table, kv_tile
+from .cpu_kernels import _JIT, Kernel, fast_exp, int8_kv_block_size, kv_dims, kv_scale_table, kv_tile
 from .cpu_llvm import prefetch
 
 
@@ -120,11 +120,7 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
         last_pos = tile_first + nq - 1
         q = np.empty((nq, G, D), np.float32)
         for i in range(nq):
-            for g in range(G):
-                base = (kvh * G + g) * D
-                src, dst = qkv[q0 + i, base:base + D], q[i, g]       # row views: see cpu_kernels
-                for d in range(D):
-                    dst[d] = src[d] * scale
+            query_heads_into(qkv, q0 + i, kvh, scale, q[i])
         m = np.full((nq, G), -np.inf, np.float32)
         l = np.zeros((nq, G), np.float32)
         acc = np.zeros((nq, G, D), np.float32)
@@ -162,13 +158,9 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
                             a[d] += p * vb[r, d]
                     l[i, g] = li
                     m[i, g] = m_new
+        inv = np.float32(1.0) / l
         for i in range(nq):
-            for g in range(G):
-                inv = np.float32(1.0) / l[i, g]
-                base = (kvh * G + g) * D
-                src, dst = acc[i, g], out[q0 + i, base:base + D]
-                for d in range(D):
-                    dst[d] = src[d] * inv
+            write_heads(acc[i], inv[i], q0 + i, kvh, out)
 
 
 @nb.njit(inline="always")
@@ -179,24 +171,23 @@ def tile_offset(block_tables, b, page, kvh, Hkv, tbytes):
 
 
 @nb.njit(inline="always")
-def decode_query_heads(qkv, b, kvh, G, D, scale):
-    """[G, D] float32: the G query heads of row b that share kv head kvh, times scale."""
-    q = np.empty((G, D), np.float32)
+def query_heads_into(qkv, t, kvh, scale, q):
+    """q[G, D] <- the G query heads of qkv row t that share kv head kvh, times scale."""
+    G, D = q.shape
     for g in range(G):
         base = (kvh * G + g) * D
-        src, dst = qkv[b, base:base + D], q[g]
+        src, dst = qkv[t, base:base + D], q[g]           # row views: see cpu_kernels
         for d in range(D):
             dst[d] = src[d] * scale
-    return q
 
 
 @nb.njit(inline="always")
-def decode_write_heads(o, inv, b, kvh, out):
-    """out[b] columns of kv head kvh's G query heads <- o[G, D] * inv[G] (softmax normalizers)."""
+def write_heads(o, inv, t, kvh, out):
+    """out[t] columns of kv head kvh's G query heads <- o[G, D] * inv[G] (softmax normalizers)."""
     G, D = o.shape
     for g in range(G):
         base = (kvh * G + g) * D
-        src, dst = o[g], out[b, base:base + D]
+        src, dst = o[g], out[t, base:base + D]
         for d in range(D):
             dst[d] = src[d] * inv[g]
 
@@ -217,7 +208,8 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
         b = w // Hkv
         kvh = w % Hkv
         n = context_lens[b]
-        q = decode_query_heads(qkv, b, kvh, G, D, scale)
+        q = np.empty((G, D), np.float32)
+        query_heads_into(qkv, b, kvh, scale, q)
         s = np.empty((G, n), np.float32)
         tile = np.empty((BS, D), np.float32)             # float16 caches: a block's tile converted
         for page in range((n + BS - 1) // BS):
@@ -241,7 +233,7 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
                     p = s[g, j0 + r]
                     for d in range(D):
                         o[g, d] += p * vb[r, d]
-        decode_write_heads(o, inv, b, kvh, out)
+        write_heads(o, inv, b, kvh, out)
 
 
 def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, out):
@@ -275,7 +267,8 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
         n = context_lens[b]
         pages = (n + BS - 1) // BS
         width = pages * BS
-        q = decode_query_heads(qkv, b, kvh, G, D, scale)
+        q = np.empty((G, D), np.float32)
+        query_heads_into(qkv, b, kvh, scale, q)
         s = np.empty((G, width), np.float32)
         o = np.zeros((G, D), np.float32)
         qa, sa, oa = np.int64(q.ctypes.data), np.int64(s.ctypes.data), np.int64(o.ctypes.data)
@@ -300,13 +293,13 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
                 for d0 in range(0, D, 32):
                     kv_axpy_rows32(v_cache, G - g0, sa + (g0 * width + page * BS) * 4, width,
                                    v0 + tile + d0 * isz, rows, D, oa + (g0 * D + d0) * 4, D, v0 + tile + BS * D)
-        decode_write_heads(o, inv, b, kvh, out)
+        write_heads(o, inv, b, kvh, out)
 
 
 def decode_attention_avx2_fits(k_cache) -> bool:
     """Whether _decode_attention_avx2_kernel runs on this cache (and this CPU)."""
     rows, D = k_cache.shape[2:]
-    BS = rows * D // (D + 4) if k_cache.dtype == np.int8 else rows      # as cpu_kernels.kv_dims
+    BS = int8_kv_block_size(rows, D) if k_cache.dtype == np.int8 else rows
     return (cpu_llvm.available() and k_cache.dtype in (np.float32, np.uint16, np.int8)
             and k_cache.flags.c_contiguous and BS % 4 == 0 and D % 32 == 0)
 

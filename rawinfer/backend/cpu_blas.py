@@ -27,9 +27,9 @@ import numba as nb
 import numpy as np
 from numba import types
 
-from .cpu_attention import attention_work_item, softmax_numerators   # inlined: see the cache NOTE
+# inlined into the kernels below: see the cache NOTE in cpu_fused.py
+from .cpu_attention import attention_work_item, query_heads_into, softmax_numerators, write_heads
 from .cpu_kernels import kv_dims, kv_row_into, kv_scale_table
-                                                                                # in cpu_fused.py
 
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -147,13 +147,9 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
                 blk = block_tables[b, j // BS]
                 kv_row_into(k_cache, k_table, blk, kvh, j % BS, kc[j])
                 kv_row_into(v_cache, v_table, blk, kvh, j % BS, vc[j])
-            q = np.empty((G * nq, D), np.float32)
-            for g in range(G):
-                base = (kvh * G + g) * D
-                for i in range(nq):
-                    src, dst = qkv[q0 + i, base:base + D], q[g * nq + i]    # row views: see cpu_kernels
-                    for d in range(D):
-                        dst[d] = src[d] * scale
+            q = np.empty((G * nq, D), np.float32)            # row g * nq + i: head g of query i
+            for i in range(nq):
+                query_heads_into(qkv, q0 + i, kvh, scale, q.reshape((G, nq, D))[:, i])
             s = np.empty((G * nq, n), np.float32)
             _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, G * nq, n, D, one, q.ctypes.data, D, kc.ctypes.data, D,
                    zero, s.ctypes.data, n)
@@ -166,11 +162,6 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
             o = np.empty((G * nq, D), np.float32)
             _sgemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, G * nq, D, n, one, s.ctypes.data, n, vc.ctypes.data, D,
                    zero, o.ctypes.data, D)
-            for g in range(G):
-                base = (kvh * G + g) * D
-                for i in range(nq):
-                    r = g * nq + i
-                    src, dst = o[r], out[q0 + i, base:base + D]
-                    for d in range(D):
-                        dst[d] = src[d] * inv[r]
+            for i in range(nq):
+                write_heads(o.reshape((G, nq, D))[:, i], inv.reshape((G, nq))[:, i], q0 + i, kvh, out)
         _set_threads_local(prev)

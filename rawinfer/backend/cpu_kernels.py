@@ -67,6 +67,13 @@ def _renamed(fn, name: str):
 # contiguous range (one prefetch, one block copy) and its rows 64-byte aligned. Kernels read and write
 # through these helpers, which resolve per cache dtype at compile time.
 
+@nb.njit(**_JIT)
+def int8_kv_block_size(rows, D):
+    """BS of an int8 cache whose tiles have `rows` rows of D values: rows = BS + ceil(4 BS / D) and
+    BS = floor(rows D / (D + 4)) invert each other."""
+    return rows * D // (D + 4)
+
+
 def kv_dims(cache):
     """(Hkv, BS, D): kv heads, tokens per block and head size of a cache."""
 
@@ -74,9 +81,7 @@ def kv_dims(cache):
 @overload(kv_dims, inline="always")
 def _kv_dims(cache):
     if cache.dtype == types.int8:
-        # rows = BS + ceil(4 BS / D) and BS = floor(rows D / (D + 4)) invert each other
-        return lambda cache: (cache.shape[1], cache.shape[2] * cache.shape[3] // (cache.shape[3] + 4),
-                              cache.shape[3])
+        return lambda cache: (cache.shape[1], int8_kv_block_size(cache.shape[2], cache.shape[3]), cache.shape[3])
     return lambda cache: (cache.shape[1], cache.shape[2], cache.shape[3])
 
 
