@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="Hugging Face model folder or .gguf file")
     p.add_argument("dst", help="output folder (e.g. weights/NAME)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quant", default=None, choices=["int8"], help="weight-only quantization")
+    p.add_argument("--quant", default=None, choices=["int8", "q4"],
+                   help="weight-only quantization: int8 rows, or q4 blocks for the layers (rawinfer/quant.py)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=cmd_convert)
 

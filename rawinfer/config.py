@@ -21,7 +21,7 @@ version FORMAT_VERSION. Its keys:
     tie_word_embeddings  bool   (no lm_head tensor; the embedding table is reused)
     qkv_bias          bool
     dtype             "float32" | "bfloat16" | "float16"   (storage dtype of model.safetensors)
-    quant             null | "int8"
+    quant             null | "int8" | "q4"   (rawinfer/quant.py)
     bos_token_id      int | null
     eos_token_ids     [int, ...]
     pad_token_id      int | null

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .config import EngineConfig, ModelConfig, ModelFormatError
-from .quant import SCALE_SUFFIX, is_quantized, quantize_int8
+from .quant import quantize, storage_kind, stored_parts
 
 ALIGN = 256
 CPU_KV_CACHE_BYTES = 1024**3        # the KV region on the CPU when --kv-cache-memory is not given
@@ -69,14 +69,11 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def weight_plan(cfg: ModelConfig, float_dtype) -> list[tuple[str, tuple[int, ...], np.dtype]]:
-    """(name, shape, dtype) of every stored tensor: matrices as int8 + float32 scales in a quantized model."""
+    """(name, shape, dtype) of every stored tensor: a quantized model's matrices as their parts
+    (quant.stored_parts: int8 + float32 scales, or q4 nibbles + float16 block scales)."""
     plan = []
     for name, shape in weight_shapes(cfg).items():
-        if is_quantized(name, shape, cfg.quant):
-            plan.append((name, shape, np.dtype(np.int8)))
-            plan.append((name + SCALE_SUFFIX, shape[:1], np.dtype(np.float32)))
-        else:
-            plan.append((name, shape, np.dtype(float_dtype)))
+        plan.extend(stored_parts(name, shape, storage_kind(name, shape, cfg.quant), float_dtype))
     return plan
 
 
@@ -195,7 +192,11 @@ class MemoryPool:
 
         # ---- plan every region: (name, shape, dtype) -----------------------------------------
         self._weight_plan = weight_plan(cfg, wdt)
-        self._int8_names = {n for n, _, d in self._weight_plan if d == np.int8}
+        self._quant_parts = {}    # name -> dtype of each stored part of a quantized matrix
+        for name, shape in weight_shapes(cfg).items():
+            kind = storage_kind(name, shape, cfg.quant)
+            if kind is not None:
+                self._quant_parts.update({n: d for n, _, d in stored_parts(name, shape, kind, wdt)})
         self._weight_plan.append(("rope_cos_sin", (cfg.max_position_embeddings, cfg.head_dim), np.float32))
         C, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
         MB = max_blocks_per_seq(cfg, ecfg)
@@ -271,12 +272,15 @@ class MemoryPool:
         """Copy model.safetensors into the weight region tensor by tensor (checks names and shapes)."""
         path = os.path.join(model_dir, "model.safetensors")
         shapes = {name: shape for name, shape, _ in weight_plan(self.cfg, np.float32)}
+        tags = {"int8": "I8", "uint8": "U8", "float16": "F16", "float32": "F32"}
         header = read_safetensors_header(path)
         missing = sorted(set(shapes) - set(header))
         if missing:
             raise ModelFormatError(f"{path} lacks tensor(s) {', '.join(missing[:5])}; re-convert the model")
         for name, shape in shapes.items():
-            if (header[name].get("dtype") == "I8") != (name in self._int8_names):
+            tag = header[name].get("dtype")
+            want = tags[self._quant_parts[name].name] if name in self._quant_parts else None
+            if (want is not None and tag != want) or (want is None and tag in ("I8", "U8")):
                 raise ModelFormatError(f"{path}: tensor {name} is stored as {header[name].get('dtype')}, which "
                                        f"config.json (quant={self.cfg.quant}) does not expect; re-convert the model")
             if tuple(header[name]["shape"]) != shape:
@@ -305,12 +309,12 @@ class MemoryPool:
                 host = np.ones(shape, np.float32)
             else:
                 host = (rng.standard_normal(shape, dtype=np.float32) * std)
-            if is_quantized(name, shape, self.cfg.quant):
-                q, scale = quantize_int8(host)
-                self.backend.upload(self.weights[name], q)
-                self.backend.upload(self.weights[name + SCALE_SUFFIX], scale)
-            else:
+            kind = storage_kind(name, shape, self.cfg.quant)
+            if kind is None:
                 self.backend.upload(self.weights[name], host)
+                continue
+            for (part, _, _), value in zip(stored_parts(name, shape, kind, np.float32), quantize(host, kind)):
+                self.backend.upload(self.weights[part], value)
 
     def describe(self) -> str:
         mib = 1024**2

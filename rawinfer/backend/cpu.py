@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from . import cpu_blas, cpu_llvm, cpu_qgemm
+from . import cpu_blas, cpu_llvm, cpu_q4, cpu_qgemm
 
 # NOTE: Numba's OpenMP workers spin after each parallel region before they sleep (300k iterations by
 # default). When every parallel region of a step runs on that one pool (kernels and, through
@@ -18,7 +18,8 @@ from . import cpu_blas, cpu_llvm, cpu_qgemm
 # value wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "100000" if cpu_blas.available() else "0")
 
-from ..quant import Int8Weight  # noqa: E402
+from ..quant import Q4_SPAN as SPAN  # noqa: E402
+from ..quant import Int8Weight, Q4Weight  # noqa: E402
 from . import cpu_attention as A  # noqa: E402
 from . import cpu_kernels as K  # noqa: E402
 from .base import Backend  # noqa: E402
@@ -27,8 +28,8 @@ from .cpu_fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kern
 ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
 ATTN_BLAS_MIN_QUERY = 32   # batches with a query run this long take the BLAS attention (prefill)...
 ATTN_BLAS_QUERY_TILE = 64  # ... in tiles of this many queries
-INT8_GEMV_MAX_ROWS = 4  # int8 matmul: up to this many rows, dot products straight from int8 weights;
-                        # above, dequantize row tiles into the scratch buffer and run BLAS on them
+INT8_GEMV_MAX_ROWS = 4  # int8 / q4 matmul: up to this many rows, dot products straight from the quantized
+                        # weights; above, the integer GEMM (int8) or BLAS on dequantized row tiles
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Python's mmap module names it only from 3.12 on
 INT8_TILE_ROWS = 128    # weight rows per dequantized tile (128 x 576 floats: 288 KiB, fits in L2)
 
@@ -63,9 +64,12 @@ class CPUBackend(Backend):
     xp = np
 
     def fused_max_tokens(self, quant):
-        # int8 decode: one Numba call per layer (8.4 vs 11.8 ms per SmolLM2 step). Float weights keep the
-        # per-op path: BLAS's GEMV streams float32 rows faster than the Numba row kernel (33 vs 71 ms).
-        return INT8_GEMV_MAX_ROWS if quant == "int8" else 0
+        # int8 / q4 decode: one Numba call per layer (8.4 vs 11.8 ms per SmolLM2 step). Float weights keep
+        # the per-op path: BLAS's GEMV streams float32 rows faster than the Numba row kernel (33 vs 71 ms).
+        # q4's matrix-vector kernel is AVX2 code (cpu_q4): elsewhere its products take the per-op BLAS path.
+        if quant == "q4" and not cpu_llvm.available():
+            return 0
+        return INT8_GEMV_MAX_ROWS if quant in ("int8", "q4") else 0
 
     def __init__(self, num_threads: int | None = None):
         import numba
@@ -186,6 +190,8 @@ class CPUBackend(Backend):
         _check("out", out, (x.shape[0], w.shape[0]))
         if isinstance(w, Int8Weight):
             self._linear_int8(x, w, out, scratch)
+        elif isinstance(w, Q4Weight):
+            self._linear_q4(x, w, out, scratch)
         elif self.blas_on_numba_pool:
             cpu_blas.matmul_nt(x, w, out, max(1, min(self.threads, w.shape[0] // 64)))
         else:
@@ -209,6 +215,11 @@ class CPUBackend(Backend):
                 else:
                     K.rows_matmul_silu_kernel(x, w.q, w.scale, out)
                 return
+        if isinstance(w, Q4Weight) and self._q4_matvec(x, scratch):
+            _check("x", x, (None, w.shape[1]), np.float32)
+            _check("out", out, (x.shape[0], w.shape[0] // 2))
+            cpu_q4.q4_matvec_silu(x, w.qs, w.dm.view(np.uint16), out)
+            return
         super().linear_silu_mul(x, w, gate_up, out, scratch)
 
     @staticmethod
@@ -218,22 +229,48 @@ class CPUBackend(Backend):
         return x.shape[0] > INT8_GEMV_MAX_ROWS and scratch is not None and w.packed is not None
 
     def _linear_int8(self, x, w: Int8Weight, out, scratch) -> None:
-        T, (N, Kd) = x.shape[0], w.shape
+        T, Kd = x.shape[0], w.shape[1]
         if self._on_packed_gemm(x, w, scratch):
             cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
             return
         if T <= INT8_GEMV_MAX_ROWS or scratch is None:
             K.rows_matmul_kernel(x, w.q, w.scale, out)
             return
+        self._dequantized_matmul(x, w.q, w.scale, out, scratch)
+
+    @staticmethod
+    def _q4_matvec(x, scratch) -> bool:
+        """Whether a q4 product of x takes the matrix-vector kernel (a few rows, or no workspace for the
+        BLAS path) rather than BLAS on dequantized tiles; the kernel needs AVX2."""
+        return cpu_llvm.available() and (x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None)
+
+    def _linear_q4(self, x, w: Q4Weight, out, scratch) -> None:
+        if w.shape[1] % SPAN or w.dm.shape != (w.shape[0], w.shape[1] // 32, 2) or w.dm.dtype != np.float16:
+            raise ValueError(f"a q4 weight of shape {w.shape} needs K % {SPAN} == 0 and float16 block scales "
+                             f"[N, K/32, 2], got {w.dm.dtype} {w.dm.shape}; build it with quant.quantize_q4")
+        if self._q4_matvec(x, scratch):
+            cpu_q4.q4_matvec(x, w.qs, w.dm.view(np.uint16), out)
+            return
+        if scratch is None:                              # no AVX2 and no workspace: a tile of our own
+            scratch = np.empty(min(w.shape[0], INT8_TILE_ROWS) * self.threads * w.shape[1], np.float32)
+        self._dequantized_matmul(x, w.qs.view(np.uint16), w.dm.view(np.uint16), out, scratch)
+
+    def _dequantized_matmul(self, x, a, b, out, scratch) -> None:
+        """out = x @ W^T, W given as (a, b) (cpu_q4.dequantize_tile), on BLAS over float32 tiles of W
+        dequantized into scratch."""
+        N, Kd = out.shape[1], x.shape[1]
         tile = min(INT8_TILE_ROWS, scratch.size // (self.threads * Kd))
         if self.blas_on_numba_pool and tile >= 1:
-            cpu_blas.int8_matmul_nt(x, w.q, w.scale, out, scratch, tile, self.threads)
+            cpu_blas.quant_matmul_nt(x, a, b, out, scratch, tile, self.threads)
             return
         tile = max(1, min(N, scratch.size // Kd))        # rows of W dequantized per BLAS call
         for n0 in range(0, N, tile):
             n1 = min(N, n0 + tile)
             wt = scratch[:(n1 - n0) * Kd].reshape(n1 - n0, Kd)
-            K.int8_dequant_rows_kernel(w.q, w.scale, n0, wt)
+            if a.dtype == np.int8:
+                K.int8_dequant_rows_kernel(a, b, n0, wt)
+            else:
+                cpu_q4.dequantize_rows(a, b, n0, wt)
             if n0 == 0 and n1 == N:
                 np.matmul(x, wt.T, out=out)
             else:
@@ -306,10 +343,12 @@ class CPUBackend(Backend):
         mats = (("qkv", "qkv_proj"), ("o", "o_proj"), ("gu", "gate_up_proj"), ("down", "down_proj"))
         cols = {f"{kind}_{short}s": [] for short, _ in mats for kind in ("w", "s", "p")}
         for L in layers:
-            for short, name in mats:
-                cols[f"w_{short}s"].append(L[name].q)       # fused only for int8 models: Int8Weight
-                cols[f"s_{short}s"].append(L[name].scale)
-                cols[f"p_{short}s"].append(L[name].packed)
+            for short, name in mats:                        # fused only for quantized models
+                w = L[name]
+                q4 = isinstance(w, Q4Weight)                # cpu_fused.weight_matvec takes either kind
+                cols[f"w_{short}s"].append(w.qs if q4 else w.q)
+                cols[f"s_{short}s"].append(w.dm.view(np.uint16) if q4 else w.scale)
+                cols[f"p_{short}s"].append(None if q4 else w.packed)
         packed = all(p is not None for short, _ in mats for p in cols[f"p_{short}s"])
         plan = {k: typed(v) for k, v in cols.items() if not k.startswith("p_") or packed}
         plan["packed"] = packed                             # batched decode: integer GEMMs on the packed copies

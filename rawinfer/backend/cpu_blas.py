@@ -30,6 +30,7 @@ from numba import types
 # inlined into the kernels below: see the cache NOTE in cpu_fused.py
 from .cpu_attention import attention_work_item, query_heads_into, softmax_numerators, write_heads
 from .cpu_kernels import kv_dims, kv_row_into, kv_scale_table
+from .cpu_q4 import dequantize_tile
 
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -98,22 +99,20 @@ def matmul_nt(x, w, out, parts):
 
 
 @nb.njit(parallel=True, cache=True)
-def int8_matmul_nt(x, q, scale, out, scratch, tile_rows, parts):
-    """out[M, N] = x[M, K] @ (q[N, K] * scale[N, None])^T for int8 q: each thread dequantizes tiles of
-    `tile_rows` weight rows into its own part of `scratch` (float32, >= parts * tile_rows * K), still
-    in its cache when the GEMM on that tile reads them."""
+def quant_matmul_nt(x, a, b, out, scratch, tile_rows, parts):
+    """out[M, N] = x[M, K] @ W^T for a quantized W[N, K] given as (a, b) (cpu_q4.dequantize_tile: int8 q
+    and scales, or q4 lanes and block scales): each thread dequantizes tiles of `tile_rows` weight rows
+    into its own part of `scratch` (float32, >= parts * tile_rows * K), still in its cache when the
+    GEMM on that tile reads them."""
     M, K = x.shape
-    N = q.shape[0]
+    N = a.shape[0]
     for p in nb.prange(parts):
         prev = _set_threads_local(1)
         wt = scratch[p * tile_rows * K:(p + 1) * tile_rows * K].reshape(tile_rows, K)
         n_end = N * (p + 1) // parts
         for n0 in range(N * p // parts, n_end, tile_rows):
             rows = min(tile_rows, n_end - n0)
-            for r in range(rows):
-                s = scale[n0 + r]
-                for k in range(K):
-                    wt[r, k] = np.float32(q[n0 + r, k]) * s
+            dequantize_tile(a, b, n0, wt[:rows])
             _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, M, rows, K, np.float32(1.0), x.ctypes.data, K,
                    wt.ctypes.data, K, np.float32(0.0), out[:, n0:].ctypes.data, N)
         _set_threads_local(prev)

@@ -1,4 +1,4 @@
-"""One Numba call per decode step for int8 models: the CPU's answer to launch overhead.
+"""One Numba call per decode step for quantized (int8, q4) models: the CPU's answer to launch overhead.
 
 A decode step of one token does microseconds of work per op but pays Python and Numba dispatch for
 each of the ~11 ops of every layer (about 2 ms per step on SmolLM2's 30 layers, a fifth of the step).
@@ -30,9 +30,12 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from numba import types
+from numba.extending import overload
+
 from . import cpu_attention as A
 from . import cpu_kernels as K
-from . import cpu_qgemm
+from . import cpu_q4, cpu_qgemm
 
 # Module-level names for the compiled builds, so the jitted function below can call them.
 _rmsnorm = K.rmsnorm_kernel.serial
@@ -40,8 +43,32 @@ _add_rmsnorm = K.add_rmsnorm_kernel.serial
 _rope = K.rope_kernel.serial
 _attention = A.paged_attention_kernel.parallel
 _kv_write = K.kv_write_kernel.serial
-_matmul = K.rows_matmul_kernel
-_matmul_silu = K.rows_matmul_silu_kernel
+
+
+def weight_matvec(x, w, s, out):
+    """out = x @ W^T for a few rows x: W int8 (w = q, s = scales) or q4 (w = nibbles, s = block scales
+    as uint16 bits). Compiled code only (an overload on w's element type)."""
+
+
+@overload(weight_matvec)
+def _weight_matvec(x, w, s, out):
+    if w.dtype == types.uint8:
+        return lambda x, w, s, out: cpu_q4.q4_matvec(x, w, s, out)
+    return lambda x, w, s, out: K.rows_matmul_kernel(x, w, s, out)
+
+
+def weight_matvec_silu(x, w, s, out):
+    """silu(x @ Wg^T) * (x @ Wu^T) for a gate_up W = [Wg; Wu] of either kind (as weight_matvec)."""
+
+
+@overload(weight_matvec_silu)
+def _weight_matvec_silu(x, w, s, out):
+    if w.dtype == types.uint8:
+        return lambda x, w, s, out: cpu_q4.q4_matvec_silu(x, w, s, out)
+    return lambda x, w, s, out: K.rows_matmul_silu_kernel(x, w, s, out)
+
+
+_matmul, _matmul_silu = weight_matvec, weight_matvec_silu
 _work_items = A.attention_work_items
 
 
@@ -50,7 +77,8 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
                          in_norm, w_qkv, s_qkv, b_qkv, w_o, s_o, post_norm, w_gu, s_gu, w_down, s_down,
                          positions, slot_mapping, block_tables, context_lens, query_start_loc,
                          seqs, q0, q1, k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads):
-    # Shapes as in backend/base.py; w_* are int8 rows with per-row scales s_*,
+    # Shapes as in backend/base.py; w_* are int8 rows with per-row scales s_* (or q4 nibbles with their
+    # block scales: weight_matvec),
     # b_qkv is the QKV bias (empty when the model has none).
     if first:
         _rmsnorm(res, in_norm, eps, x)

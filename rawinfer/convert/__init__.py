@@ -9,8 +9,9 @@ Module map: hf.py + hf_tokenizer.py read Hugging Face folders; gguf_source.py + 
 read GGUF files; layout.py turns the parts a reader serves into rawinfer's fused tensors; writer.py
 stages the folder and streams model.safetensors. `python -m rawinfer.convert SRC DST` runs `main`.
 
-Quantized storage (quant="int8", rawinfer/quant.py): every matrix of the plan is stored as an int8
-tensor plus `<name>.scale` (one float32 per output row); vectors keep the float dtype.
+Quantized storage (rawinfer/quant.py): quant="int8" stores every matrix of the plan as an int8 tensor
+plus `<name>.scale` (one float32 per output row); quant="q4" stores the decoder layers' matrices as
+4-bit blocks (`<name>` nibbles + `<name>.q4dm`) and the others as int8; vectors keep the float dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import warnings
 import numpy as np
 
 from rawinfer.config import DTYPES, FORMAT_NAME, FORMAT_VERSION, ModelConfig
-from rawinfer.quant import QUANT_TYPES, SCALE_SUFFIX, is_quantized, quantize_int8
+from rawinfer.quant import QUANT_TYPES, quantize, storage_kind, stored_parts
 
 from .errors import ConversionError, ConversionWarning
 from .hf import HFReader
@@ -69,11 +70,12 @@ def _check_request(src: str, dst: str, dtype: str, quant: str | None, overwrite:
 def _stored_tensors(plan: list[TensorSpec], config: ModelConfig) -> list[StoredTensor]:
     out = []
     for spec in plan:
-        if is_quantized(spec.name, spec.shape, config.quant):
-            out.append(StoredTensor(spec.name, spec.shape, "int8"))
-            out.append(StoredTensor(spec.name + SCALE_SUFFIX, spec.shape[:1], "float32"))
-        else:
+        kind = storage_kind(spec.name, spec.shape, config.quant)
+        if kind is None:
             out.append(StoredTensor(spec.name, spec.shape, config.dtype))
+        else:
+            out.extend(StoredTensor(name, shape, dt.name) for name, shape, dt in
+                       stored_parts(spec.name, spec.shape, kind, np.float32))
     return out
 
 
@@ -99,15 +101,21 @@ def convert(src: str, dst: str, dtype: str = "float32", quant: str | None = None
         config = dataclasses.replace(reader.config, dtype=dtype, quant=quant)
         plan = {spec.name: spec for spec in tensor_plan(config)}
 
-        scales: dict[str, np.ndarray] = {}     # a quantized matrix's scales, written right after it
+        later: dict[str, np.ndarray] = {}     # a quantized matrix's second part, written right after it
 
         def produce(t: StoredTensor) -> np.ndarray:
-            if t.name.endswith(SCALE_SUFFIX) and t.name in scales:
-                return scales.pop(t.name)
-            if t.dtype == "int8":
-                q, scales[t.name + SCALE_SUFFIX] = quantize_int8(fuse(plan[t.name], reader))
-                return q
-            return _to_storage(fuse(plan[t.name], reader), t.dtype, t.name)
+            if t.name in later:
+                return later.pop(t.name)
+            spec = plan[t.name]
+            kind = storage_kind(spec.name, spec.shape, config.quant)
+            if kind is None:
+                return _to_storage(fuse(spec, reader), t.dtype, t.name)
+            try:
+                first, second = quantize(fuse(spec, reader), kind)
+            except ValueError as e:
+                raise ConversionError(f"cannot quantize {t.name} as {kind} ({e})") from e
+            later[stored_parts(spec.name, spec.shape, kind, np.float32)[1][0]] = second
+            return first
 
         metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}
         with staged_folder(dst, overwrite) as stage:

@@ -33,6 +33,7 @@ SAFETENSORS_DTYPES: dict[str, tuple[np.dtype, str]] = {
     "float16": (np.dtype(np.float16), "F16"),
     "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
     "int8": (np.dtype(np.int8), "I8"),
+    "uint8": (np.dtype(np.uint8), "U8"),
 }
 
 
