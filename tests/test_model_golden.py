@@ -129,18 +129,8 @@ def test_smollm2_reduced_kv_cache_keeps_golden_agreement(smollm2_dir, kv_dtype, 
     steps, near-ties included, vs 198/198)."""
     engine = LLMEngine(smollm2_dir, device="cpu", kv_cache_memory="128MiB", max_num_batched_tokens=1024,
                        kv_cache_dtype=kv_dtype)
+    from conftest import golden_decode_agreement
     assert engine.pool.kv.k[0].dtype == np.dtype(kv_dtype)
-    checked = agreed = 0
-    worst = 0.0
-    for case in SMOL_CASES:
-        ref = np.load(os.path.join(SMOL, f"{case}.npz"))
-        prompt, greedy = ref["prompt_ids"].tolist(), ref["greedy_ids"].tolist()
-        logits = engine.score(prompt + greedy, [len(prompt)] + [1] * len(greedy))
-        step = logits[len(prompt) - 1:len(prompt) - 1 + len(greedy)]
-        sure = ref["step_margin"] > 0.5
-        checked += int(sure.sum())
-        agreed += int((step.argmax(-1)[sure] == np.asarray(greedy)[sure]).sum())
-        got = np.take_along_axis(step, ref["step_topk_ids"].astype(np.int64), axis=1)
-        worst = max(worst, float(np.abs(got - ref["step_topk_logits"]).max()))
+    checked, agreed, worst = golden_decode_agreement(engine)
     assert checked > 50 and agreed == checked, f"{agreed}/{checked} confident steps agree"
     assert worst < max_err, worst

@@ -19,7 +19,7 @@ be = CPUBackend()
 RNG = np.random.default_rng(11)
 DATA = os.path.join(os.path.dirname(__file__), "data")
 GGUF = os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser("~/.cache/rawinfer")),
-                    "SmolLM2-135M-Instruct.Q4_1.gguf")
+                    "SmolLM2-135M-Instruct.Q4_1.gguf")      # the file conftest._convert_smollm2_gguf converts
 needs_avx2 = pytest.mark.skipif(not cpu_llvm.available(), reason="the q4 matrix-vector kernel is AVX2 code")
 
 
@@ -214,41 +214,24 @@ def test_tiny_q4_model_computes_its_dequantized_weights(tiny_q4_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_q4_dir(smollm2_dir, tmp_path_factory):
-    if not os.path.isfile(GGUF):
-        pytest.skip(f"{GGUF} is not cached (run tools/fetch_default_model.sh after deleting weights/)")
-    from rawinfer.convert import convert
-    dst = str(tmp_path_factory.mktemp("models") / "smollm2-q4")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        convert(GGUF, dst, quant="q4", progress=False)
-    return dst
+    from conftest import _convert_smollm2_gguf
+    return _convert_smollm2_gguf(tmp_path_factory, "q4")
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "float16"])
 def test_smollm2_q4_agrees_with_golden(smollm2_q4_dir, kv_dtype):
     """Teacher-forced: the prompt prefilled, the continuation decoded token by token through the fused
-    q4 kernel; every golden step with margin > 0.5 agrees, and the top-k logits stay within 1.0
-    (measured 0.57 with the int8 KV cache, 0.39 with float16; the int8 model: 2.76 / 2.98)."""
+    q4 kernel; every golden step with margin > 0.5 agrees, and the top-k logits stay close: measured
+    0.38 with a float16 KV cache and 0.57-0.84 with the int8 one auto picks (the int8 model: 2.98 /
+    2.76; the int8 LM head and the KV cache are most of what is left)."""
+    from conftest import golden_decode_agreement
     engine = LLMEngine(smollm2_q4_dir, device="cpu", kv_cache_memory="256MiB", max_num_batched_tokens=1024,
                        kv_cache_dtype=kv_dtype)
     assert engine.model.fused_plan is not None or not cpu_llvm.available()
-    with open(os.path.join(DATA, "smollm2", "index.json")) as f:
-        cases = [c["name"] for c in json.load(f)["cases"]]
-    checked = agreed = 0
-    worst = 0.0
-    for name in cases:
-        ref = np.load(os.path.join(DATA, "smollm2", f"{name}.npz"))
-        prompt, greedy = ref["prompt_ids"].tolist(), ref["greedy_ids"].tolist()
-        logits = engine.score(prompt + greedy, [len(prompt)] + [1] * len(greedy))
-        logits = logits[len(prompt) - 1:len(prompt) - 1 + len(greedy)]
-        sure = ref["step_margin"] > 0.5
-        checked += int(sure.sum())
-        agreed += int((logits.argmax(-1)[sure] == np.asarray(greedy)[sure]).sum())
-        got = np.take_along_axis(logits, ref["step_topk_ids"].astype(np.int64), axis=1)
-        worst = max(worst, float(np.abs(got - ref["step_topk_logits"]).max()))
+    checked, agreed, worst = golden_decode_agreement(engine)
     assert checked > 50
     assert agreed == checked, f"{agreed}/{checked} confident steps agree"
-    assert worst < 1.0
+    assert worst < (0.6 if kv_dtype == "float16" else 1.5)
 
 
 def test_q4_decode_in_one_call_matches_the_per_op_path(tiny_q4_dir):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import numpy as np
 import pytest
@@ -90,16 +89,8 @@ def test_tiny_int8_model_tracks_the_float_reference(tiny_int8_dir):
 
 @pytest.fixture(scope="module")
 def smollm2_int8_dir(smollm2_dir, tmp_path_factory):
-    cache = os.environ.get("RAWINFER_CACHE", os.path.expanduser("~/.cache/rawinfer"))
-    gguf = os.path.join(cache, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.isfile(gguf):
-        pytest.skip(f"{gguf} is not cached (run tools/fetch_default_model.sh after deleting weights/)")
-    from rawinfer.convert import convert
-    dst = str(tmp_path_factory.mktemp("models") / "smollm2-int8")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        convert(gguf, dst, quant="int8", progress=False)
-    return dst
+    from conftest import _convert_smollm2_gguf
+    return _convert_smollm2_gguf(tmp_path_factory, "int8")
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "float16"])
@@ -107,20 +98,11 @@ def test_smollm2_int8_agrees_with_golden(smollm2_int8_dir, kv_dtype):
     """Teacher-forced argmax agreement on every golden step with margin > 0.5, with the int8 KV cache
     auto picks for int8 models and with a float16 one; the prompt prefilled, then the continuation
     decoded against the cache token by token."""
+    from conftest import golden_decode_agreement
     engine = LLMEngine(smollm2_int8_dir, device="cpu", kv_cache_memory="256MiB", max_num_batched_tokens=1024,
                        kv_cache_dtype=kv_dtype)
     assert engine.pool.kv.k[0].dtype == (np.int8 if kv_dtype == "auto" else np.float16)
-    with open(os.path.join(DATA, "smollm2", "index.json")) as f:
-        cases = [c["name"] for c in json.load(f)["cases"]]
-    checked = agreed = 0
-    for name in cases:
-        ref = np.load(os.path.join(DATA, "smollm2", f"{name}.npz"))
-        prompt, greedy = ref["prompt_ids"].tolist(), ref["greedy_ids"].tolist()
-        logits = engine.score(prompt + greedy, [len(prompt)] + [1] * len(greedy))
-        logits = logits[len(prompt) - 1:len(prompt) - 1 + len(greedy)]
-        sure = ref["step_margin"] > 0.5
-        checked += int(sure.sum())
-        agreed += int((logits.argmax(-1)[sure] == np.asarray(greedy)[sure]).sum())
+    checked, agreed, _ = golden_decode_agreement(engine)
     assert checked > 50
     assert agreed == checked, f"{agreed}/{checked} confident steps agree"
 
