@@ -153,6 +153,27 @@ def test_q4_linear_and_linear_silu_mul(T, scratch_rows, numba_pool, monkeypatch)
     np.testing.assert_allclose(act, g / (1 + np.exp(-g)) * u, rtol=1e-3, atol=1e-3)
 
 
+def test_q4_without_avx2_takes_the_dequantized_blas_path(monkeypatch):
+    """Where the CPU lacks AVX2 the q4 kernel cannot be built: every product, a single row included,
+    runs on dequantized tiles (a workspace of its own when none is given), and decode keeps the per-op
+    path."""
+    monkeypatch.setattr(cpu_llvm, "available", lambda: False)
+    monkeypatch.setattr(cpu_q4, "q4_matvec", None)          # would fail loudly if it were still called
+    monkeypatch.setattr(cpu_q4, "q4_matvec_silu", None)
+    assert be.fused_max_tokens("q4") == 0 and be.fused_max_tokens("int8") == INT8_GEMV_MAX_ROWS
+    N, K = 48, 128
+    qs, dm = quantize_q4(weight(N, K, seed=3))
+    wd = dequantize_q4(qs, dm).astype(np.float64)
+    x = RNG.standard_normal((1, K)).astype(np.float32)
+    out = np.empty((1, N), np.float32)
+    be.linear(x, Q4Weight(qs, dm), out)
+    np.testing.assert_allclose(out, x @ wd.T, rtol=1e-4, atol=1e-4)
+    act = np.empty((1, N // 2), np.float32)
+    be.linear_silu_mul(x, Q4Weight(qs, dm), np.empty((1, N), np.float32), act, scratch=np.empty(10 * K, np.float32))
+    g, u = (x @ wd.T)[:, :N // 2], (x @ wd.T)[:, N // 2:]
+    np.testing.assert_allclose(act, g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-4)
+
+
 def test_q4_linear_refuses_a_malformed_weight():
     qs, dm = quantize_q4(weight(4, 128))
     with pytest.raises(ValueError, match="K % 64"):
@@ -262,4 +283,17 @@ def test_a_q4_config_refuses_int8_tensors(tiny_q4_dir, tmp_path):
     shutil.copytree(tiny_q4_dir, bad)
     shutil.copy(os.path.join(int8_dir, "model.safetensors"), bad / "model.safetensors")
     with pytest.raises(ModelFormatError, match="re-convert"):
+        LLMEngine(str(bad), device="cpu", kv_cache_memory="8MiB")
+
+
+def test_a_config_with_an_unknown_quant_is_refused(tiny_q4_dir, tmp_path):
+    import shutil
+    from rawinfer.config import ModelFormatError
+    bad = tmp_path / "q5"
+    shutil.copytree(tiny_q4_dir, bad)
+    with open(bad / "config.json") as f:
+        cfg = json.load(f)
+    with open(bad / "config.json", "w") as f:
+        json.dump({**cfg, "quant": "q5"}, f)
+    with pytest.raises(ModelFormatError, match="quant 'q5'.*int8, q4"):
         LLMEngine(str(bad), device="cpu", kv_cache_memory="8MiB")

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from . import cpu_blas, cpu_llvm, cpu_q4, cpu_qgemm
+from . import cpu_blas, cpu_llvm, cpu_memory, cpu_q4, cpu_qgemm
 
 # NOTE: Numba's OpenMP workers spin after each parallel region before they sleep (300k iterations by
 # default). When every parallel region of a step runs on that one pool (kernels and, through
@@ -30,7 +30,6 @@ ATTN_BLAS_MIN_QUERY = 32   # batches with a query run this long take the BLAS at
 ATTN_BLAS_QUERY_TILE = 64  # ... in tiles of this many queries
 INT8_GEMV_MAX_ROWS = 4  # int8 / q4 matmul: up to this many rows, dot products straight from the quantized
                         # weights; above, the integer GEMM (int8) or BLAS on dequantized row tiles
-_MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Python's mmap module names it only from 3.12 on
 INT8_TILE_ROWS = 128    # weight rows per dequantized tile (128 x 576 floats: 288 KiB, fits in L2)
 
 
@@ -96,57 +95,12 @@ class CPUBackend(Backend):
             return np.dtype(np.int8 if quant is not None else np.float32)
         return np.dtype(choice)
 
-    # ---- memory ------------------------------------------------------------------------------
+    # ---- memory (cpu_memory.py) --------------------------------------------------------------
     def alloc_arena(self, nbytes: int):
-        # An anonymous mapping: pages cost resident memory only once written (KV blocks as they fill).
-        # Linux backs it with 2 MiB pages where it can (MADV_HUGEPAGE): a first write to a 4 KiB page
-        # costs a ~10 us fault on these VMs (2.6 s per GiB of KV cache filled, paid inside decode
-        # steps), a 2 MiB page costs 512x fewer faults, and the weights take fewer TLB entries.
-        import mmap
-        try:
-            buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except (OSError, ValueError, AttributeError):
-            return np.empty(nbytes, dtype=np.uint8)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                buf.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
-        return np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+        return cpu_memory.anonymous_arena(nbytes)
 
     def prefault(self, arena, offset, nbytes) -> None:
-        # The first write to each page of the KV cache would otherwise fault inside a kernel: measured
-        # on 64 x 128/128 requests, 40.5 s with the cache resident vs 49.9 s faulting it in on the way
-        # (a fault stalls both threads of a parallel region). madvise(MADV_POPULATE_WRITE, Linux >= 5.14)
-        # maps the pages in without writing to them. It runs here, at start, on all threads at once
-        # (~0.5 s per GiB on these VMs): run in the background instead, it slowed the first request's
-        # prefill from 0.3 s to 1-2.6 s. Elsewhere, or on an older kernel: a no-op.
-        import ctypes
-        import sys
-        import threading
-        if not sys.platform.startswith("linux") or nbytes <= 0:
-            return
-        try:
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-        except (OSError, AttributeError):
-            return
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        madvise.restype = ctypes.c_int
-        page, chunk = 4096, 2 << 20
-        start = (arena.ctypes.data + offset + page - 1) // page * page
-        end = (arena.ctypes.data + offset + nbytes) // page * page
-        chunks = list(range(start, end, chunk))
-
-        def populate(mine):
-            for a in mine:                               # ctypes drops the GIL during each call
-                if madvise(a, min(chunk, end - a), _MADV_POPULATE_WRITE) != 0:
-                    return                               # EINVAL on old kernels: pages fault in on use
-        workers = [threading.Thread(target=populate, args=(chunks[i::self.threads],), daemon=True)
-                   for i in range(self.threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        cpu_memory.populate(arena, offset, nbytes, self.threads)
 
     def prepare_int8(self, w):
         if self.int_gemm and cpu_qgemm.supports(w.shape):
