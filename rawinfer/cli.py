@@ -12,6 +12,7 @@ import sys
 import time
 
 from .config import EngineConfig, ModelFormatError, parse_size
+from .quant import QUANT_TYPES
 from .sampling import SamplingParams
 
 DEFAULT_MODEL = "weights/smollm2-135m-instruct"
@@ -176,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="Hugging Face model folder or .gguf file")
     p.add_argument("dst", help="output folder (e.g. weights/NAME)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quant", default=None, choices=["int8", "q4"],
+    p.add_argument("--quant", default=None, choices=QUANT_TYPES,
                    help="weight-only quantization: int8 rows, or q4 blocks for the layers (rawinfer/quant.py)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=cmd_convert)

@@ -108,3 +108,22 @@ def test_bench_roofline_int8_model_uses_the_int8_gemm_ceiling(tmp_path, tmp_path
     res = json.load(open(out))
     assert res["ceilings"]["int8_gemm_GOPs"] > 0 and res["compute_ceiling"] == res["ceilings"]["int8_gemm_GOPs"]
     assert "int8-weight GEMM" in r.stdout
+
+
+def test_convert_q4_cli_and_its_roofline(tmp_path):
+    dst = str(tmp_path / "tiny-q4")
+    r = rawinfer("-q", "convert", os.path.join(ROOT, "tests", "data", "tiny-llama"), dst, "--quant", "q4")
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(os.path.join(dst, "config.json")))["quant"] == "q4"
+    out = str(tmp_path / "roofline.json")
+    r = rawinfer("-q", "bench", "roofline", "--model", dst, "--device", "cpu", "--kv-cache-memory", "16MiB",
+                 "--prompt-len", "40", "--batch", "1", "--context", "9", "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(out))
+    assert "int8_gemm_GOPs" not in res["ceilings"]          # a q4 model's GEMMs run on float32 tiles
+    decode = [p for p in res["phases"] if p["phase"] == "decode"][0]
+    # bytes per matrix parameter: q4 layers (0.625) and int8 embedding rows (1 + 4 / 64)
+    from rawinfer.config import ModelConfig
+    from rawinfer.roofline import weight_bytes_per_param
+    bpp = weight_bytes_per_param(ModelConfig.from_dir(dst), None)
+    assert 0.625 < bpp < 1.0625 and decode["tokens_per_s"] > 0
