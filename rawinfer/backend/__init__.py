@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from .base import Backend
+from rawinfer.backend.base import Backend
 
 
 def cuda_usable() -> bool:
     """True when CuPy imports and sees at least one GPU. Never raises."""
     try:
-        from .cuda import cuda_available
+        from rawinfer.backend.cuda.backend import cuda_available
     except Exception:
         return False
     try:
@@ -24,9 +24,9 @@ def get_backend(device: str = "auto", num_threads: int | None = None) -> Backend
         if device == "cuda" and not cuda_usable():
             raise RuntimeError("--device cuda was asked for but no usable GPU was found (CuPy missing or no "
                                "device); install rawinfer[cuda12] or rawinfer[cuda13], or use --device cpu")
-        from .cuda import CUDABackend
+        from rawinfer.backend.cuda.backend import CUDABackend
         return CUDABackend()
-    from .cpu import CPUBackend
+    from rawinfer.backend.cpu.backend import CPUBackend
     return CPUBackend(num_threads=num_threads)
 
 

@@ -27,10 +27,10 @@ import numpy as np
 from rawinfer.config import DTYPES, FORMAT_NAME, FORMAT_VERSION, ModelConfig
 from rawinfer.quant import QUANT_TYPES, quantize, storage_kind, stored_parts
 
-from .errors import ConversionError, ConversionWarning
-from .hf import HFReader
-from .layout import CheckpointReader, TensorSpec, fuse, tensor_plan
-from .writer import SAFETENSORS_DTYPES, StoredTensor, check_destination, staged_folder, write_json, \
+from rawinfer.convert.errors import ConversionError, ConversionWarning
+from rawinfer.convert.hf import HFReader
+from rawinfer.convert.layout import CheckpointReader, TensorSpec, fuse, tensor_plan
+from rawinfer.convert.writer import SAFETENSORS_DTYPES, StoredTensor, check_destination, staged_folder, write_json, \
     write_safetensors, write_text
 
 __all__ = ["ConversionError", "ConversionWarning", "convert", "main", "open_source"]
@@ -50,7 +50,7 @@ def open_source(src: str) -> CheckpointReader:
     except OSError as e:
         raise ConversionError(f"cannot read {src!r} ({e}); check the path and its permissions") from e
     if magic == b"GGUF":
-        from .gguf_source import GGUFSource   # lazy: the `gguf` package is only needed for GGUF sources
+        from rawinfer.convert.gguf_source import GGUFSource   # lazy: the `gguf` package is only needed for GGUF sources
         return GGUFSource(src)
     hint = (" (for a Hugging Face checkpoint give the folder that holds config.json, not the weights file)"
             if src.endswith(".safetensors") else "")

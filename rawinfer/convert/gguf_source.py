@@ -24,9 +24,9 @@ from gguf.quants import dequantize
 
 from rawinfer.config import ModelConfig, RopeConfig
 
-from .errors import ConversionError
-from .gguf_tokenizer import gguf_tokenizer
-from .layout import TokenizerInfo
+from rawinfer.convert.errors import ConversionError
+from rawinfer.convert.gguf_tokenizer import gguf_tokenizer
+from rawinfer.convert.layout import TokenizerInfo
 
 SUPPORTED_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K})
 

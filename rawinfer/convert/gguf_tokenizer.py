@@ -24,8 +24,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from .errors import ConversionError, ConversionWarning
-from .layout import TokenizerInfo
+from rawinfer.convert.errors import ConversionError, ConversionWarning
+from rawinfer.convert.layout import TokenizerInfo
 
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"

@@ -18,9 +18,9 @@ from safetensors import safe_open
 
 from rawinfer.config import ModelConfig, RopeConfig
 
-from .errors import ConversionError, ConversionWarning
-from .hf_tokenizer import read_hf_tokenizer, read_json
-from .layout import TokenizerInfo
+from rawinfer.convert.errors import ConversionError, ConversionWarning
+from rawinfer.convert.hf_tokenizer import read_hf_tokenizer, read_json
+from rawinfer.convert.layout import TokenizerInfo
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 

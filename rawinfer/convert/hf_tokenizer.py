@@ -15,8 +15,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from .errors import ConversionError, ConversionWarning
-from .layout import TokenizerInfo
+from rawinfer.convert.errors import ConversionError, ConversionWarning
+from rawinfer.convert.layout import TokenizerInfo
 
 
 def read_json(path: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from rawinfer.config import ModelConfig
 
-from .errors import ConversionError
+from rawinfer.convert.errors import ConversionError
 
 # Converted tensor (without its "layers.{i}." prefix) -> the parts stacked along axis 0, in order.
 RECIPES: dict[str, tuple[str, ...]] = {

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from .errors import ConversionError
+from rawinfer.convert.errors import ConversionError
 
 # Storage dtype name -> (NumPy dtype, safetensors dtype tag).
 SAFETENSORS_DTYPES: dict[str, tuple[np.dtype, str]] = {

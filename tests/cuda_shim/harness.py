@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rawinfer.backend import kernel_specs as ks
+from rawinfer.backend.cuda import kernel_specs as ks
 
 REPO = Path(__file__).resolve().parents[2]
 CUDA_DIR = REPO / "cuda"

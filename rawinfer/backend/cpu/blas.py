@@ -1,0 +1,166 @@
+"""GEMMs of the CPU backend on one thread pool: Numba's threads split the output columns and each calls
+NumPy's own OpenBLAS, single-threaded, on its slice.
+
+Why: a step alternates Numba kernels (norms, RoPE, attention) with GEMMs. Run through `np.matmul`,
+the GEMMs use OpenBLAS's private thread pool, and on a machine with few cores the two pools steal the
+cores from each other: a worker of one pool spins (waiting for its next parallel region) on the core
+a worker of the other pool needs. Measured on 2 cores: a 64 x 576 x 1536 GEMM right after a tiny Numba
+kernel took 6-8 ms instead of 0.8 ms. With every parallel region on Numba's pool, spinning workers are
+what the next region wants.
+
+How: NumPy (>= 2 wheels) ships OpenBLAS as `scipy_openblas64_` (64-bit integers, `scipy_` symbol
+prefix). We find that library among the ones the process has loaded, make its symbols visible to
+LLVM, and call `cblas_sgemm` / `cblas_sgemv` from nopython code as external functions, so the kernels
+stay cacheable on disk (the symbol is linked by name when a cached kernel loads, not by address).
+Inside a parallel region each thread first sets OpenBLAS's thread count for itself only to 1
+(`openblas_set_num_threads_local`) and restores it afterwards.
+
+Where NumPy's BLAS is something else (MKL, Accelerate, an older OpenBLAS), `available()` is False and
+the backend falls back to `np.matmul`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numba as nb
+import numpy as np
+from numba import types
+
+# inlined into the kernels below: see the cache NOTE in cpu_fused.py
+from rawinfer.backend.cpu.attention import attention_work_item, query_heads_into, softmax_numerators, write_heads
+from rawinfer.backend.cpu.kernels import kv_dims, kv_row_into, kv_scale_table
+from rawinfer.backend.cpu.q4 import dequantize_tile
+
+_SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_GEMV_MAX_ROWS = 2     # up to this many rows of x, one GEMV per row streams the weights faster than a
+                       # GEMM (OpenBLAS's small-M GEMM reads the matrix at ~1/3 of the copy bandwidth)
+
+
+def _find_library() -> str | None:
+    """Path of the loaded OpenBLAS that exports every symbol we call, or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        if all(hasattr(lib, s) for s in _SYMBOLS):
+            return path
+    return None
+
+
+_PATH = _find_library()
+if _PATH is not None:
+    import llvmlite.binding as llvm
+    llvm.load_library_permanently(_PATH)    # lets LLVM resolve the external symbols below
+
+
+def available() -> bool:
+    return _PATH is not None
+
+
+_i32, _i64, _f32, _ptr = types.int32, types.int64, types.float32, types.voidptr
+_sgemm = types.ExternalFunction(_SYMBOLS[0], types.void(
+    _i32, _i32, _i32, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64))
+_sgemv = types.ExternalFunction(_SYMBOLS[1], types.void(
+    _i32, _i32, _i64, _i64, _f32, _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64))
+_set_threads_local = types.ExternalFunction(_SYMBOLS[2], _i32(_i32))
+
+
+@nb.njit(cache=True, inline="always")
+def _matmul_slice(x, w, out, n0, n1):
+    # out[:, n0:n1] = x @ w[n0:n1].T on the calling thread; x[M, K], w[N, K], out[M, N], all C-contiguous
+    M, K = x.shape
+    N = out.shape[1]
+    one, zero = np.float32(1.0), np.float32(0.0)
+    if M <= _GEMV_MAX_ROWS:
+        for m in range(M):
+            _sgemv(_ROW_MAJOR, _NO_TRANS, n1 - n0, K, one, w[n0:].ctypes.data, K, x[m].ctypes.data, 1,
+                   zero, out[m, n0:].ctypes.data, 1)
+    else:
+        _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, M, n1 - n0, K, one, x.ctypes.data, K, w[n0:].ctypes.data, K,
+               zero, out[:, n0:].ctypes.data, N)
+
+
+@nb.njit(parallel=True, cache=True)
+def matmul_nt(x, w, out, parts):
+    """out[M, N] = x[M, K] @ w[N, K]^T, the N columns split into `parts` slices over the thread pool."""
+    N = w.shape[0]
+    for p in nb.prange(parts):
+        prev = _set_threads_local(1)
+        _matmul_slice(x, w, out, N * p // parts, N * (p + 1) // parts)
+        _set_threads_local(prev)
+
+
+@nb.njit(parallel=True, cache=True)
+def quant_matmul_nt(x, a, b, out, scratch, tile_rows, parts):
+    """out[M, N] = x[M, K] @ W^T for a quantized W[N, K] given as (a, b) (cpu_q4.dequantize_tile: int8 q
+    and scales, or q4 lanes and block scales): each thread dequantizes tiles of `tile_rows` weight rows
+    into its own part of `scratch` (float32, >= parts * tile_rows * K), still in its cache when the
+    GEMM on that tile reads them."""
+    M, K = x.shape
+    N = a.shape[0]
+    for p in nb.prange(parts):
+        prev = _set_threads_local(1)
+        wt = scratch[p * tile_rows * K:(p + 1) * tile_rows * K].reshape(tile_rows, K)
+        n_end = N * (p + 1) // parts
+        for n0 in range(N * p // parts, n_end, tile_rows):
+            rows = min(tile_rows, n_end - n0)
+            dequantize_tile(a, b, n0, wt[:rows])
+            _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, M, rows, K, np.float32(1.0), x.ctypes.data, K,
+                   wt.ctypes.data, K, np.float32(0.0), out[:, n0:].ctypes.data, N)
+        _set_threads_local(prev)
+
+
+@nb.njit(parallel=True, cache=True, fastmath={"reassoc", "contract", "arcp", "nsz"})
+def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, work_seq, work_q0,
+                      work_q1, scale, num_heads, out, parts):
+    """Causal paged attention with the two matrix products on BLAS, for batches with long query runs
+    (prefill chunks). One work item = (query tile of one sequence, kv head):
+        K, V of the visible positions gathered from the item's blocks into [n, D] buffers
+        S = Q K^T          [G * tile, n]   (the G query heads sharing the kv head stacked as rows)
+        P = softmax(S)     per row, keys after the query's position masked out
+        O = P V / sum(P)   [G * tile, D]
+    Items are dealt to threads round-robin: later tiles see more keys, and contiguous halves would
+    leave one thread with most of the work."""
+    Hkv, BS, D = kv_dims(k_cache)
+    G = num_heads // Hkv
+    W = work_seq.shape[0] * Hkv
+    one, zero = np.float32(1.0), np.float32(0.0)
+    k_table, v_table = kv_scale_table(k_cache), kv_scale_table(v_cache)
+    for p in nb.prange(parts):
+        prev = _set_threads_local(1)
+        for w in range(p, W, parts):
+            b, kvh, q0, nq, first = attention_work_item(w, Hkv, work_seq, work_q0, work_q1, query_start_loc,
+                                                        context_lens)
+            n = first + nq                                # keys visible to the tile's last query
+            kc = np.empty((n, D), np.float32)
+            vc = np.empty((n, D), np.float32)
+            for j in range(n):
+                blk = block_tables[b, j // BS]
+                kv_row_into(k_cache, k_table, blk, kvh, j % BS, kc[j])
+                kv_row_into(v_cache, v_table, blk, kvh, j % BS, vc[j])
+            q = np.empty((G * nq, D), np.float32)            # row g * nq + i: head g of query i
+            for i in range(nq):
+                query_heads_into(qkv, q0 + i, kvh, scale, q.reshape((G, nq, D))[:, i])
+            s = np.empty((G * nq, n), np.float32)
+            _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, G * nq, n, D, one, q.ctypes.data, D, kc.ctypes.data, D,
+                   zero, s.ctypes.data, n)
+            inv = np.empty(G * nq, np.float32)
+            for row in range(G * nq):
+                visible = first + row % nq + 1           # causal: keys up to the query's position
+                inv[row] = softmax_numerators(s[row], visible)
+                for j in range(visible, n):
+                    s[row, j] = zero
+            o = np.empty((G * nq, D), np.float32)
+            _sgemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, G * nq, D, n, one, s.ctypes.data, n, vc.ctypes.data, D,
+                   zero, o.ctypes.data, D)
+            for i in range(nq):
+                write_heads(o.reshape((G, nq, D))[:, i], inv.reshape((G, nq))[:, i], q0 + i, kvh, out)
+        _set_threads_local(prev)

@@ -1,0 +1,163 @@
+"""One Numba call per decode step for quantized (int8, q4) models: the CPU's answer to launch overhead.
+
+A decode step of one token does microseconds of work per op but pays Python and Numba dispatch for
+each of the ~11 ops of every layer (about 2 ms per step on SmolLM2's 30 layers, a fifth of the step).
+`decoder_stack_kernel` walks every layer and `decoder_layer_kernel` runs the same kernels as the
+per-op path, in the same order, from inside one compiled function: the serial builds for the
+elementwise ops (a few rows), the parallel builds for the matrix-vector products (silu * up fused into
+the gate/up one, as CPUBackend.linear_silu_mul does for a few rows) and attention. It reads and
+writes the same workspace buffers, so the results equal the per-op path up to float32 rounding of
+the row-matmul (fastmath reductions).
+
+`decoder_stack_batched_kernel` does the same for pure decode batches of any size when the weights
+have packed copies for the integer GEMM (cpu_qgemm): the parallel builds of every op, the integer
+GEMM for the matrices (silu * up in the gate/up GEMM's epilogue, as CPUBackend.linear_silu_mul).
+With 64 sequences the dispatch it saves is a few ms of a ~100 ms step.
+
+NOTE: the compiled kernels here carry copies of the cpu_kernels.py kernels they call, and Numba's disk
+cache only checks this file's timestamp; cpu_cache.refresh() drops the cached builds whenever any
+cpu*.py source changed.
+
+    first layer:  x = rmsnorm(res)           other layers: res += h; x = rmsnorm(res)
+    qkv = x @ Wqkv^T * scales (+ bias); rope(q, k); kv_write(k, v)
+    attn = paged_attention(q, cache)
+    h = attn @ Wo^T;  res += h; x = rmsnorm(res)
+    h = (silu(x @ Wg^T) * (x @ Wu^T)) @ Wdown^T
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from numba import types
+from numba.extending import overload
+
+from rawinfer.backend.cpu import attention as A
+from rawinfer.backend.cpu import kernels as K
+from rawinfer.backend.cpu import q4 as cpu_q4
+from rawinfer.backend.cpu import qgemm as cpu_qgemm
+
+# Module-level names for the compiled builds, so the jitted function below can call them.
+_rmsnorm = K.rmsnorm_kernel.serial
+_add_rmsnorm = K.add_rmsnorm_kernel.serial
+_rope = K.rope_kernel.serial
+_attention = A.paged_attention_kernel.parallel
+_kv_write = K.kv_write_kernel.serial
+
+
+def weight_matvec(x, w, s, out):
+    """out = x @ W^T for a few rows x: W int8 (w = q, s = scales) or q4 (w = nibbles, s = block scales
+    as uint16 bits). Compiled code only (an overload on w's element type)."""
+
+
+@overload(weight_matvec)
+def _weight_matvec(x, w, s, out):
+    if w.dtype == types.uint8:
+        return lambda x, w, s, out: cpu_q4.q4_matvec(x, w, s, out)
+    return lambda x, w, s, out: K.rows_matmul_kernel(x, w, s, out)
+
+
+def weight_matvec_silu(x, w, s, out):
+    """silu(x @ Wg^T) * (x @ Wu^T) for a gate_up W = [Wg; Wu] of either kind (as weight_matvec)."""
+
+
+@overload(weight_matvec_silu)
+def _weight_matvec_silu(x, w, s, out):
+    if w.dtype == types.uint8:
+        return lambda x, w, s, out: cpu_q4.q4_matvec_silu(x, w, s, out)
+    return lambda x, w, s, out: K.rows_matmul_silu_kernel(x, w, s, out)
+
+
+_matmul, _matmul_silu = weight_matvec, weight_matvec_silu
+_work_items = A.attention_work_items
+
+
+@nb.njit(cache=True)
+def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
+                         in_norm, w_qkv, s_qkv, b_qkv, w_o, s_o, post_norm, w_gu, s_gu, w_down, s_down,
+                         positions, slot_mapping, block_tables, context_lens, query_start_loc,
+                         seqs, q0, q1, k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads):
+    # Shapes as in backend/base.py; w_* are int8 rows with per-row scales s_* (or q4 nibbles with their
+    # block scales: weight_matvec),
+    # b_qkv is the QKV bias (empty when the model has none).
+    if first:
+        _rmsnorm(res, in_norm, eps, x)
+    else:
+        _add_rmsnorm(h, res, in_norm, eps, x)
+    _matmul(x, w_qkv, s_qkv, qkv)
+    if b_qkv.shape[0] > 0:
+        for t in range(qkv.shape[0]):
+            qkv[t] += b_qkv
+    _rope(qkv, positions, cos_sin, num_heads, num_kv_heads, cos_sin.shape[1])
+    _kv_write(qkv, k_cache, v_cache, slot_mapping, num_heads)
+    _attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs, q0, q1,
+               scale, num_heads, attn)
+    _matmul(attn, w_o, s_o, h)
+    _add_rmsnorm(h, res, post_norm, eps, x)
+    _matmul_silu(x, w_gu, s_gu, act)               # silu(gate) * up (gu: unused workspace here)
+    _matmul(act, w_down, s_down, h)
+
+
+@nb.njit(cache=True)
+def decoder_stack_kernel(h, res, x, qkv, attn, gu, act,
+                         in_norms, w_qkvs, s_qkvs, b_qkvs, w_os, s_os, post_norms, w_gus, s_gus, w_downs,
+                         s_downs, positions, slot_mapping, block_tables, context_lens, query_start_loc,
+                         k_caches, v_caches, cos_sin, eps, scale, num_heads, num_kv_heads, query_tile):
+    # Every layer in one call: the per-layer tensors come as typed lists of L arrays each.
+    seqs, q0, q1 = _work_items(query_start_loc, query_tile)
+    for i in range(len(in_norms)):
+        decoder_layer_kernel(i == 0, h, res, x, qkv, attn, gu, act,
+                             in_norms[i], w_qkvs[i], s_qkvs[i], b_qkvs[i], w_os[i], s_os[i], post_norms[i],
+                             w_gus[i], s_gus[i], w_downs[i], s_downs[i], positions, slot_mapping,
+                             block_tables, context_lens, query_start_loc, seqs, q0, q1,
+                             k_caches[i], v_caches[i], cos_sin, eps, scale, num_heads, num_kv_heads)
+
+
+# ---- batched decode (int8 models with packed weights, any number of sequences) ------------------------
+_rmsnorm_p = K.rmsnorm_kernel.parallel
+_add_rmsnorm_p = K.add_rmsnorm_kernel.parallel
+_rope_p = K.rope_kernel.parallel
+_silu_mul_p = K.silu_mul_kernel.parallel
+_kv_write_p = K.kv_write_kernel.parallel
+_decode_attention_avx2 = A.decode_attention_avx2_kernel.parallel
+_decode_attention = A.decode_attention_kernel.parallel
+_int8_matmul = cpu_qgemm.int8_matmul
+_int8_matmul_silu = cpu_qgemm.int8_matmul_silu
+
+
+@nb.njit(cache=True)
+def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
+                                 in_norms, p_qkvs, s_qkvs, b_qkvs, p_os, s_os, post_norms, p_gus, s_gus, p_downs,
+                                 s_downs, positions, slot_mapping, block_tables, context_lens, k_caches, v_caches,
+                                 cos_sin, eps, scale, num_heads, num_kv_heads, xbuf, sbuf, avx2_attention):
+    # Every layer of a pure decode batch (row b = sequence b's new token) in one call: the per-op path's
+    # parallel kernels in its order, the matrix products on the integer GEMM (p_* = packed weights).
+    D = cos_sin.shape[1]
+    for i in range(len(in_norms)):
+        if i == 0:
+            _rmsnorm_p(res, in_norms[i], eps, x)
+        else:
+            _add_rmsnorm_p(h, res, in_norms[i], eps, x)
+        _int8_matmul(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf)
+        if b_qkvs[i].shape[0] > 0:
+            for t in range(qkv.shape[0]):
+                qkv[t] += b_qkvs[i]
+        _rope_p(qkv, positions, cos_sin, num_heads, num_kv_heads, D)
+        _kv_write_p(qkv, k_caches[i], v_caches[i], slot_mapping, num_heads)
+        if avx2_attention:
+            _decode_attention_avx2(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads,
+                                   attn)
+        else:
+            _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, attn)
+        _int8_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf)
+        _add_rmsnorm_p(h, res, post_norms[i], eps, x)
+        if p_gus[i].shape[0] % 2 == 0:
+            _int8_matmul_silu(x, p_gus[i], s_gus[i], act, xbuf, sbuf)
+        else:
+            _int8_matmul(x, p_gus[i], s_gus[i], gu, xbuf, sbuf)
+            _silu_mul_p(gu, act)
+        _int8_matmul(act, p_downs[i], s_downs[i], h, xbuf, sbuf)
+
+
+NO_BIAS = np.zeros(0, np.float32)   # stands in for a missing QKV bias

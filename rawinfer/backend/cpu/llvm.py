@@ -1,0 +1,389 @@
+"""AVX2 building blocks of the CPU backend, written in LLVM IR (llvmlite) as Numba intrinsics.
+
+Numba compiles loops well when LLVM can vectorize them by itself; the inner loops it cannot shape
+the way the hardware wants are written here instead, each one a straight-line block over registers:
+
+    int_gemm_tiles[R]    R x 16 int32 tile of an integer GEMM (R = 2, 4, 6 rows of a 6-row panel): per k
+                         pair, 2R vpmaddwd + 2R vpaddd
+                         (cpu_qgemm.py has the layout and the drivers)
+    dot_rows4            scores of 4 K rows against up to 3 query heads at once: one float32
+                         accumulator register per (head, row), each K row loaded (and converted from
+                         float16) once for all heads, reduced by a transposing horizontal add (a loop
+                         over rows with a reduction each pays a horizontal sum per row)
+    axpy_rows32          o[g, 0:32] += sum_r p[g, r] * v[r, 0:32] for up to 3 heads, o held in registers
+                         across the rows (a vectorized loop over d would load and store o for every row)
+    prefetch             prefetcht0 over a byte range (the next KV block while this one is scored)
+    abs_max              max |x| over a float32 row, 8 lanes at a time (the activation quantizer's scale)
+
+    half_to_float,       float16 <-> float32 of one value held as its uint16 bits (Numba has no float16
+    float_to_half        on the CPU); loops of them vectorize to vcvtph2ps / vcvtps2ph
+
+dot_rows4 and axpy_rows32 come in builds per head count (1..HEADS_MAX) and row type (ELEMS): float32
+rows, float16 rows (the float16 KV cache) and int8 rows (the int8 KV cache) converted as they are
+loaded; the int8 builds also take the rows' scales and apply them to the 4 scores / to the weights
+p[g, r], one multiply per row instead of one per element. Arguments are raw addresses
+(int64) and element counts. `available()` is False where the host CPU lacks AVX2 or FMA (or is not
+x86-64): callers then take their plain Numba loops.
+
+Tried and dropped: prefill attention with S = Q K^T by an 8-row, one-head version of dot_rows4 over
+each row's visible keys and P V three query rows at a time: slower than OpenBLAS on the same shapes
+(4.6 vs 3.0 ms per layer for a 500-token prompt; ~42 GFLOP/s on one core, OpenBLAS's sgemm ~64 there).
+x rows read in place by the GEMM tile (6 row pointers) instead of packed into k-pair panels: the
+quantizer got 2x faster (it vectorizes) but the GEMM 5-12 % slower (measured side by side).
+
+NOTE: compiled kernels that call these carry their own copy, and Numba's disk cache only checks the
+caller's file: cpu_cache.refresh() (run on import, below) drops cached kernels built from older
+sources of any cpu*.py file.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from rawinfer.backend.cpu import cache as cpu_cache
+
+cpu_cache.refresh()     # before any module that imports this one defines (and may load) a cached kernel
+
+
+def _host_features() -> set[str]:
+    try:
+        import llvmlite.binding as llvm
+        return {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
+    except Exception:  # noqa: BLE001 - no feature query on this platform: take the portable paths
+        return set()
+
+
+_FEATURES = _host_features()
+_AVX2 = {"avx2", "fma"} <= _FEATURES
+_F16C = "f16c" in _FEATURES
+
+
+def available() -> bool:
+    return _AVX2
+
+
+def has_f16c() -> bool:
+    """Hardware float16 <-> float32 conversion (the float16 KV cache needs it: without it LLVM would
+    call runtime helpers a JIT-compiled kernel cannot link)."""
+    return _F16C
+
+
+I8, I16, I32, I64, F32, F16 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType(),
+                               ir.HalfType())
+V8I32, V16I16, V16I8, V8F32, V8F16 = (ir.VectorType(I32, 8), ir.VectorType(I16, 16), ir.VectorType(I8, 16),
+                                      ir.VectorType(F32, 8), ir.VectorType(F16, 8))
+
+
+def i64(v: int) -> ir.Constant:
+    return ir.Constant(I64, v)
+
+
+def splat(builder, scalar, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(I32, 0))
+    mask = ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count)
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), mask)
+
+
+def counted_loop(builder, n, init: list, body) -> list:
+    """for i in range(n): values = body(i, values); returns the final values (init when n <= 0)."""
+    pre = builder.block
+    loop = builder.append_basic_block("loop")
+    done = builder.append_basic_block("done")
+    builder.cbranch(builder.icmp_signed(">", n, i64(0)), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(I64)
+    i.add_incoming(i64(0), pre)
+    cur = []
+    for v in init:
+        p = builder.phi(v.type)
+        p.add_incoming(v, pre)
+        cur.append(p)
+    new = body(i, cur)
+    i_next = builder.add(i, i64(1))
+    i.add_incoming(i_next, builder.block)
+    for p, v in zip(cur, new):
+        p.add_incoming(v, builder.block)
+    end = builder.block
+    builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+    builder.position_at_end(done)
+    out = []
+    for v0, v in zip(init, new):
+        p = builder.phi(v0.type)
+        p.add_incoming(v0, pre)
+        p.add_incoming(v, end)
+        out.append(p)
+    return out
+
+
+def _ptr(builder, addr, ty):
+    return builder.inttoptr(addr, ty.as_pointer())
+
+
+def _vload(builder, base, index, vty, align=4):
+    """Load a vector of vty from element `index` of the scalar pointer `base` (unaligned)."""
+    return builder.load(builder.bitcast(builder.gep(base, [index]), vty.as_pointer()), align=align)
+
+
+def _vstore(builder, value, base, index, align=4):
+    builder.store(value, builder.bitcast(builder.gep(base, [index]), value.type.as_pointer()), align=align)
+
+
+def _fma(builder):
+    return builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(V8F32, [V8F32] * 3))
+
+
+# ---- float16 ----------------------------------------------------------------------------------------
+@intrinsic
+def half_to_float(typingctx, bits):
+    """float32 value of the float16 whose bits are the uint16 `bits` (exact)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], F16), F32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def float_to_half(typingctx, x):
+    """uint16 bits of float32 x rounded to float16 (to nearest even; beyond +-65504: +-inf)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], F16), I16)
+    return types.uint16(types.float32), codegen
+
+
+ELEMS = ("f32", "f16", "i8")   # row element types of the attention blocks (KV cache dtypes)
+_ELEM_IR = {"f32": F32, "f16": F16, "i8": I8}
+
+
+def _load_f32x8(builder, base, index, elem: str):
+    """8 floats from element `index` of `base`, a row of `elem` (ELEMS): float32 as they are, float16
+    converted (vcvtph2ps), int8 sign-extended and converted (vpmovsxbd + vcvtdq2ps; the row's scale is
+    the caller's to apply)."""
+    if elem == "f16":
+        return builder.fpext(_vload(builder, base, index, V8F16, align=2), V8F32)
+    if elem == "i8":
+        return builder.sitofp(_vload(builder, base, index, ir.VectorType(I8, 8), align=1), V8F32)
+    return _vload(builder, base, index, V8F32)
+
+
+# ---- integer GEMM tile ------------------------------------------------------------------------------
+GEMM_ROWS, GEMM_COLS = 6, 16
+
+
+def _make_int_gemm_tile(R: int):
+    """The tile below computing only the first R rows of the 6-row panel (R accumulator rows)."""
+    @intrinsic
+    def int_gemm_tile(typingctx, xp, wp, kpairs, op, ldo, rows, sxp, swp):
+        sig = types.void(*([types.int64] * 8))
+
+        def codegen(context, builder, signature, args):
+            _int_gemm_tile_code(builder, R, args)
+            return context.get_dummy_value()
+        return sig, codegen
+    return int_gemm_tile
+
+
+def _int_gemm_tile_code(builder, R, args):
+    """out[r, 0:16] = sx[r] * sw[0:16] * (x panel row r . w block) for r < min(rows, R). xp -> int16
+    panel [kpairs, 6, 2]; wp -> int8 block [kpairs, 16, 2]; op -> float32 out (row stride ldo floats);
+    sxp -> float32 [6] row scales; swp -> float32 [16] column scales."""
+    xp, wp, kpairs, op, ldo, rows, sxp, swp = args
+    C = GEMM_COLS // 8
+    pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
+                                               ir.FunctionType(V8I32, [V16I16, V16I16]))
+    xb = _ptr(builder, xp, I32)                    # one int32 = the k pair of one row
+    wb = _ptr(builder, wp, V16I8)                  # one <16 x i8> = 8 columns x one k pair
+
+    def step(kp, accs):
+        wrow = builder.gep(wb, [builder.mul(kp, i64(C))])
+        wv = [builder.sext(builder.load(builder.gep(wrow, [i64(c)]), align=1), V16I16) for c in range(C)]
+        xrow = builder.gep(xb, [builder.mul(kp, i64(GEMM_ROWS))])
+        new = []
+        for r in range(R):
+            xv = builder.bitcast(splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=2), V8I32),
+                                 V16I16)
+            for c in range(C):
+                new.append(builder.add(accs[r * C + c], builder.call(pmaddwd, [xv, wv[c]])))
+        return new
+
+    fin = counted_loop(builder, kpairs, [ir.Constant(V8I32, [0] * 8)] * (R * C), step)
+    ob, sxb = _ptr(builder, op, F32), _ptr(builder, sxp, F32)
+    swb = _ptr(builder, swp, F32)
+    swv = [_vload(builder, swb, i64(8 * c), V8F32) for c in range(C)]
+    for r in range(R):
+        with builder.if_then(builder.icmp_signed("<", i64(r), rows), likely=True):
+            sv = splat(builder, builder.load(builder.gep(sxb, [i64(r)]), align=4), V8F32)
+            for c in range(C):
+                f = builder.fmul(builder.fmul(builder.sitofp(fin[r * C + c], V8F32), sv), swv[c])
+                _vstore(builder, f, ob, builder.add(builder.mul(i64(r), ldo), i64(8 * c)))
+
+
+# int_gemm_tiles[R] for R = 2, 4, 6: a panel's last rows (M % 6) cost only the rows computed: with 64
+# sequences the 11th panel holds 4 rows, a third of its vpmaddwd spent on zeros with one 6-row build.
+int_gemm_tiles = {R: _make_int_gemm_tile(R) for R in (2, 4, GEMM_ROWS)}
+
+
+# ---- attention blocks -------------------------------------------------------------------------------
+HEADS_MAX = 3   # query heads one block call serves: 3 x 4 accumulators + operands fit the 16 ymm registers
+
+
+def _hadd(builder, a, b):
+    hadd = builder.module.declare_intrinsic("llvm.x86.avx.hadd.ps.256", (),
+                                            ir.FunctionType(V8F32, [V8F32, V8F32]))
+    return builder.call(hadd, [a, b])
+
+
+def _hsum4(builder, vs):
+    """4 vectors <8 x float> -> <4 x float> whose lane j is the sum of vs[j]'s lanes."""
+    h = _hadd(builder, _hadd(builder, vs[0], vs[1]), _hadd(builder, vs[2], vs[3]))
+    # h: lane j (j < 4) sums vs[j]'s low half, lane 4 + j its high half
+    idx = ir.VectorType(I32, 4)
+    lo = builder.shuffle_vector(h, h, ir.Constant(idx, [0, 1, 2, 3]))
+    hi = builder.shuffle_vector(h, h, ir.Constant(idx, [4, 5, 6, 7]))
+    return builder.fadd(lo, hi)
+
+
+def _row_ptrs(builder, base, n, stride):
+    """Pointers to rows 0..n-1 of a matrix at `base` with a stride of `stride` elements."""
+    return [builder.gep(base, [builder.mul(i64(i), stride)]) for i in range(n)]
+
+
+def _make_dot_rows4(heads: int, elem: str):
+    @intrinsic
+    def dot_rows4(typingctx, qp, qld, kp, ld, chunks, sp, sld, scp):
+        """s[g, r] = q[g] . k[r] for r < 4, g < heads: each k row is loaded (and converted) once for
+        all heads. qp -> float32 q rows [heads, >= 8 * chunks] with a stride of qld elements; kp -> k rows
+        (of the build's element type, ELEMS) with a stride of ld elements; sp -> float32 s [heads,
+        >= 4] with a stride of sld elements; scp -> the 4 rows' float32 scales (int8 builds: s[g, r]
+        is times scale[r]; the others ignore it)."""
+        sig = types.void(*([types.int64] * 8))
+
+        def codegen(context, builder, signature, args):
+            qp, qld, kp, ld, chunks, sp, sld, scp = args
+            fma = _fma(builder)
+            qb, kb, sb = _ptr(builder, qp, F32), _ptr(builder, kp, _ELEM_IR[elem]), _ptr(builder, sp, F32)
+            qrows, krows = _row_ptrs(builder, qb, heads, qld), _row_ptrs(builder, kb, 4, ld)
+
+            def step(c, accs):
+                off = builder.mul(c, i64(8))
+                new = list(accs)
+                for r in range(4):
+                    kv = _load_f32x8(builder, krows[r], off, elem)
+                    for g in range(heads):
+                        new[g * 4 + r] = builder.call(fma, [_vload(builder, qrows[g], off, V8F32), kv,
+                                                            accs[g * 4 + r]])
+                return new
+
+            fin = counted_loop(builder, chunks, [ir.Constant(V8F32, [0.0] * 8)] * (4 * heads), step)
+            scales = _vload(builder, _ptr(builder, scp, F32), i64(0), ir.VectorType(F32, 4)) if elem == "i8" else None
+            for g in range(heads):
+                sums = _hsum4(builder, fin[4 * g:4 * g + 4])
+                _vstore(builder, sums if scales is None else builder.fmul(sums, scales), sb, builder.mul(i64(g), sld))
+            return context.get_dummy_value()
+
+        return sig, codegen
+    return dot_rows4
+
+
+def _make_axpy_rows32(heads: int, elem: str):
+    @intrinsic
+    def axpy_rows32(typingctx, pp, pld, vp, rows, ld, op, old, scp):
+        """o[g, 0:32] += sum_{r < rows} p[g, r] * v[r, 0:32] for g < heads, with o held in registers
+        across the rows and each v row loaded (and converted) once for all heads. pp -> float32 p [heads,
+        >= rows] with a stride of pld elements; vp -> v rows (of the build's element type, ELEMS) with
+        a stride of ld elements; op -> float32 o [heads, >= 32] with a stride of old elements; scp -> the
+        rows' float32 scales (int8 builds: p[g, r] is taken times scale[r]; the others ignore it)."""
+        sig = types.void(*([types.int64] * 8))
+
+        def codegen(context, builder, signature, args):
+            pp, pld, vp, rows, ld, op, old, scp = args
+            fma = _fma(builder)
+            pb, vb, ob = _ptr(builder, pp, F32), _ptr(builder, vp, _ELEM_IR[elem]), _ptr(builder, op, F32)
+            prows, orows = _row_ptrs(builder, pb, heads, pld), _row_ptrs(builder, ob, heads, old)
+            init = [_vload(builder, orows[g], i64(8 * u), V8F32) for g in range(heads) for u in range(4)]
+
+            scb = _ptr(builder, scp, F32)
+
+            def step(r, accs):
+                row = builder.gep(vb, [builder.mul(r, ld)])
+                ps = [builder.load(builder.gep(prows[g], [r]), align=4) for g in range(heads)]
+                if elem == "i8":
+                    sc = builder.load(builder.gep(scb, [r]), align=4)
+                    ps = [builder.fmul(p, sc) for p in ps]
+                ps = [splat(builder, p, V8F32) for p in ps]
+                new = list(accs)
+                for u in range(4):
+                    v = _load_f32x8(builder, row, i64(8 * u), elem)
+                    for g in range(heads):
+                        new[g * 4 + u] = builder.call(fma, [ps[g], v, accs[g * 4 + u]])
+                return new
+
+            fin = counted_loop(builder, rows, init, step)
+            for g in range(heads):
+                for u in range(4):
+                    _vstore(builder, fin[g * 4 + u], orows[g], i64(8 * u))
+            return context.get_dummy_value()
+
+        return sig, codegen
+    return axpy_rows32
+
+
+@intrinsic
+def prefetch(typingctx, addr, nbytes):
+    """Ask the CPU to bring [addr, addr + nbytes) into its caches (one prefetcht0 per 64-byte line);
+    a hint: it never faults, whatever the address."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        addr, nbytes = args
+        i8p = ir.IntType(8).as_pointer()
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
+                                              ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]))
+        lines = builder.sdiv(builder.add(nbytes, i64(63)), i64(64))
+
+        def step(i, _):
+            p = builder.inttoptr(builder.add(addr, builder.mul(i, i64(64))), i8p)
+            builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+            return []
+
+        counted_loop(builder, lines, [], step)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# dot_rows4[elem][heads] and axpy_rows32[elem][heads] for elem in ELEMS, 1 <= heads <= HEADS_MAX (index 0
+# unused)
+dot_rows4 = {e: [None] + [_make_dot_rows4(h, e) for h in range(1, HEADS_MAX + 1)] for e in ELEMS}
+axpy_rows32 = {e: [None] + [_make_axpy_rows32(h, e) for h in range(1, HEADS_MAX + 1)] for e in ELEMS}
+
+
+# ---- reductions ---------------------------------------------------------------------------------------
+@intrinsic
+def abs_max(typingctx, addr, n):
+    """max |x[j]| over the n float32 values at addr (0 when n == 0; NaNs are skipped, as by
+    `m = a if a > m else m`). Eight lanes at a time in generic vector IR: the plain Numba loop stays
+    scalar (LLVM vectorizes a select-based max only under no-NaN math): 12.7 vs ~2 us for 64 x 576."""
+    sig = types.float32(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        addr, n = args
+        base = _ptr(builder, addr, F32)
+        fabs8 = builder.module.declare_intrinsic("llvm.fabs.v8f32", (), ir.FunctionType(V8F32, [V8F32]))
+        fabs1 = builder.module.declare_intrinsic("llvm.fabs.f32", (), ir.FunctionType(F32, [F32]))
+
+        def bigger(m, v):
+            return builder.select(builder.fcmp_ordered(">", v, m), v, m)
+
+        chunks = builder.sdiv(n, i64(8))
+        vmax, = counted_loop(builder, chunks, [ir.Constant(V8F32, [0.0] * 8)], lambda c, m: [
+            bigger(m[0], builder.call(fabs8, [_vload(builder, base, builder.mul(c, i64(8)), V8F32)]))])
+        m = builder.extract_element(vmax, ir.Constant(I32, 0))
+        for lane in range(1, 8):
+            m = bigger(m, builder.extract_element(vmax, ir.Constant(I32, lane)))
+        tail0 = builder.mul(chunks, i64(8))
+        m, = counted_loop(builder, builder.sub(n, tail0), [m], lambda j, a: [
+            bigger(a[0], builder.call(fabs1, [builder.load(builder.gep(base, [builder.add(tail0, j)]), align=4)]))])
+        return m
+
+    return sig, codegen

@@ -1,0 +1,352 @@
+"""Paged KV block manager: block tables, reference counts, the prefix cache and copy-on-write.
+
+The KV pool is NB blocks of BS token slots (k_cache[NB, Hkv, BS, D], rawinfer/backend/base.py). Each
+sequence owns a block table: logical block i (positions i*BS .. i*BS+BS-1) -> a physical block id.
+
+Prefix cache. A FULL, computed block is registered under a digest chained over its parent's digest and
+its own token ids, so equal digests mean equal whole prefixes:
+
+    h0 = sha256(ROOT_HASH || int32le(tokens[0:BS]))
+    h1 = sha256(h0        || int32le(tokens[BS:2BS]))   ...
+
+sha256 makes a collision (two different prefixes under one key) practically impossible, so a hit is
+trusted without comparing tokens. When a full block's digest is already registered under another
+physical block (two sequences computed the same prefix side by side), the later block simply stays
+unregistered: no dedupe, because the runner may already hold the block table for this step.
+
+Free list. A block whose reference count drops to 0 keeps its digest and goes to the tail of an LRU
+FreeBlockQueue; a later prefix hit takes it back out of the middle in O(1). New data always takes the
+head block, dropping its digest (eviction). Blocks without a digest can never be hit, so they are freed
+to the head and reused before any cached block. A sequence is released tail first, so within a chain
+the tail is evicted before its prefix (a prefix is worth more: every longer match goes through it).
+
+Copy-on-write. fork() shares every block of the parent (ref++). A sequence's next tokens are written
+from position num_slots (the size its table was last grown to); if that position falls inside a
+partially filled block with ref > 1, allocate_slots swaps in a fresh block and reports (src, dst) for the
+model runner to copy in every layer before the forward pass.
+
+NOTE: fork only after the step that computed the parent's tokens has run, and pass cached_block_ids to
+allocate_slots straight from find_cached_prefix: find takes no references, so an allocation in between
+may evict those blocks (allocate_slots then raises ValueError rather than hand out overwritten blocks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rawinfer.core.free_list import FreeBlockQueue, KVBlock
+
+ROOT_HASH: bytes = hashlib.sha256(b"rawinfer prefix-cache root").digest()
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Digest of one full block: sha256 over the parent's digest and the token ids as little-endian int32."""
+    # NOTE: fixed-width int32 bytes keep the encoding unambiguous; out-of-range ids raise OverflowError.
+    return hashlib.sha256(parent_hash + np.asarray(token_ids, dtype="<i4").tobytes()).digest()
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What one allocate_slots call changed in a sequence's block table."""
+
+    new_block_ids: list[int]            # appended to the table this call (prefix hits first, then fresh blocks)
+    copies: list[tuple[int, int]]       # (src, dst) copy-on-write block copies to run before the forward pass
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters, in tokens where it matters: hit rate = hit tokens / queried tokens."""
+
+    queries: int = 0            # find_cached_prefix calls
+    query_tokens: int = 0       # tokens looked up
+    hit_tokens: int = 0         # tokens found cached (whole blocks)
+    evicted_blocks: int = 0     # cached blocks reused for new data
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass
+class _SeqBlocks:
+    """One sequence's block table and how far its prefix-cache digests have been computed."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_slots: int = 0                  # tokens the table was sized for; the next token goes to this position
+    num_hashed_blocks: int = 0          # leading blocks already passed through cache_full_blocks
+    last_hash: bytes = ROOT_HASH        # digest of block num_hashed_blocks - 1 (the root before any)
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences, shares them through the prefix cache and fork, frees them LRU."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and "
+                             f"{block_size}; give the KV cache more memory or a positive block size")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]      # [NB], indexed by block id
+        self._free = FreeBlockQueue(self.blocks)
+        self._cached: dict[bytes, KVBlock] = {}                    # digest -> registered block
+        self._seqs: dict[Hashable, _SeqBlocks] = {}
+        self.stats = PrefixCacheStats()
+
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no owner (cached-but-free ones included)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, in use or free."""
+        return len(self._cached)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.stats.hit_rate
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of seq_id's block table (physical block ids, logical order)."""
+        return [b.block_id for b in self._get(seq_id).blocks]
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in the order they will be reused (head first). O(NB): for tests and debugging."""
+        return [b.block_id for b in self._free]
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the leading full blocks of token_ids already cached, at most (len(token_ids)-1)//BS
+        blocks so that at least the last prompt token is recomputed (a fully cached prompt still needs logits).
+        Takes no refs."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        parent = ROOT_HASH
+        for i in range(max(0, (len(token_ids) - 1) // bs)):
+            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            hits.append(block.block_id)
+        self.stats.queries += 1
+        self.stats.query_tokens += len(token_ids)
+        self.stats.hit_tokens += len(hits) * bs
+        return hits
+
+    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the digests of seq_id's blocks that are full and fully computed (num_computed_tokens of
+        token_ids) and not yet registered. A block whose digest is already registered under another physical
+        block stays unregistered."""
+        state = self._get(seq_id)
+        if not 0 <= num_computed_tokens <= min(len(token_ids), state.num_slots):
+            raise ValueError(f"cache_full_blocks for sequence {seq_id!r}: num_computed_tokens={num_computed_tokens} "
+                             f"must lie within the {len(token_ids)} token ids given and the {state.num_slots} "
+                             f"slots allocated; pass the count of tokens whose K/V have been written")
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(state.num_hashed_blocks, num_computed_tokens // bs):
+            digest = hash_block_tokens(state.last_hash, token_ids[i * bs:(i + 1) * bs])
+            block = state.blocks[i]
+            if block.block_hash is None:
+                if digest not in self._cached:
+                    block.block_hash = digest
+                    self._cached[digest] = block
+            elif block.block_hash != digest:
+                raise ValueError(f"block {i} of sequence {seq_id!r} was cached for other tokens than token_ids "
+                                 f"holds there; pass the sequence's own token ids to cache_full_blocks")
+            state.last_hash = digest
+            state.num_hashed_blocks = i + 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every digest; blocks in use keep their data, free ones become plain free blocks."""
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
+    # ---- allocation ------------------------------------------------------------------------------
+    def num_blocks_needed(self, seq_id_or_None: Hashable | None, num_total_tokens: int,
+                          cached_block_ids: Sequence[int] = ()) -> int:
+        """Free blocks allocate_slots(seq_id, num_total_tokens, cached_block_ids) would consume (fresh
+        blocks, a copy-on-write target, and prefix hits that currently sit on the free list). An unknown
+        seq_id or None means a sequence's first allocation."""
+        state = self._seqs.get(seq_id_or_None) if seq_id_or_None is not None else None
+        return self._num_needed(seq_id_or_None, state, num_total_tokens, cached_block_ids)
+
+    def allocate_slots(self, seq_id: Hashable, num_total_tokens: int,
+                       cached_block_ids: Sequence[int] = ()) -> Allocation | None:
+        """Make seq_id's table cover num_total_tokens tokens (computed so far + this step's new tokens).
+        On the first call for a seq, cached_block_ids (from find_cached_prefix) are taken first (ref++,
+        removed from the free list if free). Returns None, changing nothing, when there are not enough free
+        blocks. Handles copy-on-write of a shared, partially filled last block that the new tokens will write
+        into: the table entry is replaced, so read block_table after this call."""
+        state = self._seqs.get(seq_id)
+        if self._num_needed(seq_id, state, num_total_tokens, cached_block_ids) > len(self._free):
+            return None
+        if state is None:
+            state = self._seqs[seq_id] = _SeqBlocks()
+        new_ids: list[int] = []
+        for block_id in cached_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                self._free.remove(block)
+            block.ref_cnt += 1
+            state.blocks.append(block)
+            new_ids.append(block_id)
+        if cached_block_ids:                # a new sequence: its table is exactly the prefix hits so far
+            state.num_hashed_blocks = len(state.blocks)
+            state.last_hash = state.blocks[-1].block_hash
+            state.num_slots = len(state.blocks) * self.block_size
+
+        num_fresh, cow = self._plan(state, num_total_tokens, ())
+        copies: list[tuple[int, int]] = []
+        if cow:
+            index = state.num_slots // self.block_size
+            src = state.blocks[index]
+            dst = self._take_free_block()
+            src.ref_cnt -= 1                    # still >= 1: it was shared
+            state.blocks[index] = dst
+            copies.append((src.block_id, dst.block_id))
+        for _ in range(num_fresh):
+            block = self._take_free_block()
+            state.blocks.append(block)
+            new_ids.append(block.block_id)
+        state.num_slots = max(state.num_slots, num_total_tokens)
+        return Allocation(new_block_ids=new_ids, copies=copies)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Give child_id a table sharing every block of parent_id (copy-on-write on the next write)."""
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"cannot fork into sequence {child_id!r}: it already has blocks; pick a new id")
+        for block in parent.blocks:
+            block.ref_cnt += 1
+        self._seqs[child_id] = _SeqBlocks(list(parent.blocks), parent.num_slots,
+                                          parent.num_hashed_blocks, parent.last_hash)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release every block of seq_id, tail first, and forget the sequence."""
+        state = self._get(seq_id)
+        del self._seqs[seq_id]
+        for block in reversed(state.blocks):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self._free.appendleft(block)    # holds nothing reusable: reuse it first
+                else:
+                    self._free.append(block)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _get(self, seq_id: Hashable) -> _SeqBlocks:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise KeyError(f"sequence {seq_id!r} has no KV blocks (never allocated, or already freed); "
+                           f"call allocate_slots for it first")
+        return state
+
+    def _num_needed(self, seq_id: Hashable, state: _SeqBlocks | None, num_total_tokens: int,
+                    cached_block_ids: Sequence[int]) -> int:
+        cached = self._check_cached(seq_id, state, num_total_tokens, cached_block_ids)
+        num_fresh, cow = self._plan(state, num_total_tokens, cached)
+        return num_fresh + int(cow) + sum(1 for b in cached if b.ref_cnt == 0)
+
+    def _check_cached(self, seq_id: Hashable, state: _SeqBlocks | None, num_total_tokens: int,
+                      cached_block_ids: Sequence[int]) -> list[KVBlock]:
+        """Validate the arguments of an allocation; return the prefix-hit blocks."""
+        if num_total_tokens < 0:
+            raise ValueError(f"num_total_tokens must be >= 0, got {num_total_tokens}")
+        if state is not None and num_total_tokens < state.num_slots:
+            raise ValueError(f"sequence {seq_id!r} already has {state.num_slots} slots and cannot shrink to "
+                             f"{num_total_tokens}; free it and allocate again to recompute")
+        if not cached_block_ids:
+            return []
+        if state is not None:
+            raise ValueError(f"sequence {seq_id!r} already has blocks; pass cached_block_ids only on its first "
+                             f"allocate_slots call")
+        if len(cached_block_ids) * self.block_size > num_total_tokens:
+            raise ValueError(f"{len(cached_block_ids)} cached blocks hold more than num_total_tokens="
+                             f"{num_total_tokens} tokens; count the cached tokens in num_total_tokens")
+        if len(set(cached_block_ids)) != len(cached_block_ids):
+            raise ValueError(f"cached_block_ids {list(cached_block_ids)} repeats a block; pass the list "
+                             f"find_cached_prefix returned")
+        blocks = []
+        for block_id in cached_block_ids:
+            if not 0 <= block_id < self.num_blocks or self.blocks[block_id].block_hash is None:
+                raise ValueError(f"block {block_id} is not in the prefix cache (evicted since the lookup?); call "
+                                 f"find_cached_prefix right before allocate_slots")
+            blocks.append(self.blocks[block_id])
+        return blocks
+
+    def _plan(self, state: _SeqBlocks | None, num_total_tokens: int,
+              cached: Sequence[KVBlock]) -> tuple[int, bool]:
+        """(fresh blocks to append, whether the block the next token goes into must be copied first)."""
+        num_have = len(state.blocks) if state is not None else len(cached)
+        num_slots = state.num_slots if state is not None else len(cached) * self.block_size
+        num_fresh = max(0, -(-num_total_tokens // self.block_size) - num_have)
+        cow = (state is not None and num_slots < num_total_tokens and num_slots % self.block_size != 0
+               and state.blocks[num_slots // self.block_size].ref_cnt > 1)
+        return num_fresh, cow
+
+    def _take_free_block(self) -> KVBlock:
+        """Pop the head of the free list for new data, evicting its prefix-cache entry."""
+        block = self._free.popleft()
+        assert block.ref_cnt == 0, f"{block!r} on the free list is in use"
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+            self.stats.evicted_blocks += 1
+        block.ref_cnt = 1
+        return block
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Assert every structural invariant (O(NB + table sizes)); raises AssertionError with detail."""
+        nb, bs = self.num_blocks, self.block_size
+        free_nodes = self._free.check_links(limit=nb)
+        free_ids = [b.block_id for b in free_nodes]
+        assert len(set(free_ids)) == len(free_ids), f"a block is on the free list twice: {free_ids}"
+        owners = [0] * nb
+        for seq_id, state in self._seqs.items():
+            ids = [b.block_id for b in state.blocks]
+            assert len(set(ids)) == len(ids), f"sequence {seq_id!r} holds a block twice: {ids}"
+            assert len(ids) == -(-state.num_slots // bs), \
+                f"sequence {seq_id!r} has {len(ids)} blocks for {state.num_slots} slots"
+            assert state.num_hashed_blocks <= state.num_slots // bs, \
+                f"sequence {seq_id!r} hashed {state.num_hashed_blocks} blocks but has {state.num_slots} slots"
+            for i, block in enumerate(state.blocks):
+                assert self.blocks[block.block_id] is block, f"sequence {seq_id!r} holds a foreign {block!r}"
+                assert block.block_hash is None or i < state.num_slots // bs, \
+                    f"sequence {seq_id!r}: partially filled block {i} ({block!r}) is registered in the cache"
+                owners[block.block_id] += 1
+        on_free = set(free_ids)
+        num_used = 0
+        for block in self.blocks:
+            assert block.ref_cnt == owners[block.block_id], \
+                f"{block!r} has ref_cnt {block.ref_cnt} but {owners[block.block_id]} table entries"
+            assert (block.ref_cnt == 0) == (block.block_id in on_free), \
+                f"{block!r}: on free list = {block.block_id in on_free}, ref_cnt = {block.ref_cnt}"
+            num_used += block.ref_cnt > 0
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) is block, f"{block!r} has a digest the cache map lacks"
+        assert len(self._free) + num_used == nb, f"{len(self._free)} free + {num_used} used != {nb} blocks"
+        for digest, block in self._cached.items():
+            assert block.block_hash == digest, f"cache map key {digest.hex()[:8]} points at {block!r}"

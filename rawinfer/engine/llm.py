@@ -1,0 +1,94 @@
+"""LLM: offline batch generation over an LLMEngine, results returned in input order."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from rawinfer.engine.engine import DEFAULT_MODEL, LLMEngine
+from rawinfer.engine.metrics import RequestMetrics
+from rawinfer.sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    outputs: list[Completion]          # n completions (index order)
+
+    # The first completion's fields, for the common n == 1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def metrics(self) -> RequestMetrics | None:
+        return self.outputs[0].metrics
+
+
+class LLM:
+    def __init__(self, model_dir: str = DEFAULT_MODEL, **engine_options):
+        self.engine = LLMEngine(model_dir, **engine_options)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[GenerationResult]:
+        """Run every prompt (text or token ids) to completion; results come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                             "pass one for all or one per prompt")
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            rid = f"gen-{id(self)}-{i}"
+            ids = self.engine.add_request(rid, prompt, p)
+            results[rid] = GenerationResult(rid, prompt, ids, [Completion(k) for k in range(p.n)])
+            order.append(rid)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts), desc="generate", unit="req", file=sys.stderr,
+                       disable=not sys.stderr.isatty())
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    c = results[out.request_id].outputs[out.index]
+                    c.token_ids.extend(out.new_token_ids)
+                    c.text += out.text_delta
+                    if out.finished:
+                        c.finish_reason, c.metrics = out.finish_reason, out.metrics
+                        if bar is not None and all(x.finish_reason for x in results[out.request_id].outputs):
+                            bar.update(1)
+        except BaseException:
+            for rid in order:          # leave the engine clean if interrupted
+                self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in order]

@@ -1,0 +1,221 @@
+"""`rawinfer bench roofline`: this machine's ceilings next to what prefill and decode achieve.
+
+Ceilings, measured here: memory copy bandwidth (bytes read + written per second by a large copy) and
+the float32 GEMM rate (a square BLAS/cuBLAS matmul); for an int8 model on the CPU also the rate of
+the GEMM its matrices run on (int8 weights: the integer GEMM of backend/cpu_qgemm.py), which is then
+its compute ceiling. For one model we then time a prefill of P tokens
+and a decode step of B sequences and count, per step,
+
+    FLOPs = 2 x (matrix parameters touched) x tokens  +  4 x H x D x (attended positions)
+    bytes = weight bytes (every matrix read once)     +  KV bytes read by attention
+
+Achieved GFLOP/s and GB/s against the ceilings show where a phase sits: arithmetic intensity
+(FLOPs / byte) above the ridge point (peak FLOP/s / peak bytes/s) means compute-bound, below it
+memory-bound; the percentage says how far from its limit the phase runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from rawinfer.config import ModelConfig
+
+
+def _best(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_ceilings(xp=np, sync=lambda: None, copy_mib: int = 256, gemm_n: int = 2048, repeat: int = 5,
+                     linear=None) -> dict:
+    """Copy bandwidth (GB/s, read + write) and float32 GEMM rate (GFLOP/s) with array module xp; the
+    GEMM through `linear(x, w, out)` (out = x @ w.T, the backend's own op) when given."""
+    n = copy_mib * 1024 * 1024 // 4
+    a = xp.ones(n, dtype=xp.float32)
+    b = xp.empty_like(a)
+
+    def copy():
+        xp.copyto(b, a)
+        sync()
+    t_copy = _best(copy, repeat)
+    x = xp.asarray(np.random.default_rng(0).standard_normal((gemm_n, gemm_n), dtype=np.float32))
+    y = xp.empty_like(x)
+
+    def gemm():
+        if linear is not None:
+            linear(x, x, y)
+        else:
+            xp.matmul(x, x, out=y)
+        sync()
+    t_gemm = _best(gemm, repeat)
+    return {"copy_GBps": 2 * a.nbytes / t_copy / 1e9, "gemm_GFLOPs": 2 * gemm_n**3 / t_gemm / 1e9,
+            "copy_bytes": 2 * a.nbytes, "gemm_n": gemm_n}
+
+
+def measure_int8_gemm(backend, n: int = 2048, repeat: int = 5) -> float:
+    """GOP/s of the backend's GEMM with int8 weights (n x n x n): what an int8 model's matrix products
+    run on (on the CPU the integer GEMM of cpu_qgemm where it applies, else dequantize + float32)."""
+    from rawinfer.quant import Int8Weight, quantize_int8
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, n), dtype=np.float32)
+    w = backend.prepare_int8(Int8Weight(*quantize_int8(rng.standard_normal((n, n), dtype=np.float32))))
+    y = np.empty_like(x)
+    scratch = np.empty(128 * n * 4, np.float32)
+    return 2 * n**3 / _best(lambda: backend.linear(x, w, y, scratch=scratch), repeat) / 1e9
+
+
+def matrix_params(cfg: ModelConfig, lm_head_rows: int, tokens: int) -> tuple[float, float]:
+    """(FLOPs of the matrix multiplies for `tokens` tokens with `lm_head_rows` logits rows,
+    parameters read) for one forward pass."""
+    C, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    per_layer = cfg.qkv_size * C + C * cfg.q_size + 2 * F * C + F * C
+    flops = 2.0 * per_layer * cfg.num_layers * tokens + 2.0 * V * C * lm_head_rows
+    params = per_layer * cfg.num_layers + V * C
+    return flops, params
+
+
+def phase_counts(cfg: ModelConfig, tokens: int, logits_rows: int, attended: int, kv_read_tokens: int,
+                 weight_bytes_per_param: float, kv_itemsize: float) -> tuple[float, float]:
+    """(FLOPs, bytes) of one forward pass; `attended` = sum over queries of the positions each sees,
+    `kv_read_tokens` = cached positions whose K and V are streamed once."""
+    flops, params = matrix_params(cfg, logits_rows, tokens)
+    flops += 4.0 * cfg.num_heads * cfg.head_dim * attended * cfg.num_layers
+    kv_bytes = 2.0 * cfg.num_kv_heads * cfg.head_dim * kv_read_tokens * kv_itemsize * cfg.num_layers
+    return flops, params * weight_bytes_per_param + kv_bytes
+
+
+def time_prefill(engine, prompt_len: int, repeat: int = 3) -> float:
+    """Seconds to prefill one prompt of prompt_len tokens (logits of its last position only)."""
+    from rawinfer.sampling import SamplingParams
+    ids = [int(x) for x in np.random.default_rng(1).integers(100, engine.model_config.vocab_size - 100, prompt_len)]
+
+    def once():
+        engine.block_manager.reset_prefix_cache()     # a cache hit would skip the work being measured
+        engine.add_request(f"roofline-prefill-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+    return _best(once, repeat)
+
+
+def time_decode(engine, batch: int, context: int, steps: int = 24) -> float:
+    """Mean seconds of one decode step with `batch` sequences of about `context` cached tokens."""
+    from rawinfer.sampling import SamplingParams
+    rng = np.random.default_rng(2)
+    V = engine.model_config.vocab_size
+    for i in range(batch):
+        engine.add_request(f"roofline-{i}", [int(x) for x in rng.integers(100, V - 100, context)],
+                           SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()                 # finish every prefill
+    engine.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = (time.perf_counter() - t) / steps
+    while engine.has_unfinished():
+        engine.step()
+    return dt
+
+
+def weight_bytes_per_param(cfg: ModelConfig, be) -> float:
+    """Bytes stored per matrix parameter, averaged over the matrices (a quantized model's: its parts,
+    quant.stored_parts; q4 models mix q4 layers with an int8 embedding / LM head)."""
+    from rawinfer.exec.memory import weight_shapes
+    from rawinfer.quant import storage_kind, stored_parts
+    if cfg.quant is None:
+        return float(be.weight_dtype(cfg.dtype).itemsize)
+    stored = params = 0
+    for name, shape in weight_shapes(cfg).items():
+        if len(shape) == 2:
+            parts = stored_parts(name, shape, storage_kind(name, shape, cfg.quant), np.float32)
+            stored += sum(int(np.prod(s)) * d.itemsize for _, s, d in parts)
+            params += int(np.prod(shape))
+    return stored / params
+
+
+def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
+    cfg = engine.model_config
+    be = engine.backend
+    if be.name == "cuda":
+        import cupy
+        ceil = measure_ceilings(cupy, cupy.cuda.runtime.deviceSynchronize, copy_mib=1024, gemm_n=8192)
+    else:
+        ceil = measure_ceilings(linear=be.linear)    # the GEMM path the engine itself runs
+    compute_peak = ceil["gemm_GFLOPs"]
+    if cfg.quant == "int8" and be.name == "cpu":     # its matrices run on the int8-weight GEMM instead
+        ceil["int8_gemm_GOPs"] = compute_peak = measure_int8_gemm(be)
+    bpp = weight_bytes_per_param(cfg, be)
+    k0 = engine.pool.kv.k[0]                         # bytes per cached element (int8: with its row scales)
+    kv_item = k0.nbytes / (k0.shape[0] * cfg.num_kv_heads * engine.pool.kv.block_size * cfg.head_dim)
+    rows = []
+    t = time_prefill(engine, prompt_len)
+    f, b = phase_counts(cfg, prompt_len, 1, prompt_len * (prompt_len + 1) // 2, prompt_len, bpp, kv_item)
+    rows.append(("prefill", 1, prompt_len, t, f, b))
+    for B in batches:
+        t = time_decode(engine, B, context)
+        f, b = phase_counts(cfg, B, B, B * (context + 1), B * (context + 1), bpp, kv_item)
+        rows.append(("decode", B, B, t, f, b))
+    ridge = compute_peak / ceil["copy_GBps"]
+    out = {"ceilings": ceil, "compute_ceiling": compute_peak, "ridge_flops_per_byte": ridge, "phases": []}
+    for phase, B, tokens, t, f, b in rows:
+        ai = f / b
+        out["phases"].append({
+            "phase": phase, "batch": B, "tokens": tokens, "step_s": t, "tokens_per_s": tokens / t,
+            "GFLOPs": f / t / 1e9, "GBps": b / t / 1e9, "flops_per_byte": ai,
+            "bound": "compute" if ai > ridge else "memory",
+            "pct_of_compute_ceiling": 100 * f / t / 1e9 / compute_peak,
+            "pct_of_memory_ceiling": 100 * b / t / 1e9 / ceil["copy_GBps"]})
+    return out
+
+
+def print_report(r: dict) -> None:
+    c = r["ceilings"]
+    int8 = f", int8-weight GEMM {c['int8_gemm_GOPs']:.1f} GOP/s (the compute ceiling here)" \
+        if "int8_gemm_GOPs" in c else ""
+    print(f"ceilings: copy {c['copy_GBps']:.1f} GB/s, float32 GEMM {c['gemm_GFLOPs']:.1f} GFLOP/s{int8} "
+          f"(ridge {r['ridge_flops_per_byte']:.1f} FLOP/byte)")
+    print(f"{'phase':8} {'batch':>5} {'tokens/s':>10} {'GFLOP/s':>9} {'% peak':>7} {'GB/s':>7} {'% peak':>7} "
+          f"{'FLOP/B':>7}  bound")
+    for p in r["phases"]:
+        print(f"{p['phase']:8} {p['batch']:>5} {p['tokens_per_s']:>10.1f} {p['GFLOPs']:>9.1f} "
+              f"{p['pct_of_compute_ceiling']:>6.0f}% {p['GBps']:>7.1f} {p['pct_of_memory_ceiling']:>6.0f}% "
+              f"{p['flops_per_byte']:>7.1f}  {p['bound']}")
+
+
+def cmd_roofline(args) -> int:
+    from rawinfer.frontends.cli.main import engine_config_from_args
+    from rawinfer.engine.engine import LLMEngine
+    engine = LLMEngine(args.model, engine_config_from_args(args))
+    r = report(engine, args.prompt_len, args.batch, args.context)
+    print_report(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+def add_parser(bsub) -> None:
+    from rawinfer.frontends.cli.main import add_engine_args
+    p = bsub.add_parser("roofline", help="machine ceilings vs achieved prefill/decode FLOP/s and bytes/s")
+    p.add_argument("--prompt-len", type=int, default=500, help="prefill length (default 500)")
+    p.add_argument("--batch", type=int, action="append", default=None,
+                   help="decode batch size (repeatable; default 1 and 64)")
+    p.add_argument("--context", type=int, default=128, help="cached tokens per decoding sequence (default 128)")
+    p.add_argument("--json", default=None, metavar="PATH")
+    add_engine_args(p)
+    p.set_defaults(func=lambda a: cmd_roofline(_defaults(a)))
+
+
+def _defaults(args):
+    if not args.batch:
+        args.batch = [1, 64]
+    return args

@@ -1,0 +1,250 @@
+"""`rawinfer bench serve`: an open-loop load generator against a running `rawinfer serve`, with vLLM-style metrics.
+
+Requests leave on a Poisson schedule (exponential gaps at --request-rate, or all at once for inf), whatever
+the server's state: that is what "open loop" means, and why TTFT grows once the rate passes what the server
+sustains. Each request streams its tokens; the client clock gives
+
+    TTFT  send -> first token              TPOT  (e2e - TTFT) / (output tokens - 1), per request
+    ITL   gaps between token messages (pooled over all requests)      e2e  send -> final message
+
+A side task polls `stats` for the KV-pool utilisation and the server's generation rate over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from rawinfer.frontends.bench.throughput import make_workload
+from rawinfer.engine.metrics import summarize
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request (times on the client's monotonic clock, relative to the start)."""
+    prompt_tokens: int
+    max_tokens: int
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)    # one entry per token
+    message_times: list[float] = field(default_factory=list)  # arrival of each message that carried tokens
+    finished: float | None = None
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_reason in ("stop", "length")
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.sent if self.token_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2 or self.e2e is None or self.ttft is None:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.message_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Send offsets in seconds: a Poisson process at `rate` requests/s (exponential gaps), or all 0 for inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return [float(x) for x in np.cumsum(gaps) - gaps[0]]       # the first request leaves at once
+
+
+async def _one(client, rec: RequestRecord, prompt: list[int], delay: float, t0: float) -> None:
+    from rawinfer.frontends.server.client import ClientError
+    await asyncio.sleep(max(0.0, t0 + delay - time.monotonic()))
+    rec.sent = time.monotonic() - t0
+    params = {"max_tokens": rec.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    try:
+        async for msg in client.generate(prompt, params=params, stream=True):
+            now = time.monotonic() - t0
+            if msg.token_ids:
+                rec.token_times.extend([now] * len(msg.token_ids))
+                rec.message_times.append(now)
+                rec.output_tokens += len(msg.token_ids)
+            if msg.finished:
+                rec.finished, rec.finish_reason = now, msg.finish_reason
+                rec.error = msg.error
+    except ClientError as e:
+        rec.error = str(e)
+        rec.finished = time.monotonic() - t0
+
+
+async def _poll_stats(client, t0: float, interval: float, samples: list[dict], stop: asyncio.Event) -> None:
+    from rawinfer.frontends.server.client import ClientError
+    while not stop.is_set():
+        try:
+            s = await client.stats()
+            samples.append({"t": time.monotonic() - t0, "kv_usage": s.get("kv_usage"),
+                            "running": s.get("running"), "waiting": s.get("waiting"),
+                            "server_tokens_per_s": s.get("recent_tokens_per_s")})
+        except ClientError:
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_load(args) -> dict:
+    from rawinfer.frontends.server.client import AsyncClient
+    client = AsyncClient(args.addr, server_key=args.server_key, timeout_s=args.timeout)
+    stats_client = AsyncClient(args.addr, server_key=args.server_key, timeout_s=args.timeout)
+    try:
+        info = await client.model_info()
+        V, limit = int(info["vocab_size"]), int(info["max_model_len"])
+        wl = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, V, args.seed)
+        if args.warmup:
+            await client.complete(list(wl.prompts[0][:8]), params={"max_tokens": 4, "temperature": 0.0})
+        records = [RequestRecord(len(p), max(1, min(n, limit - len(p)))) for p, n in zip(wl.prompts, wl.output_lens)]
+        delays = arrival_times(args.num_requests, args.request_rate, args.seed + 1)
+        samples: list[dict] = []
+        stop = asyncio.Event()
+        t0 = time.monotonic()
+        poller = asyncio.create_task(_poll_stats(stats_client, t0, args.stats_interval, samples, stop))
+        await asyncio.gather(*(_one(client, r, p, d, t0) for r, p, d in zip(records, wl.prompts, delays)))
+        duration = time.monotonic() - t0
+        stop.set()
+        await poller
+    finally:
+        client.close()
+        stats_client.close()
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config.update(model=info.get("model"), device=info.get("device"), kv_blocks_total=info.get("kv_blocks_total"))
+    return summarize_run(records, duration, samples, config)
+
+
+def summarize_run(records: list[RequestRecord], duration: float, samples: list[dict], config: dict) -> dict:
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    # output tokens/s over time, from the client's token arrival times, in bins of about 1/40 of the run
+    width = max(duration / 40, 0.05)
+    edges = np.arange(0.0, duration + width, width)
+    counts, _ = np.histogram([t for r in ok for t in r.token_times], bins=edges)
+    return {
+        "config": config,
+        "duration_s": duration,
+        "completed": len(ok), "failed": len(records) - len(ok),
+        "errors": sorted({r.error or f"finish_reason {r.finish_reason}" for r in records if not r.ok})[:10],
+        "requests_per_s": len(ok) / duration, "output_tokens_per_s": out_tokens / duration,
+        "total_tokens_per_s": (in_tokens + out_tokens) / duration,
+        "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+        "ttft_ms": summarize([r.ttft for r in ok], 1000), "tpot_ms": summarize([r.tpot for r in ok], 1000),
+        "itl_ms": summarize([g for r in ok for g in r.itls], 1000), "e2e_ms": summarize([r.e2e for r in ok], 1000),
+        "timeline": {"t": [float(x) for x in edges[:-1]], "output_tokens_per_s": [float(c / width) for c in counts],
+                     "stats": samples},
+        "requests": [asdict(r) | {"ttft": r.ttft, "e2e": r.e2e, "tpot": r.tpot} for r in records],
+    }
+
+
+def _ms(d: dict) -> str:
+    if d.get("mean") is None:
+        return "n/a"
+    return f"mean {d['mean']:8.1f} | p50 {d['p50']:8.1f} | p99 {d['p99']:8.1f}"
+
+
+def print_report(r: dict, file=sys.stdout) -> None:
+    rate = r["config"]["request_rate"]
+    print(f"request rate:            {'all at once' if math.isinf(rate) else f'{rate:g} req/s (Poisson)'}", file=file)
+    print(f"completed / failed:      {r['completed']} / {r['failed']}", file=file)
+    for e in r["errors"]:
+        print(f"  error: {e}", file=file)
+    print(f"duration:                {r['duration_s']:.2f} s", file=file)
+    print(f"requests/s:              {r['requests_per_s']:.2f}", file=file)
+    print(f"output tokens/s:         {r['output_tokens_per_s']:.1f}", file=file)
+    print(f"total tokens/s:          {r['total_tokens_per_s']:.1f}", file=file)
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "end-to-end")):
+        print(f"{name + ' (ms):':<25}{_ms(r[key])}", file=file)
+
+
+def plot(r: dict, path: str) -> None:
+    """Four panels: TTFT and ITL distributions, output tokens/s and KV utilisation over time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [x for x in r["requests"] if x["ttft"] is not None and x["error"] is None]
+    ttft = [x["ttft"] * 1000 for x in ok]
+    itl = [(b - a) * 1000 for x in ok for a, b in zip(x["message_times"], x["message_times"][1:])]
+    tl, stats = r["timeline"], r["timeline"]["stats"]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
+    ax[0, 0].hist(ttft or [0], bins=30, color="tab:blue")
+    ax[0, 0].set(title="TTFT", xlabel="ms", ylabel="requests")
+    ax[0, 1].hist(itl or [0], bins=50, color="tab:orange")
+    ax[0, 1].set(title="inter-token latency", xlabel="ms", ylabel="gaps")
+    ax[1, 0].plot(tl["t"], tl["output_tokens_per_s"], drawstyle="steps-post", label="client (binned)")
+    ax[1, 0].plot([s["t"] for s in stats], [s["server_tokens_per_s"] or 0 for s in stats], label="server (recent)")
+    ax[1, 0].set(title="output tokens/s", xlabel="s since start", ylabel="tokens/s")
+    ax[1, 0].legend()
+    ax[1, 1].plot([s["t"] for s in stats], [100 * (s["kv_usage"] or 0) for s in stats], color="tab:green")
+    peak = max([100 * (s["kv_usage"] or 0) for s in stats] or [0])
+    ax[1, 1].set(title="KV-cache utilisation", xlabel="s since start", ylabel="% of blocks",
+                 ylim=(0, min(100, max(1.0, 1.2 * peak))))
+    c = r["config"]
+    fig.suptitle(f"rawinfer bench serve: {c.get('model')}, {c['num_requests']} requests at "
+                 f"{c['request_rate']:g} req/s, in {c['input_len']} / out {c['output_len']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_serve_bench(args) -> int:
+    from rawinfer.frontends.cli.main import CLIError
+    if args.num_requests < 1:
+        raise CLIError("--num-requests must be at least 1")
+    if not args.request_rate > 0:
+        raise CLIError("--request-rate must be positive (or inf to send everything at once)")
+    r = asyncio.run(run_load(args))
+    print_report(r)
+    with open(args.json, "w") as f:      # JSON has no infinity: an unbounded rate is written as "inf"
+        rate = "inf" if math.isinf(args.request_rate) else args.request_rate
+        json.dump({**r, "config": {**r["config"], "request_rate": rate}}, f, indent=1)
+    print(f"wrote {args.json}")
+    if args.figure:
+        try:
+            plot(r, args.figure)
+            print(f"wrote {args.figure}")
+        except ImportError:
+            print("rawinfer: no figure: install matplotlib (pip install matplotlib) to get one", file=sys.stderr)
+    return 0 if r["completed"] else 1
+
+
+def add_parser(bsub) -> None:
+    from rawinfer.frontends.server.client import DEFAULT_ADDR
+    p = bsub.add_parser("serve", help="online: Poisson load against a running `rawinfer serve`",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--addr", default=DEFAULT_ADDR, help="server endpoint")
+    p.add_argument("--server-key", default=None, metavar="FILE", help="server public key (CurveZMQ)")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson), or inf")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random ids)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens to generate (EOS ignored)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="random lengths in len*(1±r); 0 = fixed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stats-interval", type=float, default=0.25, help="seconds between `stats` polls")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request silence limit in seconds")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the short warm-up request")
+    p.add_argument("--json", default="bench-serve.json", metavar="PATH", help="result file")
+    p.add_argument("--figure", default="bench-serve.png", metavar="PATH", help="PNG figure ('' for none)")
+    p.set_defaults(func=cmd_serve_bench)

@@ -1,0 +1,142 @@
+"""`rawinfer bench`: offline throughput (`throughput`); `serve` and `roofline` register themselves here too."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from rawinfer.engine.metrics import summarize
+from rawinfer.sampling import SamplingParams
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(num_requests: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                  seed: int, shared_prefix: int = 0) -> Workload:
+    """Seeded random token prompts. Lengths are uniform in [len*(1-r), len*(1+r)] (r = 0: fixed).
+    Ids are drawn from the lower part of the vocabulary, away from the special tokens at either end."""
+    rng = np.random.default_rng(seed)
+
+    def lengths(mean: int) -> list[int]:
+        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return [int(x) for x in rng.integers(lo, hi + 1, num_requests)]
+
+    lo, hi = min(100, vocab_size // 4), max(vocab_size - 100, vocab_size // 2)
+    prefix = [int(x) for x in rng.integers(lo, hi, shared_prefix)]
+    prompts = [prefix + [int(x) for x in rng.integers(lo, hi, n)] for n in lengths(input_len)]
+    return Workload(prompts, lengths(output_len))
+
+
+def run_offline(engine, wl: Workload) -> dict:
+    """Submit everything at once, step until done; returns the benchmark's numbers."""
+    base_preempt = engine.scheduler.num_preemptions
+    bm = engine.block_manager
+    q0, h0 = bm.stats.query_tokens, bm.stats.hit_tokens
+    t0 = time.monotonic()
+    for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens)):
+        engine.add_request(f"bench-{t0}-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    finals = []
+    peak_kv = 0.0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals.append(out.metrics)
+        peak_kv = max(peak_kv, bm.usage)
+    elapsed = time.monotonic() - t0
+    n_out = sum(m.generated_tokens for m in finals)
+    n_in = sum(m.prompt_tokens for m in finals)
+    q, h = bm.stats.query_tokens - q0, bm.stats.hit_tokens - h0
+    return {
+        "num_requests": len(finals), "elapsed_s": elapsed,
+        "requests_per_s": len(finals) / elapsed, "output_tokens_per_s": n_out / elapsed,
+        "total_tokens_per_s": (n_in + n_out) / elapsed,
+        "prompt_tokens": n_in, "output_tokens": n_out,
+        "ttft_ms": summarize([m.ttft_s for m in finals], 1000),
+        "itl_ms": summarize([g for m in finals for g in m.itl_s], 1000),
+        "e2e_ms": summarize([m.e2e_s for m in finals], 1000),
+        "peak_kv_usage": peak_kv,
+        "prefix_cache_hit_rate": (h / q) if q else 0.0,
+        "preemptions": engine.scheduler.num_preemptions - base_preempt,
+    }
+
+
+def _fmt(d: dict | None) -> str:
+    if not d or d.get("mean") is None:
+        return "n/a"
+    return f"mean {d['mean']:.1f} / p50 {d['p50']:.1f} / p99 {d['p99']:.1f} ms"
+
+
+def print_report(r: dict, file=sys.stdout) -> None:
+    print(f"requests:            {r['num_requests']} in {r['elapsed_s']:.2f} s", file=file)
+    print(f"requests/s:          {r['requests_per_s']:.2f}", file=file)
+    print(f"output tokens/s:     {r['output_tokens_per_s']:.1f}", file=file)
+    print(f"total tokens/s:      {r['total_tokens_per_s']:.1f}", file=file)
+    print(f"TTFT:                {_fmt(r['ttft_ms'])}", file=file)
+    print(f"ITL:                 {_fmt(r['itl_ms'])}", file=file)
+    print(f"peak KV utilisation: {r['peak_kv_usage'] * 100:.1f} %", file=file)
+    print(f"prefix-cache hits:   {r['prefix_cache_hit_rate'] * 100:.1f} %", file=file)
+    print(f"preemptions:         {r['preemptions']}", file=file)
+
+
+def cmd_throughput(args) -> int:
+    from rawinfer.frontends.cli.main import engine_config_from_args
+    from rawinfer.engine.engine import LLMEngine
+    engine = LLMEngine(args.model, engine_config_from_args(args))
+    V = engine.model_config.vocab_size
+    wl = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, V, args.seed,
+                       args.shared_prefix)
+    if args.warmup:
+        run_offline(engine, make_workload(2, 16, 4, 0.0, V, args.seed + 1))
+    result = {"config": {k: v for k, v in vars(args).items() if k != "func"}}
+    if args.compare_single:
+        single = run_offline(engine, make_workload(1, args.input_len, args.output_len, 0.0, V, args.seed + 2))
+        # the single stream's decode rate (1 / mean ITL), not its output tokens/s: those include its
+        # prefill and would flatter the ratio
+        single["decode_tokens_per_s"] = 1000.0 / single["itl_ms"]["mean"]
+        result["single_stream"] = single
+        print(f"single stream:       {single['decode_tokens_per_s']:.1f} decode tokens/s "
+              f"(ITL {_fmt(single['itl_ms'])}; {single['output_tokens_per_s']:.1f} output tokens/s with its prefill)")
+    r = run_offline(engine, wl)
+    result.update(r)
+    print_report(r)
+    if args.compare_single:
+        ratio = r["output_tokens_per_s"] / result["single_stream"]["decode_tokens_per_s"]
+        result["speedup_vs_single_stream"] = ratio
+        print(f"batched / single:    {ratio:.1f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline")
+    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    from rawinfer.frontends.cli.main import add_engine_args
+    t = bsub.add_parser("throughput", help="offline: N requests submitted at once",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--num-requests", type=int, default=64)
+    t.add_argument("--input-len", type=int, default=128)
+    t.add_argument("--output-len", type=int, default=128)
+    t.add_argument("--range-ratio", type=float, default=0.0, help="random lengths in len*(1±r); 0 = fixed")
+    t.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix common to every prompt")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--compare-single", action="store_true",
+                   help="first measure one request alone and report the batched/single ratio")
+    t.add_argument("--no-warmup", dest="warmup", action="store_false")
+    t.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    add_engine_args(t)
+    t.set_defaults(func=cmd_throughput)
+    from rawinfer.frontends.bench import roofline, serve
+    serve.add_parser(bsub)
+    roofline.add_parser(bsub)

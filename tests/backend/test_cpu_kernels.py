@@ -1,0 +1,396 @@
+"""Every CPU backend op against a NumPy `<op>_ref`, on several shapes (sizes off the tile/block grid too)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from rawinfer.backend.cpu import attention as A
+from rawinfer.backend.cpu import kernels as K
+from rawinfer.backend.cpu import llvm as cpu_llvm
+from rawinfer.backend.cpu.backend import ATTN_QUERY_TILE, CPUBackend
+from rawinfer.exec.memory import kv_cache_shape
+
+be = CPUBackend()
+RNG = np.random.default_rng(1234)
+
+
+def rand(*shape, rng=None):
+    return (rng or RNG).standard_normal(shape).astype(np.float32)
+
+
+# ---- references --------------------------------------------------------------------------------
+def rmsnorm_ref(x, w, eps):
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
+
+
+def rope_ref(qkv, positions, cos_sin, H, Hkv):
+    D = cos_sin.shape[1]
+    half = D // 2
+    out = qkv.copy().reshape(qkv.shape[0], -1, D)
+    cos, sin = cos_sin[positions, :half][:, None, :], cos_sin[positions, half:][:, None, :]
+    x = out[:, :H + Hkv]
+    x1, x2 = x[..., :half].copy(), x[..., half:].copy()
+    out[:, :H + Hkv, :half] = x1 * cos - x2 * sin
+    out[:, :H + Hkv, half:] = x2 * cos + x1 * sin
+    return out.reshape(qkv.shape)
+
+
+def silu_mul_ref(gu):
+    F = gu.shape[1] // 2
+    g = gu[:, :F].astype(np.float64)
+    return (g / (1 + np.exp(-g)) * gu[:, F:]).astype(np.float32)
+
+
+def attention_ref(q_rows, seqs_k, seqs_v, q_lens, ctx_lens, H, Hkv, scale):
+    """q_rows[T, H, D]; per-sequence contiguous K/V [ctx, Hkv, D]. Causal, grouped-query, float64."""
+    out = np.zeros_like(q_rows, dtype=np.float64)
+    G = H // Hkv
+    row = 0
+    for k, v, ql, cl in zip(seqs_k, seqs_v, q_lens, ctx_lens):
+        for i in range(ql):
+            pos = cl - ql + i
+            for h in range(H):
+                s = (k[:pos + 1, h // G].astype(np.float64) @ q_rows[row + i, h].astype(np.float64)) * scale
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[row + i, h] = p @ v[:pos + 1, h // G]
+        row += ql
+    return out.astype(np.float32)
+
+
+# ---- tests -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T,C", [(1, 8), (5, 64), (33, 576), (130, 100)])
+def test_rmsnorm(T, C):
+    x, w = rand(T, C), rand(C)
+    out = np.empty_like(x)
+    be.rmsnorm(x, w, 1e-5, out)
+    np.testing.assert_allclose(out, rmsnorm_ref(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,C", [(1, 8), (7, 64), (129, 200)])
+def test_add_rmsnorm(T, C):
+    x, res, w = rand(T, C), rand(T, C), rand(C)
+    res0 = res.copy()
+    out = np.empty_like(x)
+    be.add_rmsnorm(x, res, w, 1e-6, out)
+    np.testing.assert_allclose(res, res0 + x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out, rmsnorm_ref(res0 + x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 4, 2, 16), (9, 9, 3, 64), (40, 8, 8, 32), (3, 6, 1, 8)])
+def test_rope(T, H, Hkv, D):
+    P = 100
+    qkv = rand(T, (H + 2 * Hkv) * D)
+    ang = np.outer(np.arange(P), 1.0 / 10000 ** (np.arange(0, D, 2) / D))
+    cos_sin = np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32)
+    pos = RNG.integers(0, P, T).astype(np.int32)
+    ref = rope_ref(qkv, pos, cos_sin, H, Hkv)
+    be.rope(qkv, pos, cos_sin, H, Hkv)
+    np.testing.assert_allclose(qkv, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_rejects_positions_past_the_table():
+    qkv = rand(2, 4 * 8)
+    cos_sin = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="context"):
+        be.rope(qkv, np.array([1, 4], np.int32), cos_sin, 2, 1)
+
+
+@pytest.mark.parametrize("T,F", [(1, 3), (17, 160), (64, 1536)])
+def test_silu_mul(T, F):
+    gu = rand(T, 2 * F)
+    out = np.empty((T, F), np.float32)
+    be.silu_mul(gu, out)
+    np.testing.assert_allclose(out, silu_mul_ref(gu), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,K,N,bias", [(1, 64, 3, False), (2, 576, 130, False), (13, 576, 1728, True),
+                                        (70, 33, 17, True), (3, 100, 1000, False)])
+@pytest.mark.parametrize("numba_pool", [True, False])   # GEMMs on Numba's threads, or np.matmul
+def test_linear(T, K, N, bias, numba_pool, monkeypatch):
+    if numba_pool and not be.blas_on_numba_pool:
+        pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
+    monkeypatch.setattr(be, "blas_on_numba_pool", numba_pool)
+    x, w = rand(T, K), rand(N, K)
+    b = rand(N) if bias else None
+    out = np.empty((T, N), np.float32)
+    be.linear(x, w, out, bias=b)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_nt_splits_columns_over_any_number_of_parts():
+    from rawinfer.backend.cpu import blas as cpu_blas
+    if not cpu_blas.available():
+        pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
+    x, w = rand(5, 40), rand(7, 40)
+    for parts in (1, 2, 3, 7, 9):          # 9 parts of 7 columns: some slices are empty
+        out = np.full((5, 7), np.nan, np.float32)
+        cpu_blas.matmul_nt(x, w, out, parts)
+        np.testing.assert_allclose(out, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_exp_matches_numpy():
+    from rawinfer.backend.cpu.kernels import fast_exp
+    import numba as nb
+
+    @nb.njit
+    def apply(x, out):
+        for i in range(x.shape[0]):
+            out[i] = fast_exp(x[i])
+    x = np.concatenate([np.linspace(-87, 88, 100001), [0.0, -1e-8, 1e-8, 0.5 * np.log(2)]]).astype(np.float32)
+    out = np.empty_like(x)
+    apply(x, out)
+    ref = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(out - ref) / ref) < 1e-6
+    tails = np.array([-np.inf, -1000.0, -88.0, 89.0, 1000.0], np.float32)
+    out = np.empty_like(tails)
+    apply(tails, out)
+    assert 0 < out[0] == out[1] == out[2] < 1e-37          # clamped: 0 for any sum it enters
+    assert out[3] == out[4] and np.isfinite(out[3])
+
+
+def test_prefault_leaves_the_bytes_alone():
+    arena = be.alloc_arena(8 << 20)
+    arena[: 4 << 20] = 7
+    be.prefault(arena, 4096 + 3, (6 << 20) - 5)
+    assert (arena[: 4 << 20] == 7).all() and (arena[4 << 20:] == 0).all()
+    arena[-1] = 1                                           # writable after it too
+    assert arena[-1] == 1
+
+
+def test_embedding_and_take_rows():
+    table = rand(50, 12)
+    ids = np.array([3, 0, 49, 3], np.int32)
+    out = np.empty((4, 12), np.float32)
+    be.embedding(ids, table, out)
+    np.testing.assert_array_equal(out, table[ids])
+    rows = np.empty((2, 12), np.float32)
+    be.take_rows(out, np.array([3, 1], np.int32), rows)
+    np.testing.assert_array_equal(rows, table[[3, 0]])
+    with pytest.raises(ValueError, match="out of range"):
+        be.embedding(np.array([50], np.int32), table, out[:1])
+
+
+def quantize_rows_ref(x):
+    """x [..., D] float32 -> (int8 rows, float32 scales [...]) as an int8 KV cache holds them: scale
+    max|row| / 127, values rounded to nearest (an all-zero row: zeros, scale 0)."""
+    m = np.abs(x).max(-1).astype(np.float32)
+    inv = np.where(m > 0, np.float32(127.0) / np.where(m > 0, m, 1), 0).astype(np.float32)
+    return np.rint(x * inv[..., None]).astype(np.int8), (m / np.float32(127.0)).astype(np.float32)
+
+
+def tile_scales(cache, blk, h, BS):
+    """The float32 row scales of an int8 cache's (block, kv head) tile (memory.kv_cache_shape)."""
+    D = cache.shape[3]
+    return cache[blk, h].reshape(-1)[BS * D:BS * D + 4 * BS].view(np.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16, np.int8])
+def test_kv_write_and_copy_blocks(kv_dtype):
+    H, Hkv, D, BS, NB, T = 4, 2, 8, 4, 6, 7
+    qkv = rand(T, (H + 2 * Hkv) * D)
+    qkv[0, H * D] = 1e6                                   # beyond float16's range: stored as inf
+    qkv[3, (H + Hkv) * D:(H + Hkv + 1) * D] = 0           # an all-zero V row: int8 scale 0
+    shape = kv_cache_shape(NB, Hkv, BS, D, kv_dtype)
+    assert shape == ((NB, Hkv, BS + 2, D) if kv_dtype == np.int8 else (NB, Hkv, BS, D))
+    kc, vc = np.zeros(shape, kv_dtype), np.zeros(shape, kv_dtype)
+    slots = np.array([5, 6, 7, 20, 21, 0, 13], np.int32)
+    be.kv_write(qkv, kc, vc, slots, H)
+    k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
+    if kv_dtype == np.int8:
+        (kq, ks), (vq, vs) = quantize_rows_ref(k), quantize_rows_ref(v)
+        for t, s in enumerate(slots):
+            np.testing.assert_array_equal(kc[s // BS, :, s % BS], kq[t])
+            np.testing.assert_array_equal(vc[s // BS, :, s % BS], vq[t])
+            for h in range(Hkv):
+                assert tile_scales(kc, s // BS, h, BS)[s % BS] == ks[t, h]
+                assert tile_scales(vc, s // BS, h, BS)[s % BS] == vs[t, h]
+        assert vs[3, 0] == 0 and not vq[3, 0].any()
+        assert np.abs(kq.astype(np.float32) * ks[..., None] - k).max() <= np.abs(k).max(-1).max() / 254 * 1.001
+    else:
+        with np.errstate(over="ignore"):                  # NumPy's cast rounds the same way (to nearest even)
+            k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+        for t, s in enumerate(slots):
+            np.testing.assert_array_equal(kc[s // BS, :, s % BS], k[t])
+            np.testing.assert_array_equal(vc[s // BS, :, s % BS], v[t])
+    be.copy_blocks([kc], [vc], [(1, 4), (5, 2)])
+    np.testing.assert_array_equal(kc[4], kc[1])           # whole tiles: an int8 cache's scales too
+    np.testing.assert_array_equal(vc[2], vc[5])
+
+
+def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None, kv_dtype=np.float32):
+    """Random per-sequence K/V written into a pool (of kv_dtype) through (shuffled) block tables; the
+    returned per-sequence K/V are the values the pool holds (int8: the rows dequantized)."""
+    rng = np.random.default_rng(shuffle_seed)
+    vrng = np.random.default_rng(value_seed) if value_seed is not None else RNG
+    B = len(q_lens)
+    nblocks = [-(-c // BS) for c in ctx_lens]
+    NB = sum(nblocks) + 3
+    perm = rng.permutation(NB).astype(np.int32)
+    if kv_dtype == np.int8:                               # garbage rows and scales everywhere else
+        shape = kv_cache_shape(NB, Hkv, BS, D, np.int8)
+        kc, vc = (vrng.integers(-128, 128, shape).astype(np.int8) for _ in range(2))
+        for c in (kc, vc):
+            for blk in range(NB):
+                for h in range(Hkv):
+                    tile_scales(c, blk, h, BS)[:] = vrng.random(BS, np.float32)
+    else:
+        kc = rand(NB, Hkv, BS, D, rng=vrng)   # garbage everywhere a sequence does not own
+        vc = rand(NB, Hkv, BS, D, rng=vrng)
+    MB = max(nblocks)
+    tables = np.full((B, MB), 0, np.int32)
+    seqs_k, seqs_v = [], []
+    used = 0
+    for b, c in enumerate(ctx_lens):
+        tab = perm[used:used + nblocks[b]]
+        used += nblocks[b]
+        tables[b, :len(tab)] = tab
+        k, v = rand(c, Hkv, D, rng=vrng), rand(c, Hkv, D, rng=vrng)
+        if kv_dtype == np.int8:
+            (kq, ks), (vq, vs) = quantize_rows_ref(k), quantize_rows_ref(v)
+            for p in range(c):
+                kc[tab[p // BS], :, p % BS], vc[tab[p // BS], :, p % BS] = kq[p], vq[p]
+                for h in range(Hkv):
+                    tile_scales(kc, tab[p // BS], h, BS)[p % BS] = ks[p, h]
+                    tile_scales(vc, tab[p // BS], h, BS)[p % BS] = vs[p, h]
+            k, v = kq.astype(np.float32) * ks[..., None], vq.astype(np.float32) * vs[..., None]
+        else:
+            k, v = k.astype(kv_dtype).astype(np.float32), v.astype(kv_dtype).astype(np.float32)
+            for p in range(c):
+                kc[tab[p // BS], :, p % BS] = k[p]
+                vc[tab[p // BS], :, p % BS] = v[p]
+        seqs_k.append(k)
+        seqs_v.append(v)
+    T = sum(q_lens)
+    qkv = rand(T, (H + 2 * Hkv) * D, rng=vrng)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kc, vc = kc.astype(kv_dtype), vc.astype(kv_dtype)
+    return qkv, kc, vc, tables, np.asarray(ctx_lens, np.int32), qsl, seqs_k, seqs_v
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,H,Hkv,D,BS", [
+    ([1], [1], 2, 1, 8, 16),                             # first decode token
+    ([5, 1, 1], [5, 40, 17], 4, 2, 16, 16),              # a prefill mixed with decodes
+    ([37, 3, 1], [37, 50, 100], 9, 3, 64, 16),           # ragged, not multiples of the tile or block
+    ([ATTN_QUERY_TILE * 2 + 3], [ATTN_QUERY_TILE * 2 + 10], 8, 8, 32, 5),   # chunk after a cached prefix
+    ([7, 7], [7, 14], 6, 1, 8, 3),                       # multi-query (Hkv = 1)
+    ([1, 1, 1], [1, 16, 33], 4, 2, 16, 16),              # pure decode batch (the two-pass decode kernel)
+    ([1] * 20, list(range(3, 203, 10)), 9, 3, 64, 16),   # ... 60 work items: its parallel build
+    ([130, 1, 40], [150, 60, 40], 9, 3, 64, 16),         # long prefill chunks: 64-query tiles (BLAS path)
+])
+@pytest.mark.parametrize("blas", [True, False])          # query runs >= 32 take the BLAS kernel if it can
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16, np.int8])
+def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, kv_dtype, monkeypatch):
+    if blas and not be.blas_on_numba_pool:
+        pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
+    monkeypatch.setattr(be, "blas_on_numba_pool", blas)
+    qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 7, kv_dtype=kv_dtype)
+    T = qkv.shape[0]
+    out = np.empty((T, H * D), np.float32)
+    scale = D ** -0.5
+    be.paged_attention(qkv, kc, vc, tables, ctx, qsl, scale, out, max(q_lens), max(ctx_lens))
+    ref = attention_ref(qkv[:, :H * D].reshape(T, H, D), ks, vs, q_lens, ctx_lens, H, Hkv, scale)
+    np.testing.assert_allclose(out.reshape(T, H, D), ref, rtol=2e-5, atol=2e-5)
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("ctx_lens,H,Hkv,D,BS", [
+    ([1, 7, 8, 9], 4, 2, 32, 8),                         # contexts around the 4-row groups and blocks
+    ([1, 4, 5, 13], 14, 2, 32, 4),                       # 7 query heads per kv head (3 + 3 + 1), BS = 4
+    ([11, 12, 25], 10, 2, 64, 12),                       # 5 heads per kv head (3 + 2), BS not a power of 2
+    ([3, 16, 17, 100, 255], 9, 3, 64, 16),               # SmolLM2's heads
+    ([33, 64, 65], 8, 2, 128, 32),                       # Llama's head size, larger blocks
+    ([20] * 18, 6, 6, 32, 8),                            # Hkv = H; 108 work items (parallel build)
+])
+@pytest.mark.parametrize("kernel", ["avx2", "portable"])
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16, np.int8])
+def test_decode_attention_kernels(ctx_lens, H, Hkv, D, BS, kernel, kv_dtype):
+    """Both pure-decode kernels (row b of qkv = sequence b's new token) against the reference; float16
+    caches go in as their uint16 bits, as the backend passes them; int8 ones with their row scales
+    (the AVX2 kernel applies them to the scores and the weights, not to the rows)."""
+    fn = A.decode_attention_avx2_kernel if kernel == "avx2" else A.decode_attention_kernel
+    if kernel == "avx2" and not cpu_llvm.available():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    q_lens = [1] * len(ctx_lens)
+    qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3, kv_dtype=kv_dtype)
+    if kv_dtype == np.float16:
+        kc, vc = kc.view(np.uint16), vc.view(np.uint16)
+    assert A.decode_attention_avx2_fits(kc) == cpu_llvm.available()
+    out = np.full((len(ctx_lens), H * D), np.nan, np.float32)
+    scale = D ** -0.5
+    fn(len(ctx_lens) * Hkv, qkv, kc, vc, tables, ctx, np.float32(scale), H, out)
+    ref = attention_ref(qkv[:, :H * D].reshape(-1, H, D), ks, vs, q_lens, ctx_lens, H, Hkv, scale)
+    np.testing.assert_allclose(out.reshape(-1, H, D), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_decode_attention_avx2_fits_only_its_layouts():
+    assert not A.decode_attention_avx2_fits(np.zeros((2, 1, 6, 32), np.float32))    # BS % 4
+    assert not A.decode_attention_avx2_fits(np.zeros((2, 1, 16, 48), np.float32))   # D % 32
+    assert not A.decode_attention_avx2_fits(np.zeros((2, 1, 16, 64), np.float64))
+    assert A.decode_attention_avx2_fits(np.zeros(kv_cache_shape(2, 1, 16, 64, np.int8), np.int8)) == \
+        cpu_llvm.available()
+    assert not A.decode_attention_avx2_fits(np.zeros(kv_cache_shape(2, 1, 6, 64, np.int8), np.int8))
+
+
+def test_paged_attention_block_table_layout_does_not_matter():
+    """The same sequences through two different physical layouts give the same output."""
+    args = ([9, 1], [30, 33], 4, 2, 16, 4)
+    outs = []
+    for seed in (1, 2):   # same K/V/Q values, different block permutation
+        qkv, kc, vc, tables, ctx, qsl, _, _ = _paged_case(*args, shuffle_seed=seed, value_seed=99)
+        out = np.empty((qkv.shape[0], 4 * 16), np.float32)
+        be.paged_attention(qkv, kc, vc, tables, ctx, qsl, 0.25, out, 9, 33)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_shape_and_dtype_checks():
+    with pytest.raises(ValueError, match="shape"):
+        be.rmsnorm(rand(2, 8), rand(8), 1e-5, np.empty((3, 8), np.float32))
+    with pytest.raises(TypeError, match="int32"):
+        be.kv_write(rand(1, 32), np.zeros((1, 1, 4, 8), np.float32), np.zeros((1, 1, 4, 8), np.float32),
+                    np.zeros(1, np.int64), 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        be.rmsnorm(rand(8, 4).T, rand(8), 1e-5, np.empty((4, 8), np.float32))
+
+
+def test_serial_and_parallel_builds_cache_apart():
+    """Numba names disk-cache files after the function (not its compile options): the two builds of a
+    kernel must carry different names, or one loads the other's machine code from the cache."""
+    from rawinfer.backend.cpu import attention as A
+    from rawinfer.backend.cpu import kernels as K
+    kernels = [v for mod in (K, A) for v in vars(mod).values() if isinstance(v, K.Kernel)]
+    assert len(kernels) >= 8
+    names = set()
+    for k in kernels:
+        names |= {k.serial.py_func.__qualname__, k.parallel.py_func.__qualname__}
+    assert len(names) == 2 * len(kernels)
+
+
+def test_kernel_cache_refresh_drops_builds_of_changed_sources(tmp_path):
+    """Cached kernels inline code from the other modules of the CPU package, which Numba's own check
+    does not see: a change to any of its sources drops every kernel build (and nothing else)."""
+    from rawinfer.backend.cpu import cache as cpu_cache
+    (tmp_path / "a.py").write_text("X = 1\n")
+    (tmp_path / "b.py").write_text("Y = 1\n")
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+
+    def cached():
+        for name in ("a.f-3.py311.nbi", "b.g-9.py311.nbc", "a.cpython-311.pyc"):
+            (cache / name).write_bytes(b"x")
+    cached()
+    assert len(cpu_cache.refresh(str(tmp_path))) == 2            # no stamp yet: the kernel builds go
+    assert (cache / "a.cpython-311.pyc").exists()
+    cached()
+    assert cpu_cache.refresh(str(tmp_path)) == []                # sources unchanged: kept
+    (tmp_path / "b.py").write_text("Y = 2\n")                   # one source edited: every kernel build goes
+    assert sorted(os.path.basename(p) for p in cpu_cache.refresh(str(tmp_path))) == [
+        "a.f-3.py311.nbi", "b.g-9.py311.nbc"]
+    assert cpu_cache.refresh(str(tmp_path)) == []

@@ -1,0 +1,452 @@
+"""Every CUDA kernel, run on the CPU under tests/cuda_shim, against a NumPy <op>_ref.
+
+The kernels are the real cuda/*.cu sources compiled by g++ with the execution shim, launched through
+the real `CUDABackend` op methods (shape checks, launch geometry, kernel_specs argument packing) with a
+host launcher in place of CuPy.  Shapes are small (the shim runs one OS thread per CUDA thread) but
+ragged, not multiples of tiles or warps, and cover split-K decode over long contexts and block tables
+in shuffled order.  Tolerances: about two units in the last place of the storage dtype.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from rawinfer.backend.cuda import kernel_specs as ks
+
+harness = pytest.importorskip("cuda_shim.harness")
+
+if harness.compiler() is None:
+    pytest.skip("no host C++ compiler for the CUDA shim", allow_module_level=True)
+
+from ml_dtypes import bfloat16  # noqa: E402
+
+from rawinfer.backend.cuda.backend import CUDABackend  # noqa: E402
+from cuda_shim.refs import (DTYPE_IDS, DTYPES, add_rmsnorm_ref, argmax_ref, assert_close, copy_blocks_ref,  # noqa: E402
+                            cos_sin_table, embedding_ref, f64, kv_write_ref, make_paged_batch, paged_attention_ref,
+                            rand, rmsnorm_ref, rope_ref, sample_ref, silu_mul_ref, take_rows_ref)
+
+
+@pytest.fixture(scope="module")
+def shim_libraries():
+    return harness.build_all()  # every .cu once, in parallel; cached on disk between sessions
+
+
+@pytest.fixture
+def backend(shim_libraries):
+    return CUDABackend(launcher=harness.ShimLauncher(shim_libraries))
+
+
+def small_partition_backend(shim_libraries, partition):
+    return CUDABackend(launcher=harness.ShimLauncher(shim_libraries), decode_partition=partition)
+
+
+# ---- the shim itself ------------------------------------------------------------------------------
+SELFTEST_SPECS = [
+    ks.KernelSpec("convert_kernel", "shim_selftest.cu",
+                  ks.signature("f16* h, bf16* b, float* h_back, float* b_back, const float* x, int n")),
+    ks.KernelSpec("shuffle_kernel", "shim_selftest.cu", ks.signature("int* out")),
+    ks.KernelSpec("atomics_kernel", "shim_selftest.cu",
+                  ks.signature("float* fsum, int* isum, int* imax, unsigned long long* usum")),
+    ks.KernelSpec("smem_kernel", "shim_selftest.cu", ks.signature("float* out, int* warp_out")),
+    ks.KernelSpec("divergent_kernel", "shim_selftest.cu", ks.signature("int* out")),
+    ks.KernelSpec("early_return_kernel", "shim_selftest.cu", ks.signature("int* out")),
+]
+
+
+@pytest.fixture(scope="module")
+def selftest():
+    lib = harness.build("shim_selftest.cu", SELFTEST_SPECS, folder=harness.SHIM_DIR)
+    launcher = harness.ShimLauncher({"shim_selftest.cu": lib})
+    specs = {s.name: s for s in SELFTEST_SPECS}
+
+    def run(name, grid, block, smem, *args):
+        launcher.launch(specs[name], (), grid, block, smem, ks.pack_args(specs[name], (), args))
+    return run
+
+
+def test_shim_conversions_are_bit_exact(selftest):
+    rng = np.random.default_rng(0)
+    special = np.array([0.0, -0.0, 1.0, -2.5, 65504.0, 65519.99, 65520.0, 1e6, -1e6, np.inf, -np.inf,
+                        2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-26, 1e-30, 1.0 + 2.0**-11,
+                        1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 3.0e38], np.float32)
+    scaled = (rng.standard_normal(2000) * 10.0 ** rng.integers(-9, 6, 2000)).astype(np.float32)
+    bits = rng.integers(0, 2**32, 3000, dtype=np.uint32).view(np.float32)
+    x = np.concatenate([special, scaled, bits])
+    x = x[~np.isnan(x)]
+    n = len(x)
+    h, b = np.empty(n, np.float16), np.empty(n, bfloat16)
+    hb, bb = np.empty(n, np.float32), np.empty(n, np.float32)
+    selftest("convert_kernel", (4,), (64,), 0, h, b, hb, bb, x, n)
+    with np.errstate(over="ignore"):  # values beyond fp16's range become inf, as on the GPU
+        want_h, want_b = x.astype(np.float16), x.astype(bfloat16)
+    np.testing.assert_array_equal(h.view(np.uint16), want_h.view(np.uint16))
+    np.testing.assert_array_equal(b.view(np.uint16), want_b.view(np.uint16))
+    np.testing.assert_array_equal(hb, want_h.astype(np.float32))
+    np.testing.assert_array_equal(bb, want_b.astype(np.float32))
+
+
+def test_shim_shuffles_follow_cuda_rules(selftest):
+    blocks, threads = 2, 64
+    out = np.zeros((blocks * threads, 6), np.int32)
+    selftest("shuffle_kernel", (blocks,), (threads,), 0, out)
+    tid = np.tile(np.arange(threads), blocks)
+    lane, warp0 = tid % 32, tid - tid % 32
+    v = lambda t: 3 * t + 1  # noqa: E731
+
+    def within(width, src_lane):  # a source outside the lane's width-segment returns the lane's own value
+        seg = lane - lane % width
+        ok = (src_lane >= seg) & (src_lane < seg + width)
+        return v(warp0 + np.where(ok, src_lane, lane))
+    np.testing.assert_array_equal(out[:, 0], v(warp0 + (lane ^ 5)))
+    np.testing.assert_array_equal(out[:, 1], within(32, lane + 3))
+    np.testing.assert_array_equal(out[:, 2], within(32, lane - 2))
+    np.testing.assert_array_equal(out[:, 3], v(warp0 + 7))
+    # xor with a width may read an earlier segment; only a later one yields the lane's own value
+    xor_src = lane ^ 9
+    np.testing.assert_array_equal(out[:, 4], v(warp0 + np.where(xor_src < lane - lane % 8 + 8, xor_src, lane)))
+    np.testing.assert_array_equal(out[:, 5], within(8, lane + 3))
+
+
+def test_shim_atomics(selftest):
+    fsum, isum = np.zeros(1, np.float32), np.zeros(1, np.int32)
+    imax, usum = np.full(1, -5, np.int32), np.zeros(1, np.uint64)
+    selftest("atomics_kernel", (3,), (96,), 0, fsum, isum, imax, usum)
+    assert fsum[0] == 3 * 96 and isum[0] == 3 * sum(range(96)) and imax[0] == 2 * 1000 + 95
+    assert int(usum[0]) == 3 * 96 * 2**33
+
+
+def test_shim_shared_memory_and_syncwarp(selftest):
+    blocks, threads = 3, 64
+    out, warp_out = np.zeros(blocks * threads, np.float32), np.zeros(blocks * threads, np.int32)
+    selftest("smem_kernel", (blocks,), (threads,), threads * 4, out, warp_out)
+    tid = np.arange(threads)
+    for b in range(blocks):
+        np.testing.assert_array_equal(out[b * threads:(b + 1) * threads], (threads - 1 - tid) * (b + 1))
+        neighbour = tid - tid % 32 + (tid % 32 + 1) % 32
+        np.testing.assert_array_equal(warp_out[b * threads:(b + 1) * threads], neighbour * 10 + b)
+
+
+@pytest.mark.parametrize("kernel", ["divergent_kernel", "early_return_kernel"])
+def test_shim_rejects_divergent_barriers(kernel, selftest):
+    """A barrier not reached by every thread is a bug on the GPU; the shim must abort, not pass."""
+    # Reuse the library the fixture built (same specs -> same cache entry).
+    lib = harness.build("shim_selftest.cu", SELFTEST_SPECS, folder=harness.SHIM_DIR)
+    code = textwrap.dedent(f"""
+        import ctypes, numpy as np
+        lib = ctypes.CDLL({str(lib)!r})
+        out = np.zeros(32, np.int32)
+        ptr = ctypes.c_void_p(out.ctypes.data)
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(ptr))
+        fn = getattr(lib, "rawinfer_launch_{kernel}")
+        fn(*[ctypes.c_uint(v) for v in (1, 1, 1, 32, 1, 1)], ctypes.c_ulonglong(0), args)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"RAWINFER_SHIM_DEADLOCK_S": "5", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode != 0
+    assert "divergent synchronisation" in proc.stderr or "deadlock" in proc.stderr, proc.stderr
+
+
+# ---- argument packing -----------------------------------------------------------------------------
+def test_pack_args_checks_dtype_layout_and_ranges():
+    spec = ks.SPECS["take_rows_kernel"]
+    x, idx, out = np.zeros((4, 3), np.float16), np.zeros(2, np.int32), np.zeros((2, 3), np.float16)
+    packed = ks.pack_args(spec, ("f16",), [out, x, idx, 3])
+    assert isinstance(packed[3], np.int32)
+    with pytest.raises(ks.KernelArgumentError, match="dtype float16"):
+        ks.pack_args(spec, ("f16",), [out.astype(np.float32), x, idx, 3])
+    with pytest.raises(ks.KernelArgumentError, match="C-contiguous"):
+        ks.pack_args(spec, ("f16",), [out, np.zeros((3, 4), np.float16).T, idx, 3])
+    with pytest.raises(ks.KernelArgumentError, match="integer"):
+        ks.pack_args(spec, ("f16",), [out, x, idx, 2**31])
+    with pytest.raises(ks.KernelArgumentError, match="takes 4 arguments"):
+        ks.pack_args(spec, ("f16",), [out, x, idx])
+    with pytest.raises(ks.KernelArgumentError, match="no instance"):
+        ks.pack_args(spec, ("double",), [out, x, idx, 3])
+    assert ks.pack_args(spec, ("bf16",), [out.view(np.uint16), x.view(bfloat16), idx, 3])
+
+
+def test_spec_mismatch_fails_the_build(monkeypatch, tmp_path):
+    """kernel_specs must match the .cu signature: a wrong entry stops the host build (and nvcc's)."""
+    wrong = ks.KernelSpec("take_rows_kernel", "take_rows.cu", ks.signature("T* out, const T* x, const int* indices, float cols"),
+                          ("T",), (("float",),))
+    monkeypatch.setenv("RAWINFER_SHIM_CACHE", str(tmp_path))
+    with pytest.raises(harness.ShimBuildError, match="disagrees with the signature"):
+        harness.build("take_rows.cu", [wrong])
+
+
+# ---- layer kernels --------------------------------------------------------------------------------
+# (storage dtype, residual dtype): the engine's pool keeps the residual stream in float32.
+RESIDUAL_CASES = [(np.float32, np.float32), (np.float16, np.float16), (bfloat16, bfloat16),
+                  (np.float16, np.float32), (bfloat16, np.float32)]
+RESIDUAL_IDS = ["f32", "f16", "bf16", "f16-res32", "bf16-res32"]
+
+
+@pytest.mark.parametrize("dtype,res_dtype", RESIDUAL_CASES, ids=RESIDUAL_IDS)
+def test_embedding(backend, dtype, res_dtype):
+    rng = np.random.default_rng(1)
+    table = rand(rng, (50, 70), dtype)
+    ids = rng.integers(0, 50, 9).astype(np.int32)
+    out = np.zeros((9, 70), res_dtype)
+    backend.embedding(ids, table, out)
+    np.testing.assert_array_equal(f64(out), f64(embedding_ref(ids, table)))
+
+
+@pytest.mark.parametrize("dtype,res_dtype", RESIDUAL_CASES, ids=RESIDUAL_IDS)
+@pytest.mark.parametrize("shape", [(5, 64), (3, 130), (2, 1000)])
+def test_rmsnorm(backend, dtype, res_dtype, shape):
+    rng = np.random.default_rng(2)
+    x, w = rand(rng, shape, res_dtype, 3.0), rand(rng, shape[1:], dtype)
+    out = np.zeros(shape, dtype)
+    backend.rmsnorm(x, w, 1e-5, out)
+    assert_close(out, rmsnorm_ref(x, w, 1e-5), dtype, "rmsnorm")
+    if res_dtype is dtype:
+        backend.rmsnorm(x, w, 1e-5, x)  # in place
+        assert_close(x, out, dtype, "in place")
+
+
+@pytest.mark.parametrize("dtype,res_dtype", RESIDUAL_CASES, ids=RESIDUAL_IDS)
+@pytest.mark.parametrize("shape", [(4, 96), (3, 300)])
+def test_add_rmsnorm(backend, dtype, res_dtype, shape):
+    rng = np.random.default_rng(3)
+    x, residual, w = rand(rng, shape, dtype), rand(rng, shape, res_dtype, 2.0), rand(rng, shape[1:], dtype)
+    ref_out, ref_residual = add_rmsnorm_ref(x, residual, w, 1e-6)
+    out = np.zeros(shape, dtype)
+    backend.add_rmsnorm(x, residual, w, 1e-6, out)
+    np.testing.assert_array_equal(f64(residual), f64(ref_residual))
+    assert_close(out, ref_out, dtype, "add_rmsnorm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 64), (2, 2, 6)])
+def test_rope(backend, dtype, heads, kv_heads, head_dim):
+    rng = np.random.default_rng(4)
+    n = 7
+    qkv = rand(rng, (n, (heads + 2 * kv_heads) * head_dim), dtype)
+    positions = rng.integers(0, 40, n).astype(np.int32)
+    cos_sin = cos_sin_table(40, head_dim, theta=500000.0)
+    ref = rope_ref(qkv, positions, cos_sin, heads, kv_heads)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].copy()
+    backend.rope(qkv, positions, cos_sin, heads, kv_heads)
+    assert_close(qkv, ref, dtype, "rope")
+    np.testing.assert_array_equal(f64(qkv[:, (heads + kv_heads) * head_dim:]), f64(v_before))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(3, 300), (2, 40)])
+def test_silu_mul(backend, dtype, shape):
+    rng = np.random.default_rng(5)
+    n, f = shape
+    gate_up = rand(rng, (n, 2 * f), dtype, 3.0)
+    out = np.zeros((n, f), dtype)
+    backend.silu_mul(gate_up, out)
+    assert_close(out, silu_mul_ref(gate_up), dtype, "silu_mul")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_kv_write(backend, dtype):
+    rng = np.random.default_rng(6)
+    nb, hkv, bs, d, heads, n = 6, 2, 4, 16, 4, 9
+    k_cache, v_cache = rand(rng, (nb, hkv, bs, d), dtype), rand(rng, (nb, hkv, bs, d), dtype)
+    qkv = rand(rng, (n, (heads + 2 * hkv) * d), dtype)
+    slots = rng.permutation(nb * bs)[:n].astype(np.int32)
+    ref_k, ref_v = kv_write_ref(qkv, k_cache, v_cache, slots, heads)
+    backend.kv_write(qkv, k_cache, v_cache, slots, heads)
+    np.testing.assert_array_equal(f64(k_cache), f64(ref_k))
+    np.testing.assert_array_equal(f64(v_cache), f64(ref_v))
+
+
+DECODE_CASES = [
+    # heads, kv_heads, head_dim, block_size, context lengths, partition
+    (4, 2, 16, 4, [1, 17, 40], 16),        # ragged, splits of 4 blocks
+    (8, 1, 32, 8, [300, 5], 64),           # long context in 5 splits, G = 8 > heads per pass
+    (3, 3, 64, 16, [33, 16, 70, 2], 512),  # no grouping, one split each
+    (6, 2, 16, 3, [50], 9),                # block size 3, partition 9 (3 blocks)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"decode{i}" for i in range(len(DECODE_CASES))])
+def test_paged_attention_decode(shim_libraries, dtype, case):
+    heads, kv_heads, head_dim, block_size, ctx_lens, partition = case
+    rng = np.random.default_rng(7)
+    paged = make_paged_batch(rng, dtype, [1] * len(ctx_lens), ctx_lens, heads, kv_heads, head_dim, block_size)
+    qkv, k_cache, v_cache, block_tables, context_lens, qsl = paged
+    backend = small_partition_backend(shim_libraries, partition)
+    out = np.zeros((len(ctx_lens), heads * head_dim), dtype)
+    scale = head_dim ** -0.5
+    backend.paged_attention(*paged, scale, out, 1, int(max(ctx_lens)))
+    names = [launch[0].split("<")[0] for launch in backend._launcher.launches]
+    assert names == ["paged_attention_decode_kernel", "paged_attention_merge_kernel"]
+    splits = backend._launcher.launches[0][1][0]
+    assert splits == -(-max(ctx_lens) // backend.decode_partition_size(heads // kv_heads, head_dim, block_size,
+                                                                        np.dtype(dtype).itemsize))
+    ref = paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, qsl, scale, heads)
+    assert_close(out, ref, dtype, "decode attention")
+
+
+def test_paged_attention_decode_grid_sized_for_graphs(shim_libraries):
+    """A grid sized for a longer bound than any sequence (as a captured graph needs) gives the same output."""
+    rng = np.random.default_rng(8)
+    paged = make_paged_batch(rng, np.float32, [1, 1], [20, 7], 4, 2, 16, 4)
+    backend = small_partition_backend(shim_libraries, 8)
+    outs = []
+    for bound in (20, 200):
+        out = np.zeros((2, 64), np.float32)
+        backend.paged_attention_decode(*paged, 0.25, out, bound)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert backend._launcher.launches[-2][1][0] == 25
+
+
+PREFILL_CASES = [
+    # heads, kv_heads, head_dim, block_size, q lens, context lengths
+    (4, 2, 16, 4, [5, 1, 20], [5, 8, 33]),            # fresh prompt, a decode row, chunked prefill
+    (2, 1, 24, 16, [40], [40]),                       # three query tiles, two key tiles
+    (3, 3, 80, 5, [17, 3], [60, 3]),                  # D = 80, block size 5, long past
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=[f"prefill{i}" for i in range(len(PREFILL_CASES))])
+def test_paged_attention_prefill(backend, dtype, case):
+    heads, kv_heads, head_dim, block_size, q_lens, ctx_lens = case
+    rng = np.random.default_rng(9)
+    paged = make_paged_batch(rng, dtype, q_lens, ctx_lens, heads, kv_heads, head_dim, block_size)
+    qkv, k_cache, v_cache, block_tables, context_lens, qsl = paged
+    out = np.zeros((qkv.shape[0], heads * head_dim), dtype)
+    scale = head_dim ** -0.5
+    backend.paged_attention(*paged, scale, out, max(q_lens), max(ctx_lens))
+    assert [launch[0].split("<")[0] for launch in backend._launcher.launches] == ["paged_attention_prefill_kernel"]
+    ref = paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, qsl, scale, heads)
+    assert_close(out, ref, dtype, "prefill attention")
+
+
+def test_prefill_tile_fits_shared_memory():
+    for head_dim in (16, 64, 128, 256):
+        for itemsize in (2, 4):
+            tile, smem = CUDABackend.prefill_kv_tile(head_dim, itemsize)
+            assert tile in (8, 16, 32) and smem <= 48 * 1024
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_copy_blocks(backend, dtype):
+    rng = np.random.default_rng(10)
+    k_caches = [rand(rng, (7, 2, 4, 8), dtype) for _ in range(3)]
+    v_caches = [rand(rng, (7, 2, 4, 8), dtype) for _ in range(3)]
+    pairs = [(1, 4), (6, 0), (1, 2)]
+    ref_k, ref_v = copy_blocks_ref(k_caches, pairs), copy_blocks_ref(v_caches, pairs)
+    backend.copy_blocks(k_caches, v_caches, pairs)
+    for got, ref in zip(k_caches + v_caches, ref_k + ref_v):
+        np.testing.assert_array_equal(f64(got), f64(ref))
+    with pytest.raises(ValueError, match="destination"):
+        backend.copy_blocks(k_caches, v_caches, [(1, 2), (2, 3)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_take_rows(backend, dtype):
+    rng = np.random.default_rng(11)
+    x = rand(rng, (10, 77), dtype)
+    idx = np.array([9, 0, 4, 4], np.int32)
+    out = np.zeros((4, 77), dtype)
+    backend.take_rows(x, idx, out)
+    np.testing.assert_array_equal(f64(out), f64(take_rows_ref(x, idx)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_argmax(backend, dtype):
+    rng = np.random.default_rng(12)
+    logits = rand(rng, (5, 1000), dtype, 4.0)
+    logits[1, [17, 400, 999]] = 50.0  # ties: the first index wins
+    logits[2, :] = -3.0
+    np.testing.assert_array_equal(backend.argmax(logits), argmax_ref(logits))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sample(backend, dtype):
+    rng = np.random.default_rng(13)
+    rows, vocab = 12, 300
+    base = rand(rng, (1, vocab), np.float32, 3.0)
+    logits = np.repeat(base, rows, 0).astype(dtype)
+    logits[3] = rand(rng, (vocab,), dtype, 3.0)
+    temperature = np.array([0, 1, 0.7, 1, 1, 1.3, 0.5, 1, 1, 2, 1, 0.9], np.float32)
+    top_k = np.array([0, 0, 0, 5, 1, 20, 0, 0, 3, 0, 300, 50], np.int32)
+    top_p = np.array([1, 1, 1, 1, 1, 1, 0.9, 0.5, 0.3, 1, 1, 0.8], np.float32)
+    min_p = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0, 0.1, 0, 0.05], np.float32)
+    uniform = rng.random(rows).astype(np.float32)
+    uniform[4] = 0.999999
+    got = backend.sample(logits, temperature, top_k, top_p, min_p, uniform)
+    ref, ambiguous = sample_ref(logits, temperature, top_k, top_p, min_p, uniform)
+    assert ambiguous.sum() <= 1, "the test's random draws sit on decision boundaries; change the seed"
+    np.testing.assert_array_equal(got[~ambiguous], ref[~ambiguous])
+    assert got[0] == np.argmax(logits[0].astype(np.float32)) and got[4] == got[0]
+
+
+def test_sample_distribution_matches_probabilities(backend):
+    """Many draws of one row at evenly spread u reproduce the filtered distribution (inverse CDF)."""
+    rng = np.random.default_rng(14)
+    vocab, rows = 40, 24
+    logits = np.repeat(rand(rng, (1, vocab), np.float32, 2.0), rows, 0)
+    uniform = ((np.arange(rows) + 0.5) / rows).astype(np.float32)
+    ones = np.ones(rows, np.float32)
+    got = backend.sample(logits, ones, np.full(rows, 6, np.int32), ones * 0.95, np.zeros(rows, np.float32), uniform)
+    ref, _ = sample_ref(logits, ones, np.full(rows, 6, np.int32), ones * 0.95, np.zeros(rows, np.float32), uniform)
+    np.testing.assert_array_equal(got, ref)
+    assert len(set(got.tolist())) <= 6
+
+
+# ---- the GEMM convention (cuBLAS's column-major call, emulated) -----------------------------------
+@pytest.mark.parametrize("dtype,out_dtype", [(np.float32, np.float32), (np.float16, np.float16),
+                                             (bfloat16, bfloat16), (bfloat16, np.float32)])
+def test_linear_row_major_convention(backend, dtype, out_dtype):
+    rng = np.random.default_rng(15)
+    x, w = rand(rng, (5, 24), dtype), rand(rng, (11, 24), dtype)
+    bias = rand(rng, (11,), out_dtype)
+    out = np.zeros((5, 11), out_dtype)
+    backend.linear(x, w, out)
+    assert_close(out, f64(x) @ f64(w).T, out_dtype, "linear")
+    backend.linear(x, w, out, bias=bias)
+    assert_close(out, f64(x) @ f64(w).T + f64(bias), out_dtype, "linear + bias")
+
+
+def test_shape_errors_name_the_argument(backend):
+    x = np.zeros((3, 8), np.float32)
+    with pytest.raises(ValueError, match="rmsnorm: weight"):
+        backend.rmsnorm(x, np.zeros(7, np.float32), 1e-5, x)
+    with pytest.raises(ValueError, match="linear"):
+        backend.linear(x, np.zeros((4, 9), np.float32), np.zeros((3, 4), np.float32))
+    with pytest.raises(ks.KernelArgumentError, match="dtype"):
+        backend.rmsnorm(x, np.zeros(8, np.float16), 1e-5, x)
+
+
+def test_sample_agrees_with_the_cpu_sampler(backend):
+    """Same logits, same parameters, same draw from the request's generator: same token as
+    rawinfer.sampler (the host path), except where float32 rounding decides a boundary."""
+    from rawinfer.engine.sampler import make_generator, sample_row
+    from rawinfer.sampling import SamplingParams
+
+    rng = np.random.default_rng(16)
+    settings = [dict(temperature=0.8), dict(temperature=1.0, top_k=7), dict(temperature=1.2, top_p=0.6),
+                dict(temperature=0.7, min_p=0.2), dict(temperature=1.0, top_k=30, top_p=0.9, min_p=0.05),
+                dict(temperature=0.0), dict(temperature=2.0, top_p=0.3)]
+    params = [SamplingParams(**s) for s in settings]
+    logits = rand(rng, (len(params), 200), np.float32, 2.5)
+    uniform = np.array([make_generator(5, i).random() for i in range(len(params))], np.float32)
+    got = backend.sample(logits, [p.temperature for p in params], [p.top_k for p in params],
+                         [p.top_p for p in params], [p.min_p for p in params], uniform)
+    want = [sample_row(row, p, [], make_generator(5, i)) for i, (row, p) in enumerate(zip(logits, params))]
+    _, ambiguous = sample_ref(logits, np.array([p.temperature for p in params]), np.array([p.top_k for p in params]),
+                              np.array([p.top_p for p in params]), np.array([p.min_p for p in params]), uniform)
+    assert ambiguous.sum() <= 1
+    np.testing.assert_array_equal(got[~ambiguous], np.array(want)[~ambiguous])
+
+
+def test_kv_cache_dtype_int8_is_refused_on_cuda(backend):
+    """The int8 KV cache is the CPU backend's; CUDA keeps K/V in the model's dtype and says so."""
+    assert backend.kv_dtype("float16", "auto") == np.float16
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'.*--kv-cache-dtype auto"):
+        backend.kv_dtype("float16", "int8", "int8")

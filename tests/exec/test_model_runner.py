@@ -1,0 +1,362 @@
+"""The model runner's decode-graph machinery, pool sizing and the sampler's device path, on the CPU.
+
+- The pure pieces: graph buckets, the packed decode-input layout, the padded host arrays of one step,
+  the KV sizing rule (explicit, CPU default, GPU share of free memory).
+- The whole graph path end to end without a GPU: `CUDABackend` over the host kernel shim
+  (tests/cuda_shim) with a launcher whose `capture` records every launch and GEMM with the arguments
+  it had (arrays by address, scalars by value) instead of running it, and whose graphs replay that
+  record, which is what a CUDA graph does.  Decoding with graphs must give the eager tokens, and a
+  replay must equal an eager run of the same padded batch bit for bit.
+- The sampler: device rows and host rows, one generator draw per sampled row, CPU unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from rawinfer import LLMEngine, SamplingParams
+from rawinfer.backend.cpu.backend import CPUBackend
+from rawinfer.config import EngineConfig, ModelConfig
+from rawinfer.exec.memory import (CPU_KV_CACHE_BYTES, MemoryPool, decode_input_words, kv_bytes_per_block,
+                             kv_region_bytes)
+from rawinfer.exec.runner import bucket_for, build_decode_inputs, decode_layout, graph_buckets
+from rawinfer.engine.sampler import Sampler, make_generator, sample_row
+
+MIB = 1024**2
+from conftest import DATA  # noqa: E402
+
+
+# ---- buckets and the packed layout ------------------------------------------------------------------
+def test_graph_buckets_and_bucket_choice():
+    assert graph_buckets(1) == (1,)
+    assert graph_buckets(8) == (1, 2, 4, 8)
+    assert graph_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    buckets = graph_buckets(100)
+    assert [bucket_for(b, buckets) for b in (1, 2, 3, 5, 64, 65, 100)] == [1, 2, 4, 8, 64, 100, 100]
+    for bad in (0, 101):
+        with pytest.raises(ValueError, match="bucket"):
+            bucket_for(bad, buckets)
+    with pytest.raises(ValueError):
+        graph_buckets(0)
+
+
+@pytest.mark.parametrize("bucket,max_blocks", [(1, 1), (4, 3), (64, 512)])
+def test_decode_layout_tiles_the_region(bucket, max_blocks):
+    layout = decode_layout(bucket, max_blocks)
+    words = sorted((sl.start, sl.stop) for sl, _ in layout.values())
+    assert words[0][0] == 0 and words[-1][1] == decode_input_words(bucket, max_blocks)
+    assert all(a[1] == b[0] for a, b in zip(words, words[1:]))          # contiguous, no overlap
+    for sl, shape in layout.values():
+        assert sl.stop - sl.start == int(np.prod(shape))
+    assert layout["block_tables"][1] == (bucket, max_blocks) and layout["query_start_loc"][1] == (bucket + 1,)
+
+
+def unpack(buf, bucket, max_blocks):
+    return {name: buf[sl].reshape(shape) for name, (sl, shape) in decode_layout(bucket, max_blocks).items()}
+
+
+def test_build_decode_inputs_real_rows_and_padding():
+    BS, MB, pad = 4, 5, 99
+    tables = [[7, 3], [12], [5, 6, 8]]
+    positions = [5, 0, 11]                  # last row: block 2 of its table (8), row 3
+    buf = build_decode_inputs([101, 102, 103], positions, tables, [0, 2], bucket=8, max_blocks=MB,
+                              block_size=BS, padding_block=pad)
+    assert buf.dtype == np.int32 and buf.shape == (decode_input_words(8, MB),)
+    f = unpack(buf, 8, MB)
+    np.testing.assert_array_equal(f["token_ids"], [101, 102, 103, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(f["positions"], [5, 0, 11, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(f["slot_mapping"], [3 * BS + 1, 12 * BS + 0, 8 * BS + 3] + [pad * BS] * 5)
+    np.testing.assert_array_equal(f["context_lens"], [6, 1, 12, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(f["query_start_loc"], np.arange(9))
+    np.testing.assert_array_equal(f["logits_indices"], [0, 2, 2, 3, 4, 5, 6, 7])   # needed rows first
+    np.testing.assert_array_equal(f["block_tables"][0], [7, 3, pad, pad, pad])
+    np.testing.assert_array_equal(f["block_tables"][1], [12, pad, pad, pad, pad])
+    np.testing.assert_array_equal(f["block_tables"][2], [5, 6, 8, pad, pad])
+    assert (f["block_tables"][3:] == pad).all()
+
+
+def test_build_decode_inputs_full_bucket_and_errors():
+    buf = build_decode_inputs([1, 2], [0, 1], [[4], [4]], [0, 1], bucket=2, max_blocks=1, block_size=16,
+                              padding_block=9)
+    f = unpack(buf, 2, 1)
+    np.testing.assert_array_equal(f["slot_mapping"], [64, 65])
+    np.testing.assert_array_equal(f["logits_indices"], [0, 1])
+    with pytest.raises(ValueError, match="bucket of 2"):
+        build_decode_inputs([1, 2, 3], [0, 0, 0], [[1], [1], [1]], [], 2, 1, 16, 9)
+    with pytest.raises(ValueError, match="more than the 1"):
+        build_decode_inputs([1], [0], [[1, 2]], [0], 2, 1, 16, 9)
+
+
+# ---- pool sizing ------------------------------------------------------------------------------------
+def test_kv_region_bytes_rule():
+    ecfg = EngineConfig(gpu_memory_utilization=0.5)
+    assert kv_region_bytes(ecfg, 10 * MIB, None) == (CPU_KV_CACHE_BYTES, "the CPU default")
+    kv, how = kv_region_bytes(ecfg, 10 * MIB, 100 * MIB)
+    assert kv == 40 * MIB and "0.5" in how and "100 MiB free" in how
+    assert kv_region_bytes(EngineConfig(kv_cache_memory=3 * MIB), 10 * MIB, 100 * MIB)[0] == 3 * MIB
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        kv_region_bytes(ecfg, 60 * MIB, 100 * MIB)
+
+
+def tiny_config(**kw) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=1024)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+class FakeGPU(CPUBackend):
+    """A CPU backend that reports device memory, to exercise the GPU sizing path of the pool."""
+    name = "cuda"
+    on_gpu = True
+
+    def device_memory_info(self):
+        return 64 * MIB, 80 * MIB
+
+
+def test_pool_sizes_kv_from_free_device_memory():
+    cfg = tiny_config()
+    pool = MemoryPool(cfg, EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, gpu_memory_utilization=0.5),
+                      FakeGPU())
+    per_block = kv_bytes_per_block(cfg, 16, np.float32)
+    budget = 32 * MIB
+    assert pool.kv_bytes == (budget - pool.weight_bytes - pool.workspace_bytes) // per_block * per_block
+    assert budget - per_block < pool.total_bytes <= budget
+    assert "gpu_memory_utilization 0.5" in pool.describe()
+
+
+def test_cpu_pool_defaults_to_1gib_and_reserves_nothing_for_graphs():
+    pool = MemoryPool(tiny_config(), EngineConfig(max_num_batched_tokens=64, max_num_seqs=8), CPUBackend())
+    assert pool.kv_bytes == CPU_KV_CACHE_BYTES
+    assert pool.workspace.attention is None and pool.workspace.decode_inputs is None
+    assert pool.kv.padding_block is None and pool.kv.k[0].shape[0] == pool.kv.num_blocks
+    assert not pool.uses_cuda_graphs
+
+
+def test_cli_leaves_kv_cache_memory_to_the_device():
+    from rawinfer.frontends.cli.main import add_engine_args, engine_config_from_args
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args([])).kv_cache_memory is None
+    assert engine_config_from_args(p.parse_args(["--kv-cache-memory", "2MiB"])).kv_cache_memory == 2 * MIB
+    assert EngineConfig().validate().kv_cache_memory is None
+
+
+# ---- the graph path on the host shim ----------------------------------------------------------------
+harness = pytest.importorskip("cuda_shim.harness")
+needs_shim = pytest.mark.skipif(harness.compiler() is None, reason="no host C++ compiler for the CUDA shim")
+
+
+class RecordedGraph:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def replay(self):
+        for method, args in self.calls:
+            method(*args)
+
+
+class CapturingShimLauncher(harness.ShimLauncher):
+    """The shim launcher plus capture(): while capturing, launches and GEMMs are recorded, not run."""
+
+    def __init__(self, libraries):
+        super().__init__(libraries)
+        self._record = None
+        self.captures = 0
+
+    def launch(self, *args):
+        run = super().launch
+        if self._record is None:
+            run(*args)
+        else:
+            self._record.append((run, args))
+
+    def gemm(self, *args):
+        run = super().gemm
+        if self._record is None:
+            run(*args)
+        else:
+            self._record.append((run, args))
+
+    def capture(self, fn):
+        self._record = []
+        try:
+            fn()
+        finally:
+            calls, self._record = self._record, None
+        self.captures += 1
+        return RecordedGraph(calls)
+
+
+@pytest.fixture(scope="module")
+def shim_libraries():
+    if harness.compiler() is None:
+        pytest.skip("no host C++ compiler for the CUDA shim")
+    return harness.build_all()
+
+
+def shim_engine(monkeypatch, model_dir, libraries, graphs: bool) -> LLMEngine:
+    from rawinfer.backend.cuda.backend import CUDABackend
+    backend = CUDABackend(launcher=CapturingShimLauncher(libraries))
+    monkeypatch.setattr("rawinfer.engine.engine.get_backend", lambda device, threads=None: backend)
+    return LLMEngine(model_dir, EngineConfig(device="cuda", kv_cache_memory=2 * MIB, max_num_batched_tokens=64,
+                                             max_num_seqs=4, max_model_len=256, use_cuda_graphs=graphs))
+
+
+@needs_shim
+def test_decode_graphs_on_the_shim_match_eager(monkeypatch, tiny_llama_dir, shim_libraries,
+                                                staggered_generation):
+    prompts = {"a": [5, 6, 7], "b": list(range(20, 37)), "c": [300, 301, 9, 11, 40]}
+    graphed = shim_engine(monkeypatch, tiny_llama_dir, shim_libraries, graphs=True)
+    pool = graphed.pool
+    assert pool.kv.padding_block == pool.kv.num_blocks == graphed.block_manager.num_blocks
+    assert pool.kv.k[0].shape[0] == pool.kv.num_blocks + 1
+    runner = graphed.runner
+    assert runner.graphs is not None and runner.graphs.buckets == (1, 2, 4)
+
+    # bit-for-bit: a replay equals an eager run of the same padded batch
+    calls = []
+    real_run = runner.graphs.run
+
+    def spy(batch, bm):
+        logits = real_run(batch, bm)
+        calls.append(len(batch.seqs))
+        if len(calls) == 3:      # the graph's inputs still hold this step: run it eagerly and compare
+            flat = runner.graphs.flat_batch(bucket_for(len(batch.seqs), runner.graphs.buckets))
+            graph_logits = np.array(logits)
+            eager = graphed.model.forward(flat)[:len(logits)]
+            np.testing.assert_array_equal(eager, graph_logits)
+        return logits
+    runner.graphs.run = spy
+    got = staggered_generation(graphed, prompts, 6)
+    assert runner.graphs.captured == (1, 2, 4) and graphed.backend._launcher.captures == 3
+    assert sorted(set(calls)) == [1, 2, 3]        # the bit-for-bit check ran on bucket 4 with a padding row
+
+    eager = shim_engine(monkeypatch, tiny_llama_dir, shim_libraries, graphs=False)
+    assert eager.runner.graphs is None and eager.pool.kv.padding_block is None
+    assert staggered_generation(eager, prompts, 6) == got
+    cpu = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="2MiB", max_num_batched_tokens=64, max_num_seqs=4)
+    assert staggered_generation(cpu, prompts, 6) == got
+
+
+@needs_shim
+def test_int8_models_are_refused_on_cuda(monkeypatch, tmp_path, shim_libraries):
+    from rawinfer.convert import ConversionWarning, convert
+    dst = str(tmp_path / "tiny-int8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)
+        convert(os.path.join(DATA, "tiny-llama"), dst, quant="int8", progress=False)
+    with pytest.raises(ValueError, match="int8 weight-only models run on the CPU backend; convert without --quant"):
+        shim_engine(monkeypatch, dst, shim_libraries, graphs=True)
+
+
+# ---- the sampler ------------------------------------------------------------------------------------
+class CountingGenerator:
+    """A generator wrapper that counts draws."""
+
+    def __init__(self, seed, index):
+        self.rng, self.draws = make_generator(seed, index), 0
+
+    def random(self):
+        self.draws += 1
+        return self.rng.random()
+
+
+@needs_shim
+def test_sampler_uses_the_device_for_rows_without_penalty(shim_libraries):
+    from rawinfer.backend.cuda.backend import CUDABackend
+    backend = CUDABackend(launcher=harness.ShimLauncher(shim_libraries))
+    seen = []
+    real_sample = backend.sample
+    backend.sample = lambda logits, *arrays: (seen.append([np.array(a) for a in arrays]), real_sample(logits, *arrays))[1]
+    rng = np.random.default_rng(3)
+    vocab = 96
+    logits = (rng.standard_normal((6, vocab)) * 2.5).astype(np.float32)
+    params = [SamplingParams(temperature=0),                                   # greedy: device, no draw
+              SamplingParams(temperature=0.9, top_k=12, seed=1),               # device draw
+              SamplingParams(temperature=1.1, top_p=0.8, min_p=0.02, seed=2),  # device draw
+              SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=3), # host draw
+              SamplingParams(temperature=0, repetition_penalty=1.2),           # host greedy
+              SamplingParams(temperature=1.0, top_k=10**6, seed=4)]            # top_k past V: keeps all
+    hist = [[1], [2], [3], [4, 5, 6], [7, 8], [9]]
+    gens = [CountingGenerator(11, i) for i in range(6)]
+    got = Sampler(backend).sample(logits, params, hist, gens)
+    assert [g.draws for g in gens] == [0, 1, 1, 1, 0, 1]       # one draw per sampled row, as on the host
+    (temperature, top_k, top_p, min_p, uniform), = seen
+    np.testing.assert_array_equal(temperature, np.float32([0, 0.9, 1.1, 0, 0, 1.0]))
+    np.testing.assert_array_equal(top_k, [0, 12, 0, 0, 0, vocab])
+    np.testing.assert_array_equal(top_p, np.float32([1, 1, 0.8, 1, 1, 1]))
+    np.testing.assert_array_equal(min_p, np.float32([0, 0, 0.02, 0, 0, 0]))
+    assert uniform[0] == uniform[3] == uniform[4] == 0 and (uniform[[1, 2, 5]] > 0).all()
+    # the same tokens as the host rule with the same generators (no draw sits on a rounding boundary here)
+    want = [sample_row(logits[i], params[i], hist[i], make_generator(11, i)) for i in range(6)]
+    assert got == want
+    # greedy-only batches take the argmax path and never call the device sampler
+    greedy = Sampler(backend).sample(logits[:2], [params[0]] * 2, hist[:2], gens[:2])
+    assert greedy == [int(np.argmax(logits[0])), int(np.argmax(logits[1]))]
+    assert len(seen) == 1
+
+
+def test_sampler_without_device_sampler_is_the_host_rule(tiny_llama_dir):
+    """On the CPU every non-greedy row goes through sample_row with its own generator (as before)."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 64)).astype(np.float32) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=10, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.7, repetition_penalty=1.3),
+              SamplingParams(temperature=0, repetition_penalty=1.5)]
+    hist = [[1, 2], [3], [4, 5, 6], [7]]
+    got = Sampler(CPUBackend()).sample(logits, params, hist, [make_generator(9, i) for i in range(4)])
+    want = [sample_row(logits[i], params[i], hist[i], make_generator(9, i)) for i in range(4)]
+    assert got == want
+
+
+# ---- the step's host inputs -------------------------------------------------------------------------
+def test_token_ids_between_matches_all_token_ids():
+    from rawinfer.core.sequence import Sequence
+    seq = Sequence(seq_id="s", request_id="s", index=0, prompt_token_ids=[5, 6, 7], params=SamplingParams())
+    for t in (8, 9):
+        seq.append_token(t, 0.0)
+    for a in range(6):
+        for b in range(a, 6):
+            assert seq.token_ids_between(a, b) == seq.all_token_ids[a:b], (a, b)
+
+
+def test_decode_fast_path_equals_the_chunk_path():
+    """A pure decode step's inputs built by the scalar fast path equal the general path's, field by field
+    (tables of different lengths, a position on a block boundary, a row that needs no logits)."""
+    from types import SimpleNamespace
+
+    from rawinfer.exec.runner import ModelRunner
+    from rawinfer.core.scheduler import ScheduledBatch, ScheduledSeq
+    from rawinfer.core.sequence import Sequence
+    tables = {"a": [7, 3], "b": [1], "c": [4, 9, 2]}
+    runner = object.__new__(ModelRunner)
+    runner.backend, runner.block_size = CPUBackend(), 4
+    runner.bm = SimpleNamespace(block_table=lambda sid: list(tables[sid]))
+    batch = ScheduledBatch()
+    for sid, prompt, out, computed in (("a", [1, 2, 3, 4, 5], [6], 5), ("b", [8, 9], [10], 2),
+                                       ("c", list(range(20, 28)), [30, 31, 32], 8)):
+        seq = Sequence(seq_id=sid, request_id=sid, index=0, prompt_token_ids=prompt, params=SamplingParams())
+        for t in out:
+            seq.append_token(t, 0.0)
+        seq.num_computed_tokens = computed      # c: one new token, two more known (no logits this step)
+        batch.seqs.append(ScheduledSeq(seq, 1))
+    rows = [runner.bm.block_table(s.seq.seq_id) for s in batch.seqs]
+    fast = runner._prepare_decode(batch, rows)
+    slow = runner._prepare_chunks(batch, rows, False)
+    called = []
+    runner._prepare_chunks = lambda *a: called.append(1)
+    runner.prepare(batch)                              # a pure decode step takes the fast path
+    assert not called
+    for name in ("token_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
+                 "logits_indices"):
+        np.testing.assert_array_equal(getattr(fast, name), getattr(slow, name), err_msg=name)
+    assert (fast.num_tokens, fast.max_query_len, fast.max_context_len) == \
+        (slow.num_tokens, slow.max_query_len, slow.max_context_len)
+    assert fast.token_ids.tolist() == [6, 10, 30] and fast.slot_mapping.tolist() == [3 * 4 + 1, 4 * 1 + 2, 2 * 4 + 0]
+    assert fast.logits_indices.tolist() == [0, 1]

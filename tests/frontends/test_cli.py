@@ -1,0 +1,129 @@
+"""The `rawinfer` command line as a user runs it: generate, convert, bench throughput, error paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT  # noqa: E402
+
+
+def rawinfer(*args, stdin: str | None = None, timeout: float = 300):
+    return subprocess.run([sys.executable, "-m", "rawinfer", *args], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_capital_of_france(smollm2_dir):
+    r = rawinfer("generate", "What is the capital of France?", "--model", smollm2_dir, "--device", "cpu",
+                 "--kv-cache-memory", "64MiB", "--max-tokens", "32")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    summary = r.stderr.strip().splitlines()[-1]
+    for word in ("prompt 37 tokens", "generated", "TTFT", "mean ITL", "tokens/s"):
+        assert word in summary
+
+
+def test_generate_json_stop_and_stdin(smollm2_dir):
+    r = rawinfer("generate", "--json", "--model", smollm2_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
+                 "--max-tokens", "32", "--stop", " Paris", stdin="What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"text", "token_ids", "prompt_token_ids", "finish_reason", "ttft_s", "itl_s", "tokens_per_s"}
+    assert out["finish_reason"] == "stop" and "Paris" not in out["text"]
+    assert out["text"].startswith("The capital of France is")
+    assert len(out["prompt_token_ids"]) == 37
+
+
+def test_generate_raw_with_seed_is_reproducible(smollm2_dir):
+    args = ("generate", "--raw", "--json", "Once upon a time", "--model", smollm2_dir, "--device", "cpu",
+            "--kv-cache-memory", "64MiB", "--max-tokens", "12", "--temperature", "0.8", "--seed", "5",
+            "--ignore-eos")
+    a, b = rawinfer(*args), rawinfer(*args)
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+    assert json.loads(a.stdout)["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("args,words", [
+    (["generate", "hi", "--model", "/nonexistent/model"], ["does not exist", "rawinfer convert"]),
+    (["generate", "hi", "--temperature", "-1"], ["--temperature", "greedy"]),
+    (["generate", "hi", "--kv-cache-memory", "lots"], ["--kv-cache-memory", "2GiB"]),
+    (["convert", "/nonexistent/src", "/tmp/rawinfer-never-written"], ["does not exist"]),
+])
+def test_bad_arguments_give_one_clear_error(args, words):
+    r = rawinfer(*args)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("rawinfer: error:") and "Traceback" not in r.stderr
+    for w in words:
+        assert w in last
+    assert not os.path.exists("/tmp/rawinfer-never-written")
+
+
+def test_convert_cli_and_bench_throughput(tmp_path):
+    dst = str(tmp_path / "tiny")
+    r = rawinfer("-q", "convert", os.path.join(ROOT, "tests", "data", "tiny-llama"), dst, "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(os.path.join(dst, "config.json")))["dtype"] == "bfloat16"
+    r = rawinfer("convert", os.path.join(ROOT, "tests", "data", "tiny-llama"), dst)
+    assert r.returncode == 2 and "--force" in r.stderr
+    out = str(tmp_path / "bench.json")
+    r = rawinfer("bench", "throughput", "--model", dst, "--device", "cpu", "--kv-cache-memory", "16MiB",
+                 "--num-requests", "12", "--input-len", "20", "--output-len", "8", "--range-ratio", "0.5",
+                 "--compare-single", "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(out))
+    assert res["num_requests"] == 12 and res["output_tokens"] > 0
+    for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_ms", "itl_ms",
+                "peak_kv_usage", "prefix_cache_hit_rate", "preemptions", "speedup_vs_single_stream"):
+        assert key in res
+    assert "output tokens/s" in r.stdout
+
+
+def test_bench_roofline_reports_both_phases(tmp_path, tiny_llama_dir):
+    out = str(tmp_path / "roofline.json")
+    r = rawinfer("-q", "bench", "roofline", "--model", tiny_llama_dir,
+                 "--device", "cpu", "--kv-cache-memory", "16MiB", "--prompt-len", "40", "--batch", "1",
+                 "--batch", "3", "--context", "9", "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(out))
+    assert res["ceilings"]["copy_GBps"] > 0 and res["ceilings"]["gemm_GFLOPs"] > 0
+    assert [(p["phase"], p["batch"]) for p in res["phases"]] == [("prefill", 1), ("decode", 1), ("decode", 3)]
+    for p in res["phases"]:
+        assert p["tokens_per_s"] > 0 and p["GFLOPs"] > 0 and p["bound"] in ("compute", "memory")
+    assert "prefill" in r.stdout and "decode" in r.stdout
+
+
+def test_bench_roofline_int8_model_uses_the_int8_gemm_ceiling(tmp_path, tmp_path_factory):
+    from conftest import _convert_tiny
+    model = _convert_tiny(tmp_path_factory, "tiny-llama", quant="int8")
+    out = str(tmp_path / "roofline.json")
+    r = rawinfer("-q", "bench", "roofline", "--model", model, "--device", "cpu", "--kv-cache-memory", "16MiB",
+                 "--prompt-len", "40", "--batch", "3", "--context", "9", "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(out))
+    assert res["ceilings"]["int8_gemm_GOPs"] > 0 and res["compute_ceiling"] == res["ceilings"]["int8_gemm_GOPs"]
+    assert "int8-weight GEMM" in r.stdout
+
+
+def test_convert_q4_cli_and_its_roofline(tmp_path):
+    dst = str(tmp_path / "tiny-q4")
+    r = rawinfer("-q", "convert", os.path.join(ROOT, "tests", "data", "tiny-llama"), dst, "--quant", "q4")
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(os.path.join(dst, "config.json")))["quant"] == "q4"
+    out = str(tmp_path / "roofline.json")
+    r = rawinfer("-q", "bench", "roofline", "--model", dst, "--device", "cpu", "--kv-cache-memory", "16MiB",
+                 "--prompt-len", "40", "--batch", "1", "--context", "9", "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(out))
+    assert "int8_gemm_GOPs" not in res["ceilings"]          # a q4 model's GEMMs run on float32 tiles
+    decode = [p for p in res["phases"] if p["phase"] == "decode"][0]
+    # bytes per matrix parameter: q4 layers (0.625) and int8 embedding rows (1 + 4 / 64)
+    from rawinfer.config import ModelConfig
+    from rawinfer.frontends.bench.roofline import weight_bytes_per_param
+    bpp = weight_bytes_per_param(ModelConfig.from_dir(dst), None)
+    assert 0.625 < bpp < 1.0625 and decode["tokens_per_s"] > 0
