@@ -33,15 +33,27 @@ version FORMAT_VERSION. Its keys:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+DEFAULT_MODEL = "weights/smollm2-135m-instruct"   # where tools/fetch_default_model.sh converts SmolLM2
 FORMAT_NAME = "rawinfer"
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def is_int(v: Any) -> bool:
+    """An integer argument: int, but not bool (which Python counts as an int)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    """A finite int or float argument, bool excluded."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class ModelFormatError(ValueError):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
+
+from rawinfer.config import is_int, is_number
 
 
 @dataclass
@@ -34,23 +35,17 @@ class SamplingParams:
         def bad(name: str, what: str):
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: it must be {what}")
 
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an integer >= 1")
-        if not is_num(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or self.temperature < 0:
             bad("temperature", "a number >= 0 (0 means greedy)")
-        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
         if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an integer >= 0 (0 or -1 disables it)")
-        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "a number in [0, 1]")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", "a number > 0 (1 disables it)")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             bad("seed", "an integer in [0, 2**63) or None")

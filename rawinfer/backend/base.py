@@ -1,6 +1,6 @@
 """The op interface: every array operation the model and the pool need, one method per kernel.
 
-`rawinfer.model` is written against this interface only; `cpu.CPUBackend` (NumPy + Numba) and
+`rawinfer.exec.model` is written against this interface only; `cpu.CPUBackend` (NumPy + Numba) and
 `cuda.CUDABackend` (CuPy RawKernels + cuBLAS) implement it one for one. Each op writes into an output
 buffer the caller passes in (a view of the memory pool's workspace), so no op allocates on the hot path.
 
@@ -33,9 +33,70 @@ Attention metadata of a flat batch of B sequences:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
+
+from rawinfer.backend import shapes
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend offers beyond the ops every backend has. The memory pool, the runner and the
+    sampler read these instead of probing the backend for methods."""
+
+    on_gpu: bool = False                     # arrays live in device memory: size the pool from free memory
+    graphs: bool = False                     # capture_graph(): pure decode steps replayed as captured graphs
+    device_sampling: bool = False            # sample(): filtered draws on the device (cuda/sampling.cu)
+    quantized_weights: tuple[str, ...] = ()  # weight formats of rawinfer/quant.py that linear() takes
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """Device-side inputs of one forward pass: B sequences' new tokens as one flat batch of T rows
+    (the attention metadata below), S of whose rows need logits."""
+
+    token_ids: Any             # [T] int32
+    positions: Any             # [T] int32
+    slot_mapping: Any          # [T] int32
+    block_tables: Any          # [B, MB] int32
+    context_lens: Any          # [B] int32
+    query_start_loc: Any       # [B+1] int32
+    logits_indices: Any        # [S] int32: rows whose logits are returned
+    num_tokens: int            # T
+    max_query_len: int
+    max_context_len: int
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's tensors as the ops take them: float arrays, or quant.Int8Weight /
+    quant.Q4Weight for a quantized model's matrices."""
+
+    input_norm: Any            # [C]
+    qkv_proj: Any              # [(H + 2Hkv) * D, C]
+    qkv_bias: Any              # [(H + 2Hkv) * D], or None
+    o_proj: Any                # [C, H * D]
+    post_attn_norm: Any        # [C]
+    gate_up_proj: Any          # [2F, C]
+    down_proj: Any             # [C, F]
+
+    MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The activation buffers a forward pass writes, each with room for T_max rows (views of the
+    memory pool's workspace; a step uses rows [:T])."""
+
+    hidden: Any                # [T_max, C]  attention / MLP output, input of the next residual add
+    residual: Any              # [T_max, C]  the residual stream (float32)
+    normed: Any                # [T_max, C]  RMSNorm output
+    qkv: Any                   # [T_max, (H + 2Hkv) * D]
+    attn: Any                  # [T_max, H * D]
+    gate_up: Any               # [T_max, 2F]
+    act: Any                   # [T_max, F]
 
 
 class Backend(ABC):
@@ -43,6 +104,7 @@ class Backend(ABC):
 
     name: str = "abstract"
     xp: Any = np                      # the array module (numpy or cupy)
+    capabilities = Capabilities()
 
     # ---- memory -------------------------------------------------------------------------------
     @abstractmethod
@@ -128,12 +190,32 @@ class Backend(ABC):
         """Scatter the k and v heads of qkv[T, (H+2Hkv)*D] into k_cache/v_cache[NB, Hkv, BS, D] at
         slot_mapping[T] (slot = block * BS + row)."""
 
-    @abstractmethod
     def paged_attention(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                         scale: float, out, max_query_len: int, max_context_len: int) -> None:
         """Causal grouped-query attention of every query in the flat batch against its sequence's
         cached K/V, read only through block_tables.  Query head h uses KV head h // (H // Hkv).
-        out[T, H*D].  max_query_len / max_context_len are host-side bounds for launch sizing."""
+        out[T, H*D].  max_query_len / max_context_len are host-side bounds for launch sizing.
+
+        A pure decode batch (one query per sequence, row b = sequence b) takes paged_attention_decode,
+        anything else (prefill, chunked prefill, mixed batches) paged_attention_prefill."""
+        T, B, _, _, _ = shapes.attention("paged_attention", qkv, k_cache, v_cache, block_tables, context_lens,
+                                         query_start_loc, out)
+        if max_query_len == 1 and T == B:
+            self.paged_attention_decode(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                        out, max_context_len)
+        else:
+            self.paged_attention_prefill(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                         out, max_query_len)
+
+    @abstractmethod
+    def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                               scale: float, out, max_context_len: int) -> None:
+        """paged_attention of a pure decode batch: T = B, row b is sequence b's one new token."""
+
+    @abstractmethod
+    def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                scale: float, out, max_query_len: int) -> None:
+        """paged_attention of any batch (sequences with several queries each: prefill chunks)."""
 
     @abstractmethod
     def copy_blocks(self, k_caches, v_caches, pairs: list[tuple[int, int]]) -> None:
@@ -145,7 +227,7 @@ class Backend(ABC):
 
     # ---- optional fused path ------------------------------------------------------------------
     def fused_max_tokens(self, quant: str | None) -> int:
-        """Batches of at most this many tokens use decoder_layer() (0: never) for a model quantized as quant."""
+        """Batches of at most this many tokens use decoder_layers() (0: never) for a model quantized as quant."""
         return 0
 
     def fused_decode_max_tokens(self, plan) -> int:
@@ -153,17 +235,41 @@ class Backend(ABC):
         decoder_layers() (0: only batches within fused_max_tokens do)."""
         return 0
 
-    def fused_plan(self, layers: list[dict], k_caches: list, v_caches: list):
+    def fused_plan(self, layers: list[LayerWeights], k_caches: list, v_caches: list):
         """Optional: whatever decoder_layers() needs prepared once (called when fused_max_tokens > 0)."""
         raise NotImplementedError
 
-    def decoder_layers(self, plan, ws, T: int, batch, cos_sin, eps: float, scale: float, num_heads: int,
-                       num_kv_heads: int) -> None:
-        """Optional: every decoder layer (the same ops as model.py's per-op path, in the same order, over
-        the workspace `ws` rows [:T]) in one call, for small decode batches where per-op dispatch costs
+    def decoder_layers(self, plan, acts: Activations, T: int, batch: FlatBatch, cos_sin, eps: float, scale: float,
+                       num_heads: int, num_kv_heads: int) -> None:
+        """Optional: every decoder layer (the same ops as exec/model.py's per-op path, in the same order,
+        over the rows [:T] of `acts`) in one call, for small decode batches where per-op dispatch costs
         more than the work. Only called when T <= fused_max_tokens(quant), or for a pure decode batch
         of T <= fused_decode_max_tokens(plan)."""
         raise NotImplementedError
+
+    # ---- capabilities beyond the ops (see Capabilities) ----------------------------------------
+    def device_memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory; only where capabilities.on_gpu."""
+        raise NotImplementedError(f"the {self.name} backend has no device memory")
+
+    def attention_workspace_bytes(self, max_num_seqs: int, num_heads: int, head_dim: int, block_size: int,
+                                  max_context_len: int, itemsize: int, num_kv_heads: int) -> int:
+        """Bytes of scratch decode attention needs for up to max_num_seqs sequences of up to
+        max_context_len tokens (0: none). The memory pool carves them and binds them once."""
+        return 0
+
+    def bind_attention_workspace(self, buffer) -> None:
+        """Use `buffer` (a flat uint8 carve of the pool of attention_workspace_bytes()) as decode
+        attention's scratch."""
+
+    def capture_graph(self, fn: Callable[[], Any]):
+        """Where capabilities.graphs: run fn once, then capture it; the result's replay() repeats it."""
+        raise NotImplementedError(f"the {self.name} backend cannot capture graphs")
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniform) -> np.ndarray:
+        """Where capabilities.device_sampling: host int64[S], one token per logits row (engine/sampler.py
+        states the rule)."""
+        raise NotImplementedError(f"the {self.name} backend has no device sampler")
 
     def argmax(self, logits) -> np.ndarray:
         """Host int64[B]: the index of the largest logit of each row (first one on ties)."""

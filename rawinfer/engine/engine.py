@@ -12,7 +12,7 @@ import numpy as np
 
 from rawinfer.backend import get_backend
 from rawinfer.core.block_manager import BlockManager
-from rawinfer.config import EngineConfig, ModelConfig
+from rawinfer.config import DEFAULT_MODEL, EngineConfig, ModelConfig, is_int
 from rawinfer.exec.memory import MemoryPool
 from rawinfer.engine.metrics import EngineStats, RequestMetrics, request_metrics
 from rawinfer.exec.model import LlamaModel
@@ -23,9 +23,6 @@ from rawinfer.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from rawinfer.core.sequence import FinishReason, Sequence
 
 log = logging.getLogger("rawinfer")
-
-DEFAULT_MODEL = "weights/smollm2-135m-instruct"
-
 
 class RequestRejected(ValueError):
     """A request that can never run (too long for the model or the KV pool, bad prompt, duplicate id)."""
@@ -113,7 +110,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise RequestRejected("this model has no tokenizer: pass the prompt as a list of token ids")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+        elif isinstance(prompt, (list, tuple)) and all((is_int(t) or isinstance(t, np.integer))
                                                        for t in prompt):
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < V]
@@ -136,7 +133,7 @@ class LLMEngine:
             raise RequestRejected("request_id must be a non-empty string")
         if request_id in self._requests:
             raise RequestRejected(f"request id {request_id!r} is already in use; choose a unique id")
-        if not isinstance(priority, int) or isinstance(priority, bool):
+        if not is_int(priority):
             raise RequestRejected("priority must be an integer")
         ids = self.encode_prompt(prompt)
         total = len(ids) + params.max_tokens

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from rawinfer.engine.engine import DEFAULT_MODEL, LLMEngine
+from rawinfer.config import DEFAULT_MODEL
+from rawinfer.engine.engine import LLMEngine
 from rawinfer.engine.metrics import RequestMetrics
 from rawinfer.sampling import SamplingParams
 

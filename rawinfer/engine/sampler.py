@@ -99,7 +99,7 @@ def device_sampling_arrays(params: list[SamplingParams], rows: list[int], rngs: 
 class Sampler:
     def __init__(self, backend):
         self.backend = backend
-        self._device_sample = getattr(backend, "sample", None)   # CUDA: cuda/sampling.cu; CPU: none
+        self._device_sample = backend.sample if backend.capabilities.device_sampling else None
 
     def sample(self, logits, params: list[SamplingParams], histories: list, rngs: list) -> list[int]:
         """logits: device [S, V]; one (params, token history, generator) per row -> S token ids. A row's

@@ -128,6 +128,25 @@ class Tokenizer:
             raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
 
 
+def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    """The chat of one user prompt (after an optional system message), as `rawinfer generate` and
+    `rawinfer client` send it."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def has_chat_template(tokenizer: Tokenizer | None) -> bool:
+    return tokenizer is not None and bool(tokenizer.config.chat_template)
+
+
+def render_chat(tokenizer: Tokenizer | None, messages: list[dict[str, Any]]) -> str:
+    """The prompt text of a chat, with the generation prompt appended: the one place a chat becomes
+    text (the CLI, the server). ChatTemplateError (a ValueError) when the model has no template."""
+    if not has_chat_template(tokenizer):
+        raise ChatTemplateError("this model has no chat template; send the prompt as text or token ids instead "
+                                "of messages")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
 def _check_messages(messages: Any) -> None:
     """A chat is a list of {"role": str, "content": str} dicts (extra keys such as "name" are passed on)."""
     if not isinstance(messages, list):

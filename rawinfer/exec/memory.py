@@ -110,7 +110,7 @@ def decode_input_words(batch: int, max_blocks: int) -> int:
 
 def uses_cuda_graphs(backend, ecfg: EngineConfig) -> bool:
     """Whether decode steps replay captured graphs: asked for, and the backend can capture."""
-    return bool(ecfg.use_cuda_graphs) and bool(getattr(backend, "supports_graphs", False))
+    return bool(ecfg.use_cuda_graphs) and backend.capabilities.graphs
 
 
 def kv_region_bytes(ecfg: EngineConfig, fixed_bytes: int, free_device_bytes: int | None) -> tuple[int, str]:
@@ -208,11 +208,11 @@ class MemoryPool:
                    ("gate_up", (T, 2 * F), adt), ("act", (T, F), adt),
                    ("last", (S, C), adt), ("logits", (S, V), np.float32),
                    ("dequant", (dequant_scratch_size(cfg),), np.float32)]
-        if hasattr(backend, "attention_workspace_bytes"):
-            # every decode batch (B <= max_num_seqs, contexts <= MB * BS) fits: no allocation while serving
-            attn_bytes = backend.attention_workspace_bytes(ecfg.max_num_seqs, cfg.num_heads, cfg.head_dim,
-                                                           ecfg.block_size, self.max_context_len,
-                                                           np.dtype(kdt).itemsize, cfg.num_kv_heads)
+        # every decode batch (B <= max_num_seqs, contexts <= MB * BS) fits: no allocation while serving
+        attn_bytes = backend.attention_workspace_bytes(ecfg.max_num_seqs, cfg.num_heads, cfg.head_dim,
+                                                       ecfg.block_size, self.max_context_len,
+                                                       np.dtype(kdt).itemsize, cfg.num_kv_heads)
+        if attn_bytes:
             ws_plan.append(("attention", (attn_bytes,), np.uint8))
         if self.uses_cuda_graphs:
             ws_plan.append(("decode_inputs", (decode_input_words(max_graph_batch(ecfg), MB),), np.int32))
@@ -220,7 +220,7 @@ class MemoryPool:
         ws_bytes = sum(_align(int(np.prod(s)) * np.dtype(d).itemsize) for _, s, d in ws_plan)
         free = None
         if kv_bytes is None:
-            if getattr(backend, "on_gpu", False):
+            if backend.capabilities.on_gpu:
                 free = backend.device_memory_info()[0]
             kv_bytes, self.kv_sizing = kv_region_bytes(ecfg, weight_bytes + ws_bytes, free)
         else:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from rawinfer import LLMEngine, SamplingParams
+from rawinfer.backend.base import Capabilities
 from rawinfer.backend.cpu.backend import CPUBackend
 from rawinfer.config import EngineConfig, ModelConfig
 from rawinfer.exec.memory import (CPU_KV_CACHE_BYTES, MemoryPool, decode_input_words, kv_bytes_per_block,
@@ -113,7 +114,7 @@ def tiny_config(**kw) -> ModelConfig:
 class FakeGPU(CPUBackend):
     """A CPU backend that reports device memory, to exercise the GPU sizing path of the pool."""
     name = "cuda"
-    on_gpu = True
+    capabilities = Capabilities(on_gpu=True)
 
     def device_memory_info(self):
         return 64 * MIB, 80 * MIB

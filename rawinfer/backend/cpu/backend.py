@@ -26,7 +26,8 @@ from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN  # noqa: E402
 from rawinfer.quant import Int8Weight, Q4Weight  # noqa: E402
 from rawinfer.backend.cpu import attention as A  # noqa: E402
 from rawinfer.backend.cpu import kernels as K  # noqa: E402
-from rawinfer.backend.base import Backend  # noqa: E402
+from rawinfer.backend import shapes  # noqa: E402
+from rawinfer.backend.base import Backend, Capabilities  # noqa: E402
 from rawinfer.backend.cpu.fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel  # noqa: E402
 
 ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
@@ -65,6 +66,7 @@ def _kv(cache):
 class CPUBackend(Backend):
     name = "cpu"
     xp = np
+    capabilities = Capabilities(quantized_weights=("int8", "q4"))
 
     def fused_max_tokens(self, quant):
         # int8 / q4 decode: one Numba call per layer (8.4 vs 11.8 ms per SmolLM2 step). Float weights keep
@@ -272,23 +274,22 @@ class CPUBackend(Backend):
         _check("slot_mapping", slot_mapping, (qkv.shape[0],), np.int32)
         K.kv_write_kernel(qkv.shape[0], qkv, _kv(k_cache), _kv(v_cache), slot_mapping, num_heads)
 
-    def paged_attention(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                        scale, out, max_query_len, max_context_len) -> None:
-        Hkv, D = k_cache.shape[1], k_cache.shape[3]
-        H = out.shape[1] // D
-        B = context_lens.shape[0]
-        _check("qkv", qkv, (None, (H + 2 * Hkv) * D))
-        _check("out", out, (qkv.shape[0], H * D))
-        _check("block_tables", block_tables, (B, None), np.int32)
-        _check("context_lens", context_lens, (B,), np.int32)
-        _check("query_start_loc", query_start_loc, (B + 1,), np.int32)
+    def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                               scale, out, max_context_len) -> None:
+        _, B, H, Hkv, _ = shapes.attention("paged_attention_decode", qkv, k_cache, v_cache, block_tables,
+                                           context_lens, query_start_loc, out)
+        self._check_attention_args(qkv, out, block_tables, context_lens, query_start_loc)
         k_cache, v_cache = _kv(k_cache), _kv(v_cache)
-        if max_query_len == 1 and qkv.shape[0] == B:     # pure decode: row b is sequence b's token
-            kernel = A.decode_attention_avx2_kernel if A.decode_attention_avx2_fits(k_cache) else \
-                A.decode_attention_kernel
-            kernel(B * Hkv, qkv, k_cache, v_cache, block_tables, context_lens, np.float32(scale), H, out)
-            return
-        if self.blas_on_numba_pool and max_query_len >= ATTN_BLAS_MIN_QUERY:   # prefill: products on BLAS
+        kernel = A.decode_attention_avx2_kernel if A.decode_attention_avx2_fits(k_cache) else A.decode_attention_kernel
+        kernel(B * Hkv, qkv, k_cache, v_cache, block_tables, context_lens, np.float32(scale), H, out)
+
+    def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                scale, out, max_query_len) -> None:
+        _, _, H, Hkv, _ = shapes.attention("paged_attention_prefill", qkv, k_cache, v_cache, block_tables,
+                                           context_lens, query_start_loc, out)
+        self._check_attention_args(qkv, out, block_tables, context_lens, query_start_loc)
+        k_cache, v_cache = _kv(k_cache), _kv(v_cache)
+        if self.blas_on_numba_pool and max_query_len >= ATTN_BLAS_MIN_QUERY:   # long queries: products on BLAS
             seqs, q0, q1 = A.attention_work_items(query_start_loc, ATTN_BLAS_QUERY_TILE)
             cpu_blas.prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs,
                                        q0, q1, np.float32(scale), H, out, self.threads)
@@ -296,6 +297,15 @@ class CPUBackend(Backend):
         seqs, q0, q1 = A.attention_work_items(query_start_loc, ATTN_QUERY_TILE)   # [W] each
         A.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
                                  query_start_loc, seqs, q0, q1, np.float32(scale), H, out)
+
+    @staticmethod
+    def _check_attention_args(qkv, out, block_tables, context_lens, query_start_loc) -> None:
+        """What the attention kernels read raw: contiguous float32 rows, int32 metadata."""
+        _check("qkv", qkv)
+        _check("out", out)
+        _check("block_tables", block_tables, None, np.int32)
+        _check("context_lens", context_lens, None, np.int32)
+        _check("query_start_loc", query_start_loc, None, np.int32)
 
     def fused_plan(self, layers, k_caches, v_caches):
         """The per-layer tensors as typed lists (built once), so one Numba call can walk every layer."""

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rawinfer.backend.cuda import kernel_specs as ks
-from rawinfer.backend.base import Backend
+from rawinfer.backend.base import Backend, Capabilities
 from rawinfer.backend.cuda.runtime import (CUDAGraph, CuPyLauncher, cuda_available, cuda_status,  # noqa: F401
                                            kernel_source)
 from rawinfer.quant import Int8Weight
@@ -89,6 +89,7 @@ class CUDABackend(Backend):
         self.decode_partition = decode_partition
         self._workspace = None          # float32 [n]: split-K partial results of decode attention
         self._workspace_bound = False
+        self.capabilities = Capabilities(on_gpu=self.on_gpu, graphs=self.supports_graphs, device_sampling=True)
 
     @property
     def on_gpu(self) -> bool:

@@ -9,11 +9,10 @@ import os
 import sys
 import time
 
-from rawinfer.config import EngineConfig, ModelFormatError, parse_size
+from rawinfer.config import DEFAULT_MODEL, EngineConfig, ModelFormatError, parse_size
 from rawinfer.quant import QUANT_TYPES
 from rawinfer.sampling import SamplingParams
 
-DEFAULT_MODEL = "weights/smollm2-135m-instruct"
 log = logging.getLogger("rawinfer")
 
 

@@ -11,11 +11,12 @@ message go back to the sender as an `error` reply.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable, ClassVar
 
 import msgpack
+
+from rawinfer.config import is_int, is_number
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -52,10 +53,6 @@ class ProtocolError(ValueError):
 
 
 # ---- field checks: each returns the value or raises ValueError("must be ...") -------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _id(v: Any) -> str:
     if not isinstance(v, str) or not 0 < len(v) <= MAX_ID_CHARS:
         raise ValueError(f"must be a non-empty string of at most {MAX_ID_CHARS} characters")
@@ -81,25 +78,25 @@ def _bool(v: Any) -> bool:
 
 
 def _int(v: Any) -> int:
-    if not _is_int(v):
+    if not is_int(v):
         raise ValueError("must be an integer")
     return v
 
 
 def _count(v: Any) -> int:
-    if not _is_int(v) or v < 0:
+    if not is_int(v) or v < 0:
         raise ValueError("must be an integer >= 0")
     return v
 
 
 def _seconds(v: Any) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+    if not is_number(v):
         raise ValueError("must be a finite number")
     return float(v)
 
 
 def _token_ids(v: Any) -> list[int]:
-    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v):
+    if not isinstance(v, list) or not all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v):
         raise ValueError(f"must be a list of integer token ids in [0, {MAX_TOKEN_ID}]")
     return v
 
@@ -320,7 +317,7 @@ def _decode(data: bytes, registry: dict[str, type]) -> Any:
     rid = rid if rid and len(rid) <= MAX_ID_CHARS else None
     tag = obj.get("tag") if isinstance(obj.get("tag"), str) and 0 < len(obj["tag"]) <= MAX_ID_CHARS else None
     version = obj.get("v")
-    if not _is_int(version) or version not in SUPPORTED_VERSIONS:
+    if not is_int(version) or version not in SUPPORTED_VERSIONS:
         raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
                             f"protocol version {_short(version)} is not supported; this side speaks version(s) "
                             f"{', '.join(map(str, SUPPORTED_VERSIONS))}: upgrade the older of client and server",
