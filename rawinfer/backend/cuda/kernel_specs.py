@@ -3,10 +3,10 @@
 Each `KernelSpec` repeats the C++ signature of a `__global__` function in cuda/<op>.cu.  Three readers
 use it, so the three ways a kernel is built can never drift apart silently:
 
-- `rawinfer.backend.cuda_runtime` compiles the listed template instances with CuPy (NVRTC name
-  expressions), and `rawinfer.backend.cuda` packs every launch's arguments with `pack_args` (dtype
-  and contiguity checked, scalars cast to the exact C types: CuPy would pass a Python int as a
-  64-bit integer);
+- `rawinfer.backend.cuda.runtime` compiles the listed template instances with CuPy (NVRTC name
+  expressions), and CUDABackend (`rawinfer.backend.cuda.launch`) packs every launch's arguments with
+  `pack_args` (dtype and contiguity checked, scalars cast to the exact C types: CuPy would pass a
+  Python int as a 64-bit integer);
 - tests/cuda_shim/harness.py generates host launch stubs whose `static_assert` compares this
   signature with the kernel's real one, and packs arguments with the same `pack_args`;
 - tools/check_cuda.sh compiles `explicit_instantiations()` with nvcc, which fails on a mismatch.

@@ -1,0 +1,150 @@
+"""Paged attention on CUDA: launch geometry of the decode and prefill kernels and the decode split-K scratch.
+
+Backend.paged_attention (base.py) checks the shapes and sends a pure decode batch to
+`paged_attention_decode`, anything else to `paged_attention_prefill`; the kernels' own comments
+(cuda/paged_attention_decode.cu, cuda/paged_attention_prefill.cu) give their layouts and shared memory.
+
+Decode splits each sequence's context into partitions of whole KV blocks (split-K, one thread block per
+split, KV head and sequence) and merges the splits in a second kernel.  The partial results live in a
+float32 scratch buffer: a private, growing one by default, or a carve of the memory pool bound with
+`bind_attention_workspace` (sized by `attention_workspace_bytes`), so that a decode step allocates nothing
+and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rawinfer.backend import shapes
+from rawinfer.backend.cuda import kernel_specs as ks
+from rawinfer.backend.cuda.launch import MAX_SHARED_BYTES, KernelLaunches, address, round_up
+
+DECODE_THREADS = 128           # DECODE_THREADS in cuda/paged_attention_decode.cu
+DECODE_HEADS_PER_PASS = 4      # DECODE_HEADS_PER_PASS (GC) in cuda/paged_attention_decode.cu
+PREFILL_ROWS = 16              # PREFILL_ROWS in cuda/paged_attention_prefill.cu
+PREFILL_THREADS = 128          # PREFILL_THREADS in cuda/paged_attention_prefill.cu
+MAX_HEAD_DIM = 256             # both kernels; PREFILL_MAX_D sizes the prefill kernel's per-lane accumulators
+
+
+class PagedAttention(KernelLaunches):
+    """Mixin of CUDABackend: paged_attention_decode / _prefill and the decode scratch they need."""
+
+    xp: Any                        # numpy or cupy
+    decode_partition: int          # context positions per decode split, before rounding to whole blocks
+    _workspace: Any = None         # float32 [n]: split-K partial results of decode attention
+    _workspace_bound: bool = False
+
+    # ---- shapes -------------------------------------------------------------------------------------
+    @staticmethod
+    def _attention_sizes(op, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                         out) -> tuple[int, int, int, int, int]:
+        """The shape contract (shapes.attention) plus what only these kernels require -> (B, H, Hkv, BS, D)."""
+        _, batch, num_heads, num_kv_heads, head_dim = shapes.attention(
+            op, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, out)
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"{op}: head_dim {head_dim} is larger than the kernels support ({MAX_HEAD_DIM})")
+        if qkv.dtype != k_cache.dtype or out.dtype != qkv.dtype:
+            raise ValueError(f"{op}: qkv ({qkv.dtype}), the caches ({k_cache.dtype}) and out ({out.dtype}) "
+                             "must share one dtype")
+        return batch, num_heads, num_kv_heads, int(k_cache.shape[2]), head_dim
+
+    # ---- decode: split-K and merge ------------------------------------------------------------------
+    def decode_partition_size(self, group: int, head_dim: int, block_size: int, itemsize: int) -> int:
+        """Positions per split of the decode kernel: whole KV blocks, near decode_partition, and small
+        enough that the block's shared memory fits."""
+        partition = max(block_size, self.decode_partition // block_size * block_size)
+        while partition > block_size and self._decode_smem(group, head_dim, partition, itemsize) > MAX_SHARED_BYTES:
+            partition -= block_size
+        return partition
+
+    @staticmethod
+    def _decode_smem(group: int, head_dim: int, partition: int, itemsize: int) -> int:
+        """Dynamic shared memory of the decode kernel, bytes: q_s [G, D] | p_s [G, P] | red_s [NG, GC, D]
+        floats, NG = DECODE_THREADS / (threads per 16-byte-vector row of D)."""
+        token_groups = DECODE_THREADS // (head_dim * itemsize // 16)
+        return 4 * (group * head_dim + group * partition + token_groups * DECODE_HEADS_PER_PASS * head_dim)
+
+    def attention_workspace_bytes(self, max_num_seqs: int, num_heads: int, head_dim: int, block_size: int,
+                                  max_context_len: int, itemsize: int, num_kv_heads: int) -> int:
+        """Bytes of split-K scratch a decode step of up to max_num_seqs sequences needs: per sequence,
+        query head and split, D partial outputs, a max and a sum (float32)."""
+        partition = self.decode_partition_size(num_heads // num_kv_heads, head_dim, block_size, itemsize)
+        splits = -(-max_context_len // partition)
+        return 4 * max_num_seqs * num_heads * splits * (head_dim + 2)
+
+    def bind_attention_workspace(self, buffer) -> None:
+        """Use `buffer` (a flat uint8 carve of the pool, 4-byte aligned) as the decode split-K scratch, so
+        decoding allocates nothing (required for CUDA graph capture).  None returns to a private,
+        growing scratch buffer."""
+        self._workspace = None if buffer is None else buffer.view(np.float32)
+        self._workspace_bound = buffer is not None
+
+    def _scratch(self, nfloats: int):
+        if self._workspace is None or self._workspace.size < nfloats:
+            if self._workspace_bound:
+                raise RuntimeError(f"the bound attention workspace holds {self._workspace.size} floats but this "
+                                   f"decode step needs {nfloats}; size it with attention_workspace_bytes()")
+            self._workspace = self.xp.empty(nfloats, np.float32)
+        return self._workspace
+
+    def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                               scale: float, out, max_context_len: int) -> None:
+        """Grid (S, Hkv, B), S = ceil(max_context_len / P): max_context_len is a bound, not the batch's
+        longest context, so a captured graph may fix it at the longest context the engine allows."""
+        op = "paged_attention_decode"
+        batch, num_heads, num_kv_heads, block_size, head_dim = self._attention_sizes(
+            op, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, out)
+        itemsize = np.dtype(k_cache.dtype).itemsize
+        if head_dim * itemsize % 16:
+            raise ValueError(f"{op}: head_dim {head_dim} x {itemsize} bytes is not a multiple of 16 bytes, "
+                             "which the kernel's vector loads need")
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if address(a) % 16:
+                raise ValueError(f"{op}: {name} is not 16-byte aligned; carve it at an aligned offset")
+        if batch == 0 or max_context_len < 1:
+            return
+        group = num_heads // num_kv_heads
+        partition = self.decode_partition_size(group, head_dim, block_size, itemsize)
+        splits = -(-max_context_len // partition)
+        stats = batch * num_heads * splits
+        scratch = self._scratch(stats * (head_dim + 2))
+        part_out = scratch[:stats * head_dim]                          # [B, H, S, D]
+        part_max = scratch[stats * head_dim:stats * (head_dim + 1)]    # [B, H, S]
+        part_sum = scratch[stats * (head_dim + 1):stats * (head_dim + 2)]
+        targs = (ks.element_type(qkv.dtype),)
+        self._launch("paged_attention_decode_kernel", targs, (splits, num_kv_heads, batch), (DECODE_THREADS,),
+                     self._decode_smem(group, head_dim, partition, itemsize),
+                     part_out, part_max, part_sum, qkv, k_cache, v_cache, block_tables, context_lens,
+                     query_start_loc, scale, num_heads, num_kv_heads, head_dim, block_size,
+                     block_tables.shape[1], partition, splits)
+        self._launch("paged_attention_merge_kernel", targs, (num_heads, batch), (min(1024, round_up(head_dim, 32)),),
+                     0, out, part_out, part_max, part_sum, context_lens, query_start_loc, num_heads, head_dim,
+                     partition, splits)
+
+    # ---- prefill: query tiles x key tiles -----------------------------------------------------------
+    @staticmethod
+    def prefill_kv_tile(head_dim: int, itemsize: int) -> tuple[int, int]:
+        """(key positions per tile, shared memory bytes) of the prefill kernel: the largest tile that
+        fits.  Shared memory: q_s [16, D + 1] and p_s [16, 32] floats, then k_s and v_s [tile, D + pad]
+        of the storage type, pad one 32-bit word."""
+        kv_stride = head_dim + 4 // itemsize
+        for tile in (32, 16, 8):
+            smem = 4 * (PREFILL_ROWS * (head_dim + 1) + PREFILL_ROWS * 32) + 2 * tile * kv_stride * itemsize
+            if smem <= MAX_SHARED_BYTES:
+                return tile, smem
+        raise ValueError(f"paged_attention_prefill: head_dim {head_dim} does not fit in shared memory")
+
+    def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                scale: float, out, max_query_len: int) -> None:
+        """Grid (ceil(max_query_len / 16), H, B): one block per 16 query rows of one head and sequence."""
+        batch, num_heads, num_kv_heads, block_size, head_dim = self._attention_sizes(
+            "paged_attention_prefill", qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, out)
+        if batch == 0 or max_query_len < 1:
+            return
+        tile, smem = self.prefill_kv_tile(head_dim, np.dtype(k_cache.dtype).itemsize)
+        self._launch("paged_attention_prefill_kernel", (ks.element_type(qkv.dtype),),
+                     (-(-max_query_len // PREFILL_ROWS), num_heads, batch), (PREFILL_THREADS,), smem,
+                     out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, num_heads,
+                     num_kv_heads, head_dim, block_size, block_tables.shape[1], tile)
