@@ -13,19 +13,17 @@ iterator reads only its own messages; the others are kept until their iterator a
 thread; an AsyncClient for one event loop. A request whose iterator is closed before its final message
 (`break`, an exception, Ctrl-C) is aborted on the server. When nothing at all arrives from the server
 for `timeout_s` (the server sends heartbeats while requests run), ServerTimeout is raised.
+
+Both classes are I/O shells over one ClientCore (client_core.py), which holds the requests in flight and
+routes what arrives: the Client receives in whichever call is waiting, the AsyncClient in a reader task.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import logging
 import os
 import time
-import uuid
-from collections import deque
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import zmq
 import zmq.asyncio
@@ -33,69 +31,12 @@ import zmq.auth
 
 from rawinfer.sampling import SamplingParams
 from rawinfer.frontends.server import protocol as P
+from rawinfer.frontends.server.client_core import (ClientCore, ClientError, Completion, RequestError, ServerTimeout,
+                                                   make_generate)
+from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
-DEFAULT_ADDR = "tcp://127.0.0.1:5555"
-log = logging.getLogger("rawinfer")
-
-
-class ClientError(RuntimeError):
-    """The server could not be reached, answered with an error, or broke the protocol."""
-
-
-class RequestError(ClientError):
-    """The server refused a message (an `error` reply); `code` is one of protocol.ErrorCode."""
-
-    def __init__(self, code: str, message: str, request_id: str | None = None):
-        super().__init__(f"{message} ({code})")
-        self.code, self.message, self.request_id = code, message, request_id
-
-
-class ServerTimeout(ClientError):
-    """Nothing arrived from the server for timeout_s seconds."""
-
-
-@dataclass
-class Completion:
-    """A whole request's result: the final message of each sample (index order); the n == 1 fields as properties."""
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[P.Final]
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str:
-        return self.outputs[0].finish_reason
-
-    @property
-    def usage(self) -> P.Usage:
-        return self.outputs[0].usage
-
-    @property
-    def timings(self) -> P.Timings:
-        return self.outputs[0].timings
-
-
-def make_generate(prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                  params: SamplingParams | dict | None = None, stream: bool = True, request_id: str | None = None,
-                  priority: int = 0) -> P.Generate:
-    """Build a generate message and check it as the server would; the request id defaults to a random one.
-    Raises ValueError naming the bad field."""
-    if isinstance(params, SamplingParams):
-        params = params.to_dict()
-    if prompt is not None and not isinstance(prompt, str):
-        prompt = [int(t) for t in prompt]         # tuples, NumPy arrays
-    msg = P.Generate(request_id or uuid.uuid4().hex, prompt, messages, dict(params or {}), stream, priority)
-    try:                                          # the server's own checks, before anything is sent
-        return P.decode_request(P.encode(msg))
-    except (P.ProtocolError, TypeError) as e:
-        raise ValueError(str(e)) from None
+__all__ = ["AsyncClient", "Client", "ClientError", "Completion", "DEFAULT_ADDR", "RequestError", "ServerTimeout",
+           "load_public_key", "make_generate"]
 
 
 def load_public_key(key: str | bytes) -> bytes:
@@ -111,58 +52,31 @@ def load_public_key(key: str | bytes) -> bytes:
     return public
 
 
-def _setup_socket(sock: zmq.Socket, addr: str, server_key, client_key_file: str | None) -> None:
-    sock.setsockopt(zmq.LINGER, 500)          # long enough for a last abort to leave on close
-    sock.setsockopt(zmq.RCVHWM, 0)            # never make the server drop us for reading in bursts
-    if server_key is not None:
-        sock.curve_serverkey = load_public_key(server_key)
-        if client_key_file is not None:
-            try:
-                public, secret = zmq.auth.load_certificate(client_key_file)
-            except (OSError, ValueError) as e:
-                raise ClientError(f"cannot read the client key file {client_key_file!r} ({e})") from None
-            if secret is None:
-                raise ClientError(f"{client_key_file!r} holds no secret key; pass the client's .key_secret file")
-        else:
-            public, secret = zmq.curve_keypair()      # an anonymous client identity, fresh each time
-        sock.curve_publickey, sock.curve_secretkey = public, secret
-    elif client_key_file is not None:
-        raise ClientError("a client key is only used under CurveZMQ: also give the server's public key")
-    sock.connect(addr)
-
-
-def _destination(msg: P.ServerMessage) -> tuple[str, str | None]:
-    """Where an incoming message goes: ("stream", request id), ("reply", tag) or ("none", None)."""
-    if isinstance(msg, (P.Chunk, P.Final)):
-        return "stream", msg.request_id
-    if isinstance(msg, P.Error):
-        if msg.tag is not None:
-            return "reply", msg.tag
-        if msg.request_id is not None and msg.code != P.ErrorCode.DUPLICATE_REQUEST_ID:
-            return "stream", msg.request_id
-        log.warning("the server reported: %s (%s)", msg.message, msg.code)
-        return "none", None
-    if isinstance(msg, (P.Pong, P.StatsReply, P.ModelInfoReply)) and msg.tag is not None:
-        return "reply", msg.tag
-    return "none", None                       # heartbeats: they only show that the server is alive
-
-
-def _decode(data: bytes) -> P.ServerMessage:
+def _open_socket(context: zmq.Context, addr: str, server_key, client_key_file: str | None) -> zmq.Socket:
+    """A DEALER socket connected to addr (under CurveZMQ when server_key is given); closed again on failure."""
+    sock = context.socket(zmq.DEALER)
     try:
-        return P.decode_reply(data)
-    except P.ProtocolError as e:
-        raise ClientError(f"the server sent a message this client cannot read: {e.message}") from None
-
-
-def _silence(addr: str, timeout_s: float) -> str:
-    return (f"no reply from {addr} within {timeout_s:g} s; is `rawinfer serve` running there (and, under CurveZMQ, "
-            "are the keys right)?")
-
-
-def _reply_value(reply) -> Any:
-    if isinstance(reply, P.Error):
-        raise RequestError(reply.code, reply.message)
-    return reply
+        sock.setsockopt(zmq.LINGER, 500)          # long enough for a last abort to leave on close
+        sock.setsockopt(zmq.RCVHWM, 0)            # never make the server drop us for reading in bursts
+        if server_key is not None:
+            sock.curve_serverkey = load_public_key(server_key)
+            if client_key_file is not None:
+                try:
+                    public, secret = zmq.auth.load_certificate(client_key_file)
+                except (OSError, ValueError) as e:
+                    raise ClientError(f"cannot read the client key file {client_key_file!r} ({e})") from None
+                if secret is None:
+                    raise ClientError(f"{client_key_file!r} holds no secret key; pass the client's .key_secret file")
+            else:
+                public, secret = zmq.curve_keypair()      # an anonymous client identity, fresh each time
+            sock.curve_publickey, sock.curve_secretkey = public, secret
+        elif client_key_file is not None:
+            raise ClientError("a client key is only used under CurveZMQ: also give the server's public key")
+        sock.connect(addr)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
 
 
 class Client:
@@ -171,16 +85,8 @@ class Client:
     def __init__(self, addr: str = DEFAULT_ADDR, *, server_key: str | bytes | None = None,
                  client_key_file: str | None = None, timeout_s: float = 60.0, context: zmq.Context | None = None):
         self.addr, self.timeout_s = addr, timeout_s
-        self.sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        try:
-            _setup_socket(self.sock, addr, server_key, client_key_file)
-        except BaseException:
-            self.sock.close(linger=0)
-            raise
-        self._streams: dict[str, deque] = {}
-        self._replies: dict[str, P.ServerMessage | None] = {}
-        self._tags = itertools.count()
-        self._last_heard = 0.0
+        self.sock = _open_socket(context or zmq.Context.instance(), addr, server_key, client_key_file)
+        self.core = ClientCore(addr, timeout_s)
 
     def __enter__(self) -> "Client":
         return self
@@ -198,44 +104,35 @@ class Client:
         """Send a request now; the returned iterator yields its chunks and then one Final per sample.
         Raises RequestError if the server refuses it."""
         msg = make_generate(prompt, messages, params, stream, request_id, priority)
-        if msg.request_id in self._streams:
-            raise ValueError(f"request id {msg.request_id!r} is already in flight on this client")
-        n = msg.params.get("n", 1) if isinstance(msg.params.get("n", 1), int) else 1
-        self._streams[msg.request_id] = deque()
-        self.sock.send(P.encode(msg))
-        return self._iterate(msg.request_id, n)
-
-    def _iterate(self, rid: str, n: int) -> Iterator[P.Chunk | P.Final]:
-        queue, remaining, over = self._streams[rid], n, False
+        data = self.core.open_stream(msg)
         try:
-            while remaining:
-                self._pump(lambda: bool(queue))
-                msg = queue.popleft()
-                if isinstance(msg, P.Error):
-                    over = True
-                    raise RequestError(msg.code, msg.message, rid)
-                if isinstance(msg, P.Final):
-                    remaining -= 1
-                yield msg
-            over = True
+            self.sock.send(data)
+        except BaseException:
+            self.core.close_stream(msg.request_id)
+            raise
+        return self._iterate(msg.request_id)
+
+    def _iterate(self, rid: str) -> Iterator[P.Chunk | P.Final]:
+        try:
+            while not self.core.stream_over(rid):
+                self._pump(lambda: self.core.has_message(rid))
+                yield self.core.next_message(rid)
         finally:
-            self._streams.pop(rid, None)
-            if not over and not self.sock.closed:       # abandoned mid-way: stop it on the server too
+            abort = self.core.close_stream(rid)
+            if abort is not None and not self.sock.closed:      # abandoned mid-way: stop it on the server too
                 try:
-                    self.sock.send(P.encode(P.Abort(rid)), zmq.NOBLOCK)
+                    self.sock.send(abort, zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass                                # not connected: the server will not hear from us anyway
 
     def complete(self, prompt: str | list[int] | None = None, **kw) -> Completion:
         """Non-streaming: wait for the whole result."""
         kw["stream"] = False
-        finals = [m for m in self.generate(prompt, **kw) if isinstance(m, P.Final)]
-        finals.sort(key=lambda f: f.index)
-        return Completion(finals[0].request_id, finals[0].prompt_token_ids, finals)
+        return Completion.from_messages(self.generate(prompt, **kw))
 
     def abort(self, request_id: str) -> None:
         """Ask the server to stop a request; its iterator then ends with a Final whose reason is "abort"."""
-        self.sock.send(P.encode(P.Abort(request_id)))
+        self.sock.send(self.core.abort_message(request_id))
 
     # ---- control -------------------------------------------------------------------------------------
     def ping(self) -> float:
@@ -251,34 +148,27 @@ class Client:
         return self._call(P.ModelInfo).info
 
     def _call(self, cls) -> Any:
-        tag = f"t{next(self._tags)}"
-        self._replies[tag] = None                   # None: awaited; a late reply to an abandoned call is dropped
+        tag, data = self.core.open_call(cls)
         try:
-            self.sock.send(P.encode(cls(tag=tag)))
-            self._pump(lambda: self._replies[tag] is not None)
-            return _reply_value(self._replies[tag])
+            self.sock.send(data)
+            self._pump(lambda: self.core.has_reply(tag))
+            return self.core.take_reply(tag)
         finally:
-            del self._replies[tag]
+            self.core.close_call(tag)
 
     # ---- the receive pump ----------------------------------------------------------------------------
     def _pump(self, done: Callable[[], bool]) -> None:
         """Receive and route messages until done() or until the server has been silent for timeout_s."""
         started = time.monotonic()
         while not done():
-            left = self.timeout_s - (time.monotonic() - max(started, self._last_heard))
+            left = self.core.silence_left(started, time.monotonic())
             # NOTE: poll even when the time is up: if this process was not scheduled for a while, what arrived
             # meanwhile is waiting in the socket and the server was not silent.
             if not self.sock.poll(max(0, int(left * 1000) + 1), zmq.POLLIN):
                 if left <= 0:
-                    raise ServerTimeout(_silence(self.addr, self.timeout_s))
+                    raise self.core.timeout_error()
                 continue
-            msg = _decode(self.sock.recv())
-            self._last_heard = time.monotonic()
-            where, key = _destination(msg)
-            if where == "stream" and key in self._streams:
-                self._streams[key].append(msg)
-            elif where == "reply" and key in self._replies:
-                self._replies[key] = msg
+            self.core.receive(self.sock.recv(), time.monotonic())
 
 
 class AsyncClient:
@@ -287,16 +177,9 @@ class AsyncClient:
     def __init__(self, addr: str = DEFAULT_ADDR, *, server_key: str | bytes | None = None,
                  client_key_file: str | None = None, timeout_s: float = 60.0, context=None):
         self.addr, self.timeout_s = addr, timeout_s
-        self.sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
-        try:
-            _setup_socket(self.sock, addr, server_key, client_key_file)
-        except BaseException:
-            self.sock.close(linger=0)
-            raise
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._replies: dict[str, asyncio.Future] = {}
-        self._tags = itertools.count()
-        self._last_heard = 0.0
+        self.sock = _open_socket(context or zmq.asyncio.Context.instance(), addr, server_key, client_key_file)
+        self.core = ClientCore(addr, timeout_s)
+        self._wakers: dict[tuple[str, str], asyncio.Event] = {}   # core destination -> its waiter's event
         self._reader: asyncio.Task | None = None
 
     async def __aenter__(self) -> "AsyncClient":
@@ -317,37 +200,25 @@ class AsyncClient:
         """Yields the request's chunks and then one Final per sample; RequestError if it is refused."""
         msg = make_generate(prompt, messages, params, stream, request_id, priority)
         rid = msg.request_id
-        if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in flight on this client")
-        remaining = msg.params.get("n", 1) if isinstance(msg.params.get("n", 1), int) else 1
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = queue
+        data = self.core.open_stream(msg)
         self._start_reader()
-        over = False
         try:
-            await self.sock.send(P.encode(msg))
-            while remaining:
-                out = await self._quiet_wait(queue.get)
-                if isinstance(out, P.Error):
-                    over = True
-                    raise RequestError(out.code, out.message, rid)
-                if isinstance(out, P.Final):
-                    remaining -= 1
-                yield out
-            over = True
+            await self.sock.send(data)
+            while not self.core.stream_over(rid):
+                await self._wait(("stream", rid), lambda: self.core.has_message(rid))
+                yield self.core.next_message(rid)
         finally:
-            self._streams.pop(rid, None)
-            if not over and not self.sock.closed:
-                await self.sock.send(P.encode(P.Abort(rid)))
+            self._wakers.pop(("stream", rid), None)
+            abort = self.core.close_stream(rid)
+            if abort is not None and not self.sock.closed:
+                await self.sock.send(abort)
 
     async def complete(self, prompt: str | list[int] | None = None, **kw) -> Completion:
         kw["stream"] = False
-        finals = [m async for m in self.generate(prompt, **kw) if isinstance(m, P.Final)]
-        finals.sort(key=lambda f: f.index)
-        return Completion(finals[0].request_id, finals[0].prompt_token_ids, finals)
+        return Completion.from_messages([m async for m in self.generate(prompt, **kw)])
 
     async def abort(self, request_id: str) -> None:
-        await self.sock.send(P.encode(P.Abort(request_id)))
+        await self.sock.send(self.core.abort_message(request_id))
 
     async def ping(self) -> float:
         t0 = time.monotonic()
@@ -361,35 +232,38 @@ class AsyncClient:
         return (await self._call(P.ModelInfo)).info
 
     async def _call(self, cls) -> Any:
-        tag = f"t{next(self._tags)}"
-        fut = asyncio.get_running_loop().create_future()
-        self._replies[tag] = fut
+        tag, data = self.core.open_call(cls)
         self._start_reader()
         try:
-            await self.sock.send(P.encode(cls(tag=tag)))
-            return _reply_value(await self._quiet_wait(lambda: asyncio.shield(fut)))
+            await self.sock.send(data)
+            await self._wait(("reply", tag), lambda: self.core.has_reply(tag))
+            return self.core.take_reply(tag)
         finally:
-            self._replies.pop(tag, None)
+            self._wakers.pop(("reply", tag), None)
+            self.core.close_call(tag)
 
-    async def _quiet_wait(self, make: Callable[[], Awaitable]) -> Any:
-        """Await make() but give up once the server has been silent for timeout_s."""
+    async def _wait(self, where: tuple[str, str], ready: Callable[[], bool]) -> None:
+        """Wait until ready(), woken by the reader when it files a message under `where`; ServerTimeout
+        once the server has been silent for timeout_s."""
+        event = self._wakers.setdefault(where, asyncio.Event())
         started, grace = time.monotonic(), True
-        while True:
+        while not ready():
             if self._reader is not None and self._reader.done() and not self._reader.cancelled():
                 raise ClientError(f"the connection to {self.addr} failed: {self._reader.exception()}")
-            left = self.timeout_s - (time.monotonic() - max(started, self._last_heard))
+            left = self.core.silence_left(started, time.monotonic())
             if left > 0:
                 grace = True
             else:
                 if not grace:
-                    raise ServerTimeout(_silence(self.addr, self.timeout_s))
+                    raise self.core.timeout_error()
                 # NOTE: one more short wait: if the event loop was starved, the reader task has yet to take
                 # what arrived meanwhile, and the server was not silent.
                 grace, left = False, 0.2
+            event.clear()               # ready() was false just now, with no await in between
             try:
-                return await asyncio.wait_for(make(), min(left, 1.0))
+                await asyncio.wait_for(event.wait(), min(left, 1.0))
             except asyncio.TimeoutError:
-                continue
+                pass
 
     def _start_reader(self) -> None:
         if self._reader is None:
@@ -397,10 +271,6 @@ class AsyncClient:
 
     async def _read_loop(self) -> None:
         while True:
-            msg = _decode(await self.sock.recv())
-            self._last_heard = time.monotonic()
-            where, key = _destination(msg)
-            if where == "stream" and key in self._streams:
-                self._streams[key].put_nowait(msg)
-            elif where == "reply" and key in self._replies and not self._replies[key].done():
-                self._replies[key].set_result(msg)
+            where = self.core.receive(await self.sock.recv(), time.monotonic())
+            if where is not None and where in self._wakers:
+                self._wakers[where].set()

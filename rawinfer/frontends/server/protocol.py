@@ -20,6 +20,7 @@ from rawinfer.config import is_int, is_number
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
+DEFAULT_ADDR = "tcp://127.0.0.1:5555"   # where the server binds and clients connect unless told otherwise
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20     # the server caps incoming messages at its socket (ZMQ_MAXMSGSIZE)
 MAX_ID_CHARS = 256                      # request ids and tags
 MAX_TOKEN_ID = 2**31 - 1
