@@ -205,7 +205,7 @@ def test_abort_before_the_first_step_ends_every_sample(tiny_server):
 def test_heartbeats_keep_a_long_non_streaming_request_alive(tiny_server):
     """Nothing but heartbeats arrives for the whole request, yet a client with a short silence limit waits."""
     with Client(tiny_server.addr, timeout_s=0.4) as c:
-        # 8 requests: enough work (~1 s on the tiny model) to outlast the 0.4 s silence limit
+        # 8 long requests, so that the work outlasts the 0.4 s silence limit (the test skips if it did not)
         its = [c.generate([5 + i, 6, 7], params={"max_tokens": 1000, **GREEDY}, stream=False) for i in range(8)]
         finals = [m for it in its for m in it]
     assert [(f.finish_reason, len(f.token_ids)) for f in finals] == [("length", 1000)] * 8
@@ -254,9 +254,9 @@ time.sleep(60)
 """
 
 
-# NOTE: the frozen client's work must outlast the second or so it takes to notice it, on any machine:
-# 64 requests x 4 samples x 1000 tokens are more sequences than one step takes and more KV than the
-# pool holds (16 x 4 finished before detection on an AVX-512 machine)
+# NOTE: the frozen client's work must outlast the time it takes to notice it (--client-timeout 1), on any
+# machine: 64 requests x 4 samples x 1000 tokens are more sequences than one step takes and more KV than
+# the pool holds, so they cannot all finish first
 @pytest.mark.parametrize("mode, how, n, samples", [("stream", "kill", 2, 1), ("no-stream", "kill", 2, 1),
                                                    ("no-stream", "freeze", 64, 4)])
 def test_vanished_client_has_its_requests_aborted(tiny_server, mode, how, n, samples):
