@@ -1,4 +1,5 @@
-"""The `rawinfer` command line as a user runs it: generate, convert, bench throughput, error paths."""
+"""The `rawinfer` command line as a user runs it: generate, convert, bench throughput and roofline, error
+paths; and the one-way imports of the front ends."""
 
 from __future__ import annotations
 
@@ -127,3 +128,13 @@ def test_convert_q4_cli_and_its_roofline(tmp_path):
     from rawinfer.frontends.bench.roofline import weight_bytes_per_param
     bpp = weight_bytes_per_param(ModelConfig.from_dir(dst), None)
     assert 0.625 < bpp < 1.0625 and decode["tokens_per_s"] > 0
+
+
+def test_front_end_imports_run_one_way():
+    # the benchmarks and the shared options import nothing from the command line (cli/ imports them)
+    code = ("import sys; import rawinfer.frontends.options, rawinfer.frontends.bench.throughput, "
+            "rawinfer.frontends.bench.serve, rawinfer.frontends.bench.roofline; "
+            "print(sorted(m for m in sys.modules if m.startswith('rawinfer.frontends.cli')))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

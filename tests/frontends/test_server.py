@@ -40,8 +40,8 @@ def free_port() -> int:
 
 
 def rawinfer_cmd(*args: str) -> list[str]:
-    # NOTE: not `-m rawinfer.cli`: that would run cli.py as __main__, whose CLIError is another class
-    return [sys.executable, "-c", "import sys; from rawinfer.frontends.cli.main import main; sys.exit(main())", *args]
+    """The `rawinfer` command as a subprocess (`python -m rawinfer`: the entry point the script runs)."""
+    return [sys.executable, "-m", "rawinfer", *args]
 
 
 def env() -> dict:
@@ -526,7 +526,7 @@ def test_streamed_equals_non_streamed_equals_offline(smol_server, smollm2_dir):
 
 
 def test_client_cli_json_has_the_keys_of_generate(smol_server, smollm2_dir):
-    from rawinfer.frontends.cli.main import result_json
+    from rawinfer.frontends.cli.stream import result_json
     r = subprocess.run(rawinfer_cmd("client", "--addr", smol_server.addr, "--json", "--max-tokens", "6",
                                     "What is the capital of France?"),
                        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=180)

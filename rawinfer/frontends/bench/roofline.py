@@ -2,7 +2,7 @@
 
 Ceilings, measured here: memory copy bandwidth (bytes read + written per second by a large copy) and
 the float32 GEMM rate (a square BLAS/cuBLAS matmul); for an int8 model on the CPU also the rate of
-the GEMM its matrices run on (int8 weights: the integer GEMM of backend/cpu_qgemm.py), which is then
+the GEMM its matrices run on (int8 weights: the integer GEMM of backend/cpu/qgemm.py), which is then
 its compute ceiling. For one model we then time a prefill of P tokens
 and a decode step of B sequences and count, per step,
 
@@ -16,7 +16,6 @@ memory-bound; the percentage says how far from its limit the phase runs.
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
@@ -62,7 +61,7 @@ def measure_ceilings(xp=np, sync=lambda: None, copy_mib: int = 256, gemm_n: int 
 
 def measure_int8_gemm(backend, n: int = 2048, repeat: int = 5) -> float:
     """GOP/s of the backend's GEMM with int8 weights (n x n x n): what an int8 model's matrix products
-    run on (on the CPU the integer GEMM of cpu_qgemm where it applies, else dequantize + float32)."""
+    run on (on the CPU the integer GEMM of backend/cpu/qgemm.py where it applies, else dequantize + float32)."""
     from rawinfer.quant import Int8Weight, quantize_int8
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, n), dtype=np.float32)
@@ -189,33 +188,3 @@ def print_report(r: dict) -> None:
         print(f"{p['phase']:8} {p['batch']:>5} {p['tokens_per_s']:>10.1f} {p['GFLOPs']:>9.1f} "
               f"{p['pct_of_compute_ceiling']:>6.0f}% {p['GBps']:>7.1f} {p['pct_of_memory_ceiling']:>6.0f}% "
               f"{p['flops_per_byte']:>7.1f}  {p['bound']}")
-
-
-def cmd_roofline(args) -> int:
-    from rawinfer.frontends.cli.main import engine_config_from_args
-    from rawinfer.engine.engine import LLMEngine
-    engine = LLMEngine(args.model, engine_config_from_args(args))
-    r = report(engine, args.prompt_len, args.batch, args.context)
-    print_report(r)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
-    return 0
-
-
-def add_parser(bsub) -> None:
-    from rawinfer.frontends.cli.main import add_engine_args
-    p = bsub.add_parser("roofline", help="machine ceilings vs achieved prefill/decode FLOP/s and bytes/s")
-    p.add_argument("--prompt-len", type=int, default=500, help="prefill length (default 500)")
-    p.add_argument("--batch", type=int, action="append", default=None,
-                   help="decode batch size (repeatable; default 1 and 64)")
-    p.add_argument("--context", type=int, default=128, help="cached tokens per decoding sequence (default 128)")
-    p.add_argument("--json", default=None, metavar="PATH")
-    add_engine_args(p)
-    p.set_defaults(func=lambda a: cmd_roofline(_defaults(a)))
-
-
-def _defaults(args):
-    if not args.batch:
-        args.batch = [1, 64]
-    return args

@@ -12,9 +12,7 @@ A side task polls `stats` for the KV-pool utilisation and the server's generatio
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import math
 import sys
 import time
@@ -207,44 +205,3 @@ def plot(r: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def cmd_serve_bench(args) -> int:
-    from rawinfer.frontends.cli.main import CLIError
-    if args.num_requests < 1:
-        raise CLIError("--num-requests must be at least 1")
-    if not args.request_rate > 0:
-        raise CLIError("--request-rate must be positive (or inf to send everything at once)")
-    r = asyncio.run(run_load(args))
-    print_report(r)
-    with open(args.json, "w") as f:      # JSON has no infinity: an unbounded rate is written as "inf"
-        rate = "inf" if math.isinf(args.request_rate) else args.request_rate
-        json.dump({**r, "config": {**r["config"], "request_rate": rate}}, f, indent=1)
-    print(f"wrote {args.json}")
-    if args.figure:
-        try:
-            plot(r, args.figure)
-            print(f"wrote {args.figure}")
-        except ImportError:
-            print("rawinfer: no figure: install matplotlib (pip install matplotlib) to get one", file=sys.stderr)
-    return 0 if r["completed"] else 1
-
-
-def add_parser(bsub) -> None:
-    from rawinfer.frontends.server.client import DEFAULT_ADDR
-    p = bsub.add_parser("serve", help="online: Poisson load against a running `rawinfer serve`",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--addr", default=DEFAULT_ADDR, help="server endpoint")
-    p.add_argument("--server-key", default=None, metavar="FILE", help="server public key (CurveZMQ)")
-    p.add_argument("--num-requests", type=int, default=200)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson), or inf")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random ids)")
-    p.add_argument("--output-len", type=int, default=128, help="tokens to generate (EOS ignored)")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="random lengths in len*(1±r); 0 = fixed")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stats-interval", type=float, default=0.25, help="seconds between `stats` polls")
-    p.add_argument("--timeout", type=float, default=120.0, help="per-request silence limit in seconds")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the short warm-up request")
-    p.add_argument("--json", default="bench-serve.json", metavar="PATH", help="result file")
-    p.add_argument("--figure", default="bench-serve.png", metavar="PATH", help="PNG figure ('' for none)")
-    p.set_defaults(func=cmd_serve_bench)

@@ -1,9 +1,8 @@
-"""`rawinfer bench`: offline throughput (`throughput`); `serve` and `roofline` register themselves here too."""
+"""`rawinfer bench throughput`: offline throughput of N requests submitted at once (and the seeded workloads
+that `bench serve` sends too)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -87,16 +86,15 @@ def print_report(r: dict, file=sys.stdout) -> None:
     print(f"preemptions:         {r['preemptions']}", file=file)
 
 
-def cmd_throughput(args) -> int:
-    from rawinfer.frontends.cli.main import engine_config_from_args
-    from rawinfer.engine.engine import LLMEngine
-    engine = LLMEngine(args.model, engine_config_from_args(args))
+def run(engine, args) -> dict:
+    """The benchmark for the options of `rawinfer bench throughput` (a warm-up, optionally one request
+    alone, then the batch), printing as it goes; returns the numbers without the config."""
     V = engine.model_config.vocab_size
     wl = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, V, args.seed,
                        args.shared_prefix)
     if args.warmup:
         run_offline(engine, make_workload(2, 16, 4, 0.0, V, args.seed + 1))
-    result = {"config": {k: v for k, v in vars(args).items() if k != "func"}}
+    result = {}
     if args.compare_single:
         single = run_offline(engine, make_workload(1, args.input_len, args.output_len, 0.0, V, args.seed + 2))
         # the single stream's decode rate (1 / mean ITL), not its output tokens/s: those include its
@@ -112,31 +110,4 @@ def cmd_throughput(args) -> int:
         ratio = r["output_tokens_per_s"] / result["single_stream"]["decode_tokens_per_s"]
         result["speedup_vs_single_stream"] = ratio
         print(f"batched / single:    {ratio:.1f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline")
-    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    from rawinfer.frontends.cli.main import add_engine_args
-    t = bsub.add_parser("throughput", help="offline: N requests submitted at once",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    t.add_argument("--num-requests", type=int, default=64)
-    t.add_argument("--input-len", type=int, default=128)
-    t.add_argument("--output-len", type=int, default=128)
-    t.add_argument("--range-ratio", type=float, default=0.0, help="random lengths in len*(1±r); 0 = fixed")
-    t.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix common to every prompt")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--compare-single", action="store_true",
-                   help="first measure one request alone and report the batched/single ratio")
-    t.add_argument("--no-warmup", dest="warmup", action="store_false")
-    t.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    add_engine_args(t)
-    t.set_defaults(func=cmd_throughput)
-    from rawinfer.frontends.bench import roofline, serve
-    serve.add_parser(bsub)
-    roofline.add_parser(bsub)
+    return result

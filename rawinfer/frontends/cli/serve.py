@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
-import sys
 
-from rawinfer.frontends.cli.main import (CLIError, add_engine_args, add_sampling_args, engine_config_from_args, read_prompt, result_json,
-                   sampling_params_from_args, summary_line)
 from rawinfer.config import parse_size
+from rawinfer.frontends.cli.stream import client_events, print_stream
+from rawinfer.frontends.options import (CLIError, add_engine_args, add_sampling_args, engine_config_from_args,
+                                        read_prompt, sampling_params_from_args)
 from rawinfer.frontends.server.client import DEFAULT_ADDR
 
 log = logging.getLogger("rawinfer")
@@ -61,8 +60,8 @@ def add_parsers(sub) -> None:
 
 def cmd_serve(args) -> int:
     from rawinfer.engine.engine import LLMEngine
-    from rawinfer.frontends.server.server import (SecurityError, Server, ServerConfig, check_bind_security, is_loopback_endpoint,
-                         load_secret_key)
+    from rawinfer.frontends.server.server import (SecurityError, Server, ServerConfig, check_bind_security,
+                                                  is_loopback_endpoint, load_secret_key)
     try:
         max_bytes = parse_size(args.max_message_size)
     except ValueError as e:
@@ -97,6 +96,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def cmd_client(args) -> int:
+    from rawinfer.engine.tokenizer import chat_messages
     from rawinfer.frontends.server.client import Client
     params = sampling_params_from_args(args)
     prompt = read_prompt(args)
@@ -107,30 +107,8 @@ def cmd_client(args) -> int:
         elif args.raw or not client.model_info().get("has_chat_template"):
             request = {"prompt": prompt}
         else:                            # the server applies the template, as `rawinfer generate` would
-            request = {"messages": ([{"role": "system", "content": args.system}] if args.system else [])
-                       + [{"role": "user", "content": prompt}]}
-        ids: list[int] = []
-        text: list[str] = []
-        final = None
-        for msg in client.generate(**request, params=params, stream=not args.json):
-            ids.extend(msg.token_ids)
-            text.append(msg.text)
-            if not args.json and msg.text:
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
-            if msg.finished:
-                final = msg
-    if final.finish_reason == "error":
-        raise CLIError(f"the server failed the request: {final.error}")
-    t = final.timings
-    gen_s = t.e2e_s - t.ttft_s if t.e2e_s is not None and t.ttft_s is not None else None
-    tps = (final.usage.completion_tokens - 1) / gen_s if gen_s and final.usage.completion_tokens > 1 else None
-    if args.json:
-        print(json.dumps(result_json("".join(text), ids, final.prompt_token_ids, final.finish_reason,
-                                     t.ttft_s, t.mean_itl_s, tps)))
-    else:
-        sys.stdout.write("\n")
-        print(summary_line(len(final.prompt_token_ids), len(ids), t.ttft_s, t.mean_itl_s, tps), file=sys.stderr)
+            request = {"messages": chat_messages(prompt, args.system)}
+        print_stream(client_events(client.generate(**request, params=params, stream=not args.json)), args.json)
     return 0
 
 
