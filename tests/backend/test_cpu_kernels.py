@@ -12,6 +12,8 @@ from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.backend import ATTN_QUERY_TILE, CPUBackend
 from rawinfer.exec.memory import kv_cache_shape
+from reference_ops import (add_rmsnorm_ref, copy_blocks_ref, cos_sin_table, embedding_ref, kv_write_ref, linear_ref,
+                           paged_attention_ref, quantize_rows_ref, rmsnorm_ref, rope_ref, silu_mul_ref, take_rows_ref)
 
 be = CPUBackend()
 RNG = np.random.default_rng(1234)
@@ -19,47 +21,6 @@ RNG = np.random.default_rng(1234)
 
 def rand(*shape, rng=None):
     return (rng or RNG).standard_normal(shape).astype(np.float32)
-
-
-# ---- references --------------------------------------------------------------------------------
-def rmsnorm_ref(x, w, eps):
-    x64 = x.astype(np.float64)
-    return (x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
-
-
-def rope_ref(qkv, positions, cos_sin, H, Hkv):
-    D = cos_sin.shape[1]
-    half = D // 2
-    out = qkv.copy().reshape(qkv.shape[0], -1, D)
-    cos, sin = cos_sin[positions, :half][:, None, :], cos_sin[positions, half:][:, None, :]
-    x = out[:, :H + Hkv]
-    x1, x2 = x[..., :half].copy(), x[..., half:].copy()
-    out[:, :H + Hkv, :half] = x1 * cos - x2 * sin
-    out[:, :H + Hkv, half:] = x2 * cos + x1 * sin
-    return out.reshape(qkv.shape)
-
-
-def silu_mul_ref(gu):
-    F = gu.shape[1] // 2
-    g = gu[:, :F].astype(np.float64)
-    return (g / (1 + np.exp(-g)) * gu[:, F:]).astype(np.float32)
-
-
-def attention_ref(q_rows, seqs_k, seqs_v, q_lens, ctx_lens, H, Hkv, scale):
-    """q_rows[T, H, D]; per-sequence contiguous K/V [ctx, Hkv, D]. Causal, grouped-query, float64."""
-    out = np.zeros_like(q_rows, dtype=np.float64)
-    G = H // Hkv
-    row = 0
-    for k, v, ql, cl in zip(seqs_k, seqs_v, q_lens, ctx_lens):
-        for i in range(ql):
-            pos = cl - ql + i
-            for h in range(H):
-                s = (k[:pos + 1, h // G].astype(np.float64) @ q_rows[row + i, h].astype(np.float64)) * scale
-                p = np.exp(s - s.max())
-                p /= p.sum()
-                out[row + i, h] = p @ v[:pos + 1, h // G]
-        row += ql
-    return out.astype(np.float32)
 
 
 # ---- tests -------------------------------------------------------------------------------------
@@ -76,17 +37,17 @@ def test_add_rmsnorm(T, C):
     x, res, w = rand(T, C), rand(T, C), rand(C)
     res0 = res.copy()
     out = np.empty_like(x)
+    ref_out, ref_res = add_rmsnorm_ref(x, res0, w, 1e-6)
     be.add_rmsnorm(x, res, w, 1e-6, out)
-    np.testing.assert_allclose(res, res0 + x, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(out, rmsnorm_ref(res0 + x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(res, ref_res, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("T,H,Hkv,D", [(1, 4, 2, 16), (9, 9, 3, 64), (40, 8, 8, 32), (3, 6, 1, 8)])
 def test_rope(T, H, Hkv, D):
     P = 100
     qkv = rand(T, (H + 2 * Hkv) * D)
-    ang = np.outer(np.arange(P), 1.0 / 10000 ** (np.arange(0, D, 2) / D))
-    cos_sin = np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32)
+    cos_sin = cos_sin_table(P, D)
     pos = RNG.integers(0, P, T).astype(np.int32)
     ref = rope_ref(qkv, pos, cos_sin, H, Hkv)
     be.rope(qkv, pos, cos_sin, H, Hkv)
@@ -119,8 +80,7 @@ def test_linear(T, K, N, bias, numba_pool, monkeypatch):
     b = rand(N) if bias else None
     out = np.empty((T, N), np.float32)
     be.linear(x, w, out, bias=b)
-    ref = x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0)
-    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out, linear_ref(x, w, b), rtol=1e-4, atol=1e-4)
 
 
 def test_matmul_nt_splits_columns_over_any_number_of_parts():
@@ -168,20 +128,13 @@ def test_embedding_and_take_rows():
     ids = np.array([3, 0, 49, 3], np.int32)
     out = np.empty((4, 12), np.float32)
     be.embedding(ids, table, out)
-    np.testing.assert_array_equal(out, table[ids])
+    np.testing.assert_array_equal(out, embedding_ref(ids, table))
     rows = np.empty((2, 12), np.float32)
     be.take_rows(out, np.array([3, 1], np.int32), rows)
+    np.testing.assert_array_equal(rows, take_rows_ref(out, np.array([3, 1], np.int32)))
     np.testing.assert_array_equal(rows, table[[3, 0]])
     with pytest.raises(ValueError, match="out of range"):
         be.embedding(np.array([50], np.int32), table, out[:1])
-
-
-def quantize_rows_ref(x):
-    """x [..., D] float32 -> (int8 rows, float32 scales [...]) as an int8 KV cache holds them: scale
-    max|row| / 127, values rounded to nearest (an all-zero row: zeros, scale 0)."""
-    m = np.abs(x).max(-1).astype(np.float32)
-    inv = np.where(m > 0, np.float32(127.0) / np.where(m > 0, m, 1), 0).astype(np.float32)
-    return np.rint(x * inv[..., None]).astype(np.int8), (m / np.float32(127.0)).astype(np.float32)
 
 
 def tile_scales(cache, blk, h, BS):
@@ -215,18 +168,20 @@ def test_kv_write_and_copy_blocks(kv_dtype):
         assert np.abs(kq.astype(np.float32) * ks[..., None] - k).max() <= np.abs(k).max(-1).max() / 254 * 1.001
     else:
         with np.errstate(over="ignore"):                  # NumPy's cast rounds the same way (to nearest even)
-            k, v = k.astype(kv_dtype), v.astype(kv_dtype)
-        for t, s in enumerate(slots):
-            np.testing.assert_array_equal(kc[s // BS, :, s % BS], k[t])
-            np.testing.assert_array_equal(vc[s // BS, :, s % BS], v[t])
+            ref_k, ref_v = kv_write_ref(qkv, np.zeros(shape, kv_dtype), np.zeros(shape, kv_dtype), slots, H)
+        np.testing.assert_array_equal(kc, ref_k)           # every slot written, nothing else touched
+        np.testing.assert_array_equal(vc, ref_v)
+    ref_k, ref_v = copy_blocks_ref([kc], [(1, 4), (5, 2)])[0], copy_blocks_ref([vc], [(1, 4), (5, 2)])[0]
     be.copy_blocks([kc], [vc], [(1, 4), (5, 2)])
-    np.testing.assert_array_equal(kc[4], kc[1])           # whole tiles: an int8 cache's scales too
+    np.testing.assert_array_equal(kc, ref_k)               # whole tiles: an int8 cache's scales too
+    np.testing.assert_array_equal(vc, ref_v)
+    np.testing.assert_array_equal(kc[4], kc[1])
     np.testing.assert_array_equal(vc[2], vc[5])
 
 
 def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None, kv_dtype=np.float32):
-    """Random per-sequence K/V written into a pool (of kv_dtype) through (shuffled) block tables; the
-    returned per-sequence K/V are the values the pool holds (int8: the rows dequantized)."""
+    """Random per-sequence K/V written into a pool (of kv_dtype) through (shuffled) block tables:
+    paged_attention's inputs (qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc)."""
     rng = np.random.default_rng(shuffle_seed)
     vrng = np.random.default_rng(value_seed) if value_seed is not None else RNG
     B = len(q_lens)
@@ -245,7 +200,6 @@ def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None, 
         vc = rand(NB, Hkv, BS, D, rng=vrng)
     MB = max(nblocks)
     tables = np.full((B, MB), 0, np.int32)
-    seqs_k, seqs_v = [], []
     used = 0
     for b, c in enumerate(ctx_lens):
         tab = perm[used:used + nblocks[b]]
@@ -259,19 +213,27 @@ def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None, 
                 for h in range(Hkv):
                     tile_scales(kc, tab[p // BS], h, BS)[p % BS] = ks[p, h]
                     tile_scales(vc, tab[p // BS], h, BS)[p % BS] = vs[p, h]
-            k, v = kq.astype(np.float32) * ks[..., None], vq.astype(np.float32) * vs[..., None]
         else:
-            k, v = k.astype(kv_dtype).astype(np.float32), v.astype(kv_dtype).astype(np.float32)
             for p in range(c):
                 kc[tab[p // BS], :, p % BS] = k[p]
                 vc[tab[p // BS], :, p % BS] = v[p]
-        seqs_k.append(k)
-        seqs_v.append(v)
     T = sum(q_lens)
     qkv = rand(T, (H + 2 * Hkv) * D, rng=vrng)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     kc, vc = kc.astype(kv_dtype), vc.astype(kv_dtype)
-    return qkv, kc, vc, tables, np.asarray(ctx_lens, np.int32), qsl, seqs_k, seqs_v
+    return qkv, kc, vc, tables, np.asarray(ctx_lens, np.int32), qsl
+
+
+def float_cache(cache, BS):
+    """The K (or V) values a cache holds, as float [NB, Hkv, BS, D] for paged_attention_ref: an int8
+    cache's rows times their float32 scales (the tile layout of memory.kv_cache_shape), any other
+    cache as it is."""
+    if cache.dtype != np.int8:
+        return cache
+    NB, Hkv, _, D = cache.shape
+    tiles = cache.reshape(NB, Hkv, -1)
+    scales = np.ascontiguousarray(tiles[..., BS * D:BS * D + 4 * BS]).view(np.float32)   # [NB, Hkv, BS]
+    return tiles[..., :BS * D].reshape(NB, Hkv, BS, D).astype(np.float32) * scales[..., None]
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,H,Hkv,D,BS", [
@@ -290,13 +252,13 @@ def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, kv_dtype, monkey
     if blas and not be.blas_on_numba_pool:
         pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
     monkeypatch.setattr(be, "blas_on_numba_pool", blas)
-    qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 7, kv_dtype=kv_dtype)
+    qkv, kc, vc, tables, ctx, qsl = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 7, kv_dtype=kv_dtype)
     T = qkv.shape[0]
     out = np.empty((T, H * D), np.float32)
     scale = D ** -0.5
     be.paged_attention(qkv, kc, vc, tables, ctx, qsl, scale, out, max(q_lens), max(ctx_lens))
-    ref = attention_ref(qkv[:, :H * D].reshape(T, H, D), ks, vs, q_lens, ctx_lens, H, Hkv, scale)
-    np.testing.assert_allclose(out.reshape(T, H, D), ref, rtol=2e-5, atol=2e-5)
+    ref = paged_attention_ref(qkv, float_cache(kc, BS), float_cache(vc, BS), tables, ctx, qsl, scale, H)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
     assert np.isfinite(out).all()
 
 
@@ -318,15 +280,15 @@ def test_decode_attention_kernels(ctx_lens, H, Hkv, D, BS, kernel, kv_dtype):
     if kernel == "avx2" and not cpu_llvm.available():
         pytest.skip("this CPU has no AVX2 + FMA")
     q_lens = [1] * len(ctx_lens)
-    qkv, kc, vc, tables, ctx, qsl, ks, vs = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3, kv_dtype=kv_dtype)
+    qkv, kc, vc, tables, ctx, qsl = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3, kv_dtype=kv_dtype)
+    scale = D ** -0.5
+    ref = paged_attention_ref(qkv, float_cache(kc, BS), float_cache(vc, BS), tables, ctx, qsl, scale, H)
     if kv_dtype == np.float16:
         kc, vc = kc.view(np.uint16), vc.view(np.uint16)
     assert A.decode_attention_avx2_fits(kc) == cpu_llvm.available()
     out = np.full((len(ctx_lens), H * D), np.nan, np.float32)
-    scale = D ** -0.5
     fn(len(ctx_lens) * Hkv, qkv, kc, vc, tables, ctx, np.float32(scale), H, out)
-    ref = attention_ref(qkv[:, :H * D].reshape(-1, H, D), ks, vs, q_lens, ctx_lens, H, Hkv, scale)
-    np.testing.assert_allclose(out.reshape(-1, H, D), ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
 
 
 def test_decode_attention_avx2_fits_only_its_layouts():
@@ -343,7 +305,7 @@ def test_paged_attention_block_table_layout_does_not_matter():
     args = ([9, 1], [30, 33], 4, 2, 16, 4)
     outs = []
     for seed in (1, 2):   # same K/V/Q values, different block permutation
-        qkv, kc, vc, tables, ctx, qsl, _, _ = _paged_case(*args, shuffle_seed=seed, value_seed=99)
+        qkv, kc, vc, tables, ctx, qsl = _paged_case(*args, shuffle_seed=seed, value_seed=99)
         out = np.empty((qkv.shape[0], 4 * 16), np.float32)
         be.paged_attention(qkv, kc, vc, tables, ctx, qsl, 0.25, out, 9, 33)
         outs.append(out)

@@ -8,18 +8,10 @@ import pytest
 from rawinfer.backend.cpu import qgemm as Q
 from rawinfer.backend.cpu.backend import INT8_GEMV_MAX_ROWS, CPUBackend
 from rawinfer.quant import Int8Weight, quantize_int8
+from reference_ops import int8_linear_ref, int8_matmul_ref, quantize_rows_ref, silu_mul_ref
 
 pytestmark = pytest.mark.skipif(not Q.available(), reason="this CPU has no AVX2")
 RNG = np.random.default_rng(11)
-
-
-def quantize_ref(x: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row symmetric quantization as the kernel does it: float32 math, round half to even."""
-    amax = np.abs(x).max(1)
-    safe = np.where(amax > 0, amax, np.float32(1))
-    q = np.clip(np.rint(x * (np.float32(qmax) / safe)[:, None]), -qmax, qmax)
-    q[amax == 0] = 0
-    return q.astype(np.int64), (amax / np.float32(qmax)).astype(np.float32)
 
 
 def unpack_x(xp: np.ndarray, M: int) -> np.ndarray:
@@ -46,7 +38,7 @@ def test_quantize_rows_matches_reference(M, K):
     xp = np.full(Q.packed_x_shape(M, K), 777, np.int16)      # garbage: padding rows must be cleared
     sx = np.full(xp.shape[0] * Q.PANEL_ROWS, 7.0, np.float32)
     Q.quantize_rows(x, qmax, xp, sx)
-    want_q, want_s = quantize_ref(x, qmax)
+    want_q, want_s = quantize_rows_ref(x, qmax)
     np.testing.assert_array_equal(unpack_x(xp, M), want_q)
     np.testing.assert_array_equal(sx[:M], want_s)
     assert (unpack_x(xp, xp.shape[0] * Q.PANEL_ROWS)[M:] == 0).all() and (sx[M:] == 0).all()
@@ -92,15 +84,10 @@ def test_int8_matmul_matches_integer_reference(M, K, N):
     nx, ns = Q.x_buffer_sizes(M, K)
     out = np.full((M, N), np.nan, np.float32)
     Q.int8_matmul(x, Q.pack_weights(q), sw, out, np.empty(nx, np.int16), np.empty(ns, np.float32))
-    xq, sx = quantize_ref(x, Q.act_qmax(K))
-    exact = (xq @ q.astype(np.int64).T) * sx[:, None].astype(np.float64) * sw[None, :].astype(np.float64)
+    exact = int8_matmul_ref(x, q, sw, Q.act_qmax(K))
     np.testing.assert_allclose(out, exact, rtol=1e-6, atol=1e-6 * np.abs(exact).max())
-    flt = x.astype(np.float64) @ (q.astype(np.float64) * sw[:, None]).T
+    flt = int8_linear_ref(x, q, sw)
     assert np.abs(out - flt).max() <= 2e-4 * np.abs(flt).max()
-
-
-def silu_ref(g: np.ndarray) -> np.ndarray:
-    return g / (1.0 + np.exp(-g))
 
 
 @pytest.mark.parametrize("M,K,F", [(1, 2, 16), (7, 576, 48), (64, 576, 1536), (100, 30, 32), (13, 1536, 16)])
@@ -121,8 +108,7 @@ def test_int8_matmul_silu_is_silu_of_gate_times_up(M, K, F):
     apart = np.empty((M, F), np.float32)
     K_.silu_mul_kernel(M, gu, apart)
     np.testing.assert_array_equal(fused, apart)
-    g = x.astype(np.float64) @ (q.astype(np.float64) * sw[:, None]).T
-    ref = silu_ref(g[:, :F]) * g[:, F:]
+    ref = silu_mul_ref(int8_linear_ref(x, q, sw))
     assert np.abs(fused - ref).max() <= 1e-3 * np.abs(ref).max()
 
 
@@ -164,8 +150,8 @@ def test_few_rows_linear_silu_mul_is_one_fused_gemv(T, K, F):
         out = np.full((T, F), np.nan, np.float32)
         be.linear_silu_mul(x, w, np.full_like(gu, np.nan), out, scratch=scratch)
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    g = x.astype(np.float64) @ (q.astype(np.float64) * scale[:, None]).T
-    np.testing.assert_allclose(out, silu_ref(g[:, :F]) * g[:, F:], rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_allclose(out, silu_mul_ref(int8_linear_ref(x, q, scale)), rtol=1e-4,
+                               atol=1e-5 * np.abs(ref).max())
     with pytest.raises(ValueError, match="out"):
         be.linear_silu_mul(x, w, gu, np.empty((T, F + 1), np.float32))
 
@@ -185,7 +171,7 @@ def test_backend_linear_uses_the_packed_weight(T, K, N, monkeypatch):
     out = np.empty((T, N), np.float32)
     be.linear(x, w, out, bias=bias, scratch=np.empty(128 * K, np.float32))
     assert calls
-    ref = x.astype(np.float64) @ (q.astype(np.float64) * scale[:, None]).T + bias
+    ref = int8_linear_ref(x, q, scale, bias)
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 

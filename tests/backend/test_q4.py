@@ -16,6 +16,7 @@ from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu import q4 as cpu_q4
 from rawinfer.backend.cpu.backend import INT8_GEMV_MAX_ROWS, CPUBackend
 from rawinfer.quant import Int8Weight, Q4Weight, dequantize_q4, quantize_q4, storage_kind
+from reference_ops import linear_ref, silu_mul_ref
 
 be = CPUBackend()
 RNG = np.random.default_rng(11)
@@ -83,10 +84,6 @@ def test_q4_of_the_q4_1_gguf_gives_back_its_weights_bit_for_bit():
         assert (dequantize_q4(*quantize_q4(w)) == w).all(), t.name
 
 
-def matvec_ref(x, w):
-    return x.astype(np.float64) @ w.astype(np.float64).T
-
-
 def kernel_tol(x, w):
     """The matrix-vector kernel's error bound: x rounded to 15 bits, |error| <= (sx / 2) sum_j |w_j| with
     sx = max|x| / 32767, plus float32 sums."""
@@ -106,7 +103,7 @@ def test_q4_matvec_matches_numpy(T, N, K):
         x[1] = 0.0                                     # a zero row
     out = np.full((T, N), np.nan, np.float32)
     cpu_q4.q4_matvec(x, qs, dm.view(np.uint16), out)
-    assert (np.abs(out - matvec_ref(x, wd)) <= kernel_tol(x, wd)).all()
+    assert (np.abs(out - linear_ref(x, wd)) <= kernel_tol(x, wd)).all()
     if T > 1:
         assert (out[1] == 0).all()
 
@@ -121,8 +118,7 @@ def test_q4_matvec_silu_matches_numpy(T, F, K):
     cpu_q4.q4_matvec_silu(x, qs, dm.view(np.uint16), out)
     gu = np.empty((T, 2 * F), np.float32)               # the products as q4_matvec rounds them (tested above)
     cpu_q4.q4_matvec(x, qs, dm.view(np.uint16), gu)
-    g, u = gu[:, :F].astype(np.float64), gu[:, F:].astype(np.float64)
-    np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out, silu_mul_ref(gu), rtol=1e-4, atol=1e-5)
 
 
 def test_dequantize_rows_is_exact():
@@ -147,11 +143,10 @@ def test_q4_linear_and_linear_silu_mul(T, scratch_rows, numba_pool, monkeypatch)
     bias = RNG.standard_normal(N).astype(np.float32)
     out = np.empty((T, N), np.float32)
     be.linear(x, Q4Weight(qs, dm), out, bias=bias, scratch=scratch)
-    assert (np.abs(out - (matvec_ref(x, wd) + bias)) <= kernel_tol(x, wd) + 1e-5).all()
+    assert (np.abs(out - linear_ref(x, wd, bias)) <= kernel_tol(x, wd) + 1e-5).all()
     act = np.empty((T, N // 2), np.float32)
     be.linear_silu_mul(x, Q4Weight(qs, dm), np.empty((T, N), np.float32), act, scratch=scratch)
-    g, u = (out - bias).astype(np.float64)[:, :N // 2], (out - bias).astype(np.float64)[:, N // 2:]   # as checked above
-    np.testing.assert_allclose(act, g / (1 + np.exp(-g)) * u, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(act, silu_mul_ref(out - bias), rtol=1e-3, atol=1e-3)   # out: as checked above
 
 
 def test_q4_without_avx2_takes_the_dequantized_blas_path(monkeypatch):
@@ -168,11 +163,10 @@ def test_q4_without_avx2_takes_the_dequantized_blas_path(monkeypatch):
     x = RNG.standard_normal((1, K)).astype(np.float32)
     out = np.empty((1, N), np.float32)
     be.linear(x, Q4Weight(qs, dm), out)
-    np.testing.assert_allclose(out, x @ wd.T, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out, linear_ref(x, wd), rtol=1e-4, atol=1e-4)
     act = np.empty((1, N // 2), np.float32)
     be.linear_silu_mul(x, Q4Weight(qs, dm), np.empty((1, N), np.float32), act, scratch=np.empty(10 * K, np.float32))
-    g, u = (x @ wd.T)[:, :N // 2], (x @ wd.T)[:, N // 2:]
-    np.testing.assert_allclose(act, g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(act, silu_mul_ref(linear_ref(x, wd)), rtol=1e-4, atol=1e-4)
 
 
 def test_q4_linear_refuses_a_malformed_weight():

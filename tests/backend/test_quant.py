@@ -15,10 +15,7 @@ from rawinfer.quant import Int8Weight, dequantize_int8, quantize_int8
 be = CPUBackend()
 RNG = np.random.default_rng(5)
 from conftest import DATA  # noqa: E402
-
-
-def int8_linear_ref(x, q, scale):
-    return (x.astype(np.float64) @ q.astype(np.float64).T * scale).astype(np.float32)
+from reference_ops import int8_linear_ref  # noqa: E402
 
 
 def test_quantize_roundtrip_error_is_half_a_step():

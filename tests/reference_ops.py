@@ -1,7 +1,21 @@
-"""NumPy references <op>_ref for every CUDA kernel, and the inputs both kernel test suites share.
+"""NumPy references of the backend ops (`<op>_ref`, one per op) and the helpers kernel tests compare with.
 
-Used by tests/test_cuda_shim.py (kernels on the host under the shim) and tests/test_gpu.py (the same
-kernels on a GPU).  References compute in float64 from the stored (already rounded) inputs.
+Each reference is named after the op it checks (rawinfer/backend/base.py: embedding, rmsnorm, add_rmsnorm,
+linear, rope, silu_mul, kv_write, paged_attention, copy_blocks, take_rows, argmax, sample), plus the
+CPU backend's row quantizer and the int8 products.  A reference takes the op's inputs as the test
+stores them (float32, float16 or bfloat16; already rounded) and computes in float64, or, where the op
+is exact, in the storage dtype; it returns its result rather than writing an output.  None of them
+calls rawinfer: they are written from each op's definition so that a kernel bug cannot hide in both.
+
+Tests import them by name (tests/ is on sys.path through tests/conftest.py):
+
+    from reference_ops import rmsnorm_ref, assert_close
+    backend.rmsnorm(x, w, 1e-5, out)
+    assert_close(out, rmsnorm_ref(x, w, 1e-5), dtype, "rmsnorm")
+
+The CUDA kernel suites (tests/backend/test_cuda_shim.py on the host, test_gpu.py on a device) also
+share the inputs and tolerances at the end of this module: DTYPES, rand, assert_close (about two
+units in the last place of the storage dtype), cos_sin_table and make_paged_batch.
 """
 
 from __future__ import annotations
@@ -9,44 +23,39 @@ from __future__ import annotations
 import numpy as np
 from ml_dtypes import bfloat16
 
-DTYPES = [np.float32, np.float16, bfloat16]
-DTYPE_IDS = ["f32", "f16", "bf16"]
-# Two units in the last place (relative) of each storage dtype, plus float32 noise for float32.
-TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2 * 2.0**-10, np.dtype(bfloat16): 2 * 2.0**-7}
-
-
-def rand(rng, shape, dtype, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
-
 
 def f64(a):
     return np.asarray(a).astype(np.float64)
 
 
-def assert_close(got, ref, dtype, what=""):
-    got, ref = f64(got), f64(ref)
-    tol = TOL[np.dtype(dtype)]
-    err = np.abs(got - ref) / np.maximum(1.0, np.abs(ref))
-    assert np.all(np.isfinite(got)), f"{what}: non-finite output"
-    assert err.max() <= tol, f"{what}: max relative error {err.max():.3g} > {tol:.3g}"
-
-
-# ---- references -----------------------------------------------------------------------------------
+# ---- layer ops ------------------------------------------------------------------------------------
 def embedding_ref(ids, table):
+    """table [V, C] rows at ids [T]: [T, C] in the table's dtype."""
     return table[ids]
 
 
 def rmsnorm_ref(x, weight, eps):
+    """x [T, C] / sqrt(mean(x^2) + eps) * weight [C], float64."""
     x = f64(x)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * f64(weight)
 
 
 def add_rmsnorm_ref(x, residual, weight, eps):
+    """(rmsnorm of the new residual, the new residual): residual + x summed in float32 and stored in
+    the residual's dtype, as the op updates it in place."""
     new_residual = (residual.astype(np.float32) + x.astype(np.float32)).astype(residual.dtype)
     return rmsnorm_ref(new_residual, weight, eps), new_residual
 
 
+def linear_ref(x, w, bias=None):
+    """x [T, K] @ w [N, K].T (+ bias [N]), float64."""
+    out = f64(x) @ f64(w).T
+    return out if bias is None else out + f64(bias)
+
+
 def rope_ref(qkv, positions, cos_sin, num_heads, num_kv_heads):
+    """qkv [T, (H + 2 Hkv) * D] with the Q and K heads rotated (rotate-half) by the angles of
+    cos_sin [P, D] (cos | sin) at positions [T]; V unchanged. float64."""
     out = f64(qkv).copy()
     d = cos_sin.shape[1]
     half = d // 2
@@ -60,12 +69,16 @@ def rope_ref(qkv, positions, cos_sin, num_heads, num_kv_heads):
 
 
 def silu_mul_ref(gate_up):
+    """gate_up [T, 2F] (gate | up) -> silu(gate) * up [T, F], float64."""
     f = gate_up.shape[1] // 2
     g, u = f64(gate_up[:, :f]), f64(gate_up[:, f:])
     return g / (1.0 + np.exp(-g)) * u
 
 
+# ---- the paged KV cache ---------------------------------------------------------------------------
 def kv_write_ref(qkv, k_cache, v_cache, slot_mapping, num_heads):
+    """Copies of the float caches [NB, Hkv, BS, D] with token t's K and V heads of qkv stored at slot
+    slot_mapping[t] (block slot // BS, row slot % BS), cast to the cache dtype."""
     k_cache, v_cache = k_cache.copy(), v_cache.copy()
     _, hkv, bs, d = k_cache.shape
     for t, slot in enumerate(slot_mapping):
@@ -77,6 +90,9 @@ def kv_write_ref(qkv, k_cache, v_cache, slot_mapping, num_heads):
 
 
 def paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, num_heads):
+    """Causal grouped-query attention [T, H * D], float64. Sequence b owns the query rows
+    query_start_loc[b]:query_start_loc[b + 1] of qkv, the last of its context_lens[b] positions; its
+    K/V rows are read from the float caches [NB, Hkv, BS, D] through block_tables [B, max blocks]."""
     _, hkv, bs, d = k_cache.shape
     group = num_heads // hkv
     out = np.zeros((qkv.shape[0], num_heads * d))
@@ -97,6 +113,7 @@ def paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, query
 
 
 def copy_blocks_ref(caches, pairs):
+    """Copies of the caches with block dst set to block src for each (src, dst) pair."""
     caches = [c.copy() for c in caches]
     for c in caches:
         for src, dst in pairs:
@@ -104,15 +121,18 @@ def copy_blocks_ref(caches, pairs):
     return caches
 
 
+# ---- logits --------------------------------------------------------------------------------------
 def take_rows_ref(x, indices):
     return x[indices]
 
 
 def argmax_ref(logits):
+    """Each row's first index of its largest value (ties: the lowest index)."""
     return np.argmax(logits.astype(np.float32), axis=-1)
 
 
-def order_key(x):
+def _order_key(x):
+    """float32 -> uint32 whose unsigned order is the floats' order (the sampler compares these)."""
     u = np.asarray(x, np.float32).view(np.uint32)
     return np.where(u & np.uint32(0x80000000), ~u, u | np.uint32(0x80000000)).astype(np.uint32)
 
@@ -129,7 +149,7 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, uniform):
             ambiguous.append(False)
             continue
         x = (row / np.float32(t)).astype(np.float32)
-        keys = order_key(x)
+        keys = _order_key(x)
         e = np.exp(f64((x - x.max()).astype(np.float32)))
         keep = np.ones(len(row), bool)
         if 0 < k < len(row):
@@ -153,14 +173,62 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, uniform):
     return np.array(ids), np.array(ambiguous)
 
 
+# ---- quantized products (CPU backend) ------------------------------------------------------------
+def quantize_rows_ref(x, qmax=127):
+    """x [..., K] float32 -> (q int64 [..., K], scale float32 [...]): per-row symmetric quantization
+    to +-qmax as the CPU kernels do it (the int8 KV cache's rows at qmax 127, the integer GEMM's
+    activations): x * (qmax / max|row|) in float32, rounded half to even; scale max|row| / qmax; an
+    all-zero row gives zeros and scale 0."""
+    amax = np.abs(x).max(-1).astype(np.float32)
+    safe = np.where(amax > 0, amax, np.float32(1))
+    q = np.clip(np.rint(x * (np.float32(qmax) / safe)[..., None]), -qmax, qmax)
+    q[amax == 0] = 0
+    return q.astype(np.int64), (amax / np.float32(qmax)).astype(np.float32)
+
+
+def int8_linear_ref(x, q, scale, bias=None):
+    """linear_ref with an int8 weight: x [T, K] @ q [N, K].T times the rows' scales [N] (+ bias),
+    float64."""
+    out = f64(x) @ f64(q).T * f64(scale)
+    return out if bias is None else out + f64(bias)
+
+
+def int8_matmul_ref(x, q, scale, qmax):
+    """The integer GEMM's exact result: x's rows quantized to +-qmax (quantize_rows_ref), their
+    integer products with q [N, K] int8, times both scales, float64 [T, N]."""
+    xq, sx = quantize_rows_ref(x, qmax)
+    return (xq @ q.astype(np.int64).T) * f64(sx)[:, None] * f64(scale)[None, :]
+
+
+# ---- inputs and tolerances the CUDA kernel suites share --------------------------------------------
+DTYPES = [np.float32, np.float16, bfloat16]
+DTYPE_IDS = ["f32", "f16", "bf16"]
+# Two units in the last place (relative) of each storage dtype, plus float32 noise for float32.
+TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2 * 2.0**-10, np.dtype(bfloat16): 2 * 2.0**-7}
+
+
+def rand(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+
+
+def assert_close(got, ref, dtype, what=""):
+    got, ref = f64(got), f64(ref)
+    tol = TOL[np.dtype(dtype)]
+    err = np.abs(got - ref) / np.maximum(1.0, np.abs(ref))
+    assert np.all(np.isfinite(got)), f"{what}: non-finite output"
+    assert err.max() <= tol, f"{what}: max relative error {err.max():.3g} > {tol:.3g}"
+
+
 def cos_sin_table(positions, head_dim, theta=10000.0):
+    """[positions, D] float32: cos | sin of position * theta^(-2i / D), i < D / 2."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
     ang = np.arange(positions)[:, None] * inv_freq[None, :]
     return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
 
 
 def make_paged_batch(rng, dtype, q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, spare_blocks=3):
-    """Random caches and a batch whose block tables are a shuffled assignment of physical blocks."""
+    """Random caches and a batch whose block tables are a shuffled assignment of physical blocks:
+    (qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc), paged_attention's inputs."""
     per_seq = [-(-c // block_size) for c in ctx_lens]
     nb = sum(per_seq) + spare_blocks
     mb = max(per_seq) + 1
