@@ -1,15 +1,16 @@
 """Paged attention on the CPU: the Numba kernels that read the KV cache through block tables.
 
     paged_attention_kernel        any batch (prefill chunks, mixed steps): flash-style tiles with an
-                                  online softmax (cpu_blas.prefill_attention takes long query runs)
+                                  online softmax (blas.prefill_attention takes long query runs)
     decode_attention_kernel       pure decode batches (one query per sequence): two passes, exact
                                   softmax, portable loops
-    decode_attention_avx2_kernel  the same on cpu_llvm's AVX2 blocks, with the KV blocks prefetched
+    decode_attention_avx2_kernel  the same on llvm.py's AVX2 blocks, with the KV blocks prefetched
 
 Work items are (query tile of one sequence, kv head) -- (sequence, kv head) for decode -- so that the
 G = H / Hkv query heads sharing a kv head read its K and V rows once. Each kernel has a NumPy
 reference test (tests/backend/test_cpu_kernels.py: attention_ref). Caches are float32, float16 bits (uint16) or
-int8 with row scales; the cpu_kernels KV helpers resolve the element type at compile time.
+int8 with row scales; the KV helpers of kernels.py resolve the element type at compile time.
+Which kernel runs for which batch: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -71,11 +72,11 @@ def attention_work_items(query_start_loc, tile):
     return seqs, q0s, q1s
 
 
-# ---- float32 / float16 / int8 builds of the cpu_llvm attention blocks ------------------------------
+# ---- float32 / float16 / int8 builds of the llvm.py attention blocks -------------------------------
 def _by_cache_dtype(blocks, doc):
-    """A function of (cache, heads, 8 addresses/counts) that calls the cpu_llvm block built for the
+    """A function of (cache, heads, 8 addresses/counts) that calls the llvm.py block built for the
     cache's element type (blocks["f32"], blocks["f16"] for float16 caches held as uint16 bits,
-    blocks["i8"] for int8 ones) and for `heads` query heads (1..cpu_llvm.HEADS_MAX)."""
+    blocks["i8"] for int8 ones) and for `heads` query heads (1..llvm.HEADS_MAX)."""
     def block(cache, heads, a, b, c, d, e, f, g, h):
         pass
     block.__doc__ = doc
@@ -96,8 +97,8 @@ def _by_cache_dtype(blocks, doc):
     return block
 
 
-kv_dot_rows4 = _by_cache_dtype(cpu_llvm.dot_rows4, "cpu_llvm.dot_rows4 for this cache's rows")
-kv_axpy_rows32 = _by_cache_dtype(cpu_llvm.axpy_rows32, "cpu_llvm.axpy_rows32 for this cache's rows")
+kv_dot_rows4 = _by_cache_dtype(cpu_llvm.dot_rows4, "llvm.dot_rows4 for this cache's rows")
+kv_axpy_rows32 = _by_cache_dtype(cpu_llvm.axpy_rows32, "llvm.axpy_rows32 for this cache's rows")
 
 
 def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -149,8 +150,8 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
                     for d in range(D):
                         a[d] *= corr
                     li = l[i, g] * corr
-                    # NOTE: exp inside the key loop: a separate (vectorized) exp pass over the <= BS
-                    # scores measured slower here (21.7 vs 11.6 ms for 16 x 128-token prompts)
+                    # NOTE: exp inside the key loop: over a block's <= BS scores, a separate
+                    # (vectorized) exp pass costs more than it saves
                     for r in range(nvis):
                         p = fast_exp(sc[r] - m_new)
                         li += p
@@ -176,7 +177,7 @@ def query_heads_into(qkv, t, kvh, scale, q):
     G, D = q.shape
     for g in range(G):
         base = (kvh * G + g) * D
-        src, dst = qkv[t, base:base + D], q[g]           # row views: see cpu_kernels
+        src, dst = qkv[t, base:base + D], q[g]           # row views: see kernels.py
         for d in range(D):
             dst[d] = src[d] * scale
 
@@ -198,7 +199,6 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
     One work item = (sequence, kv head), in two passes over the sequence's blocks instead of an online
     softmax: all scores of the item's G query heads into a [G, context] buffer, one exact softmax per
     head (its exps vectorize over the whole row), then P @ V with each V row read once for all G heads.
-    Measured 1.65 vs 2.14 ms for 64 sequences of ~190 tokens (SmolLM2 shapes) against the tiled kernel.
     """
     Hkv, BS, D = kv_dims(k_cache)
     G = num_heads // Hkv
@@ -237,19 +237,15 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
 
 
 def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, out):
-    """The same two passes as _decode_attention_kernel with the inner loops as AVX2 blocks (cpu_llvm):
+    """The same two passes as _decode_attention_kernel with the inner loops as AVX2 blocks (llvm.py):
     scores 4 rows of a K block at a time for up to 3 query heads at once (dot_rows4), P @ V 32 dims at
     a time with the outputs in registers across a V block's rows (axpy_rows32), each K and V row loaded
     (and, for float16 caches, converted) once for the query heads it serves. The caches come from DRAM
     (every layer's blocks are read once per step): the K block two ahead, and this block's V, are
     prefetched while a K block is scored, and the next work item's first two K blocks at its start.
     Needs BS % 4 == 0, D % 32 == 0 (decode_attention_avx2_fits); the 4-row groups may read a block's
-    rows past the context, which exist and whose scores are never used.
-    Measured per layer, 64 sequences of 129-256 tokens (SmolLM2 shapes), blocks scattered over 53 MB:
-    float16 caches 0.63-0.75 ms vs 0.98 for one head per call (0.83 without the prefetches); float32
-    1.22-1.30 vs 1.50; in cache (L3): 0.42 vs 0.50 ms. int8 caches (scales applied per row inside the
-    blocks): 0.61 vs 0.86 ms for float16 side by side over 2.2 GB of blocks, the same 0.63 in L3 (an int8
-    row is two instructions per 8 values to convert, a float16 one one)."""
+    rows past the context, which exist and whose scores are never used. int8 caches: the row scales
+    are applied inside the blocks, once per row (to the 4 scores, to the weights p)."""
     Hkv, BS, D = kv_dims(k_cache)
     G = num_heads // Hkv
     B = context_lens.shape[0]
@@ -306,9 +302,8 @@ def decode_attention_avx2_fits(k_cache) -> bool:
 
 # ---- entry points: (rows, *args) -> serial or parallel build --------------------------------------
 # NOTE: reassociation lets LLVM vectorize the dot products; no 'ninf' flag, since m starts at -inf.
-# (Rows here are work items x kv heads. A single decode sequence has only Hkv of them: waking the
-# thread pool for that little work measured 137 vs 12 ms per SmolLM2 step, back when the GEMMs ran on
-# OpenBLAS's own pool; not re-measured since cpu_blas moved them onto Numba's.)
+# Rows here are work items x kv heads: a single decode sequence has only Hkv of them, too little work
+# to pay for waking the thread pool, so the per-op path runs the serial build for it.
 paged_attention_kernel = Kernel(_paged_attention_kernel, min_parallel_rows=16,
                                 fastmath={"reassoc", "contract", "arcp", "nsz"})
 decode_attention_kernel = Kernel(_decode_attention_kernel, min_parallel_rows=16,

@@ -14,12 +14,12 @@ from rawinfer.backend.cpu import qgemm as cpu_qgemm
 
 # NOTE: Numba's OpenMP workers spin after each parallel region before they sleep (300k iterations by
 # default). When every parallel region of a step runs on that one pool (kernels and, through
-# cpu_blas, the GEMMs), a spinning worker is what the next region wants; 100k iterations (~1-3 ms)
-# keeps it short enough not to starve the step's Python work or other processes afterwards. When the
-# GEMMs run on the BLAS library's own pool instead (cpu_blas unavailable), the two pools' spinning
-# workers take each other's cores (6-8 ms vs 0.8 ms for a small GEMM after a kernel), so Numba's
-# workers sleep at once. Set before Numba starts its pool (on the first parallel call); a user's own
-# value wins.
+# blas.py, the GEMMs), a spinning worker is what the next region wants; 100k iterations keep it
+# short enough not to starve the step's Python work or other processes afterwards. When the GEMMs
+# run on the BLAS library's own pool instead (blas.py unavailable), the two pools' spinning workers
+# take each other's cores (a small GEMM after a kernel takes several times its cost: docs/kernels.md),
+# so Numba's workers sleep at once. Set before Numba starts its pool (on the first parallel call); a
+# user's own value wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "100000" if cpu_blas.available() else "0")
 
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN  # noqa: E402
@@ -69,9 +69,10 @@ class CPUBackend(Backend):
     capabilities = Capabilities(quantized_weights=("int8", "q4"))
 
     def fused_max_tokens(self, quant):
-        # int8 / q4 decode: one Numba call per layer (8.4 vs 11.8 ms per SmolLM2 step). Float weights keep
-        # the per-op path: BLAS's GEMV streams float32 rows faster than the Numba row kernel (33 vs 71 ms).
-        # q4's matrix-vector kernel is AVX2 code (cpu_q4): elsewhere its products take the per-op BLAS path.
+        # int8 / q4 decode: every layer in one Numba call (fused.py), which saves the per-op dispatch.
+        # Float weights keep the per-op path: BLAS's GEMV streams float32 rows faster than a Numba row
+        # kernel would. q4's matrix-vector kernel is AVX2 code (q4.py): elsewhere its products take the
+        # per-op BLAS path. Measurements: docs/kernels.md.
         if quant == "q4" and not cpu_llvm.available():
             return 0
         return INT8_GEMV_MAX_ROWS if quant in ("int8", "q4") else 0
@@ -83,7 +84,7 @@ class CPUBackend(Backend):
         self.threads = numba.get_num_threads()
         self.blas_on_numba_pool = cpu_blas.available()   # else np.matmul on OpenBLAS's (or MKL's) own pool
         # int8 models: GEMMs (more than INT8_GEMV_MAX_ROWS rows) in integer arithmetic on int16-quantized
-        # activations (cpu_qgemm); RAWINFER_CPU_INT_GEMM=0 dequantizes the weights to float32 instead.
+        # activations (qgemm.py); RAWINFER_CPU_INT_GEMM=0 dequantizes the weights to float32 instead.
         self.int_gemm = cpu_qgemm.available() and os.environ.get("RAWINFER_CPU_INT_GEMM", "1") != "0"
         self._qx = np.empty(0, np.int16)                   # activation buffers of the integer GEMM,
         self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
@@ -91,9 +92,9 @@ class CPUBackend(Backend):
     def kv_dtype(self, model_dtype: str, choice: str = "auto", quant: str | None = None) -> np.dtype:
         # Decode attention streams every cached K/V row each step: float16 halves those bytes, int8 (a
         # float32 scale per row of head_dim values) brings them to (head_dim + 4) / (4 head_dim). auto
-        # takes int8 for int8 models, already approximate (measured on SmolLM2: decode steps of 64
-        # sequences 90.0 vs 101.0 ms with float16, the same 152/152 confident golden steps), and keeps
-        # float32 models exact. float16 needs F16C (every x86-64 CPU with AVX2 has it).
+        # takes int8 for quantized models, already approximate (their golden agreement holds with it:
+        # tests/backend/test_quant.py, test_q4.py; step times in docs/kernels.md), and keeps float32
+        # models exact. float16 needs F16C (every x86-64 CPU with AVX2 has it).
         if choice == "float16" and not cpu_llvm.has_f16c():
             raise ValueError("kv_cache_dtype='float16' needs a CPU with F16C conversions, which this one lacks; "
                              "use kv_cache_dtype='int8' or 'float32' (--kv-cache-dtype)")
@@ -101,7 +102,7 @@ class CPUBackend(Backend):
             return np.dtype(np.int8 if quant is not None else np.float32)
         return np.dtype(choice)
 
-    # ---- memory (cpu_memory.py) --------------------------------------------------------------
+    # ---- memory (memory.py) ------------------------------------------------------------------
     def alloc_arena(self, nbytes: int):
         return cpu_memory.anonymous_arena(nbytes)
 
@@ -161,10 +162,10 @@ class CPUBackend(Backend):
             out += bias
 
     def linear_silu_mul(self, x, w, gate_up, out, scratch=None) -> None:
-        # int8 GEMMs on packed weights: silu * up in the GEMM's epilogue, gate_up never stored (2,048-row
-        # prefill: 0.92-1.00x the time of the GEMM and silu_mul apart, the same bits). Gate block j pairs
-        # with up block j + half: an even count of 16-column blocks (the batched decode kernel's test too).
-        # A few rows: silu * up in the int8 matrix-vector kernel the same way.
+        # int8 GEMMs on packed weights: silu * up in the GEMM's epilogue, gate_up never stored (the same
+        # bits as the GEMM and silu_mul apart). Gate block j pairs with up block j + half: an even count
+        # of 16-column blocks (the batched decode kernel's test too). A few rows: silu * up in the int8
+        # matrix-vector kernel the same way.
         if isinstance(w, Int8Weight):
             gemm = self._on_packed_gemm(x, w, scratch) and w.packed.shape[0] % 2 == 0
             if gemm or x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None:
@@ -224,7 +225,7 @@ class CPUBackend(Backend):
         self._dequantized_matmul(x, qs.view(np.uint16), dm, out, scratch)
 
     def _dequantized_matmul(self, x, a, b, out, scratch) -> None:
-        """out = x @ W^T, W given as (a, b) (cpu_q4.dequantize_tile), on BLAS over float32 tiles of W
+        """out = x @ W^T, W given as (a, b) (q4.dequantize_tile), on BLAS over float32 tiles of W
         dequantized into scratch."""
         N, Kd = out.shape[1], x.shape[1]
         tile = min(INT8_TILE_ROWS, scratch.size // (self.threads * Kd))
@@ -321,7 +322,7 @@ class CPUBackend(Backend):
         for L in layers:
             for short, name in mats:                        # fused only for quantized models
                 w = L[name]
-                q4 = isinstance(w, Q4Weight)                # cpu_fused.weight_matvec takes either kind
+                q4 = isinstance(w, Q4Weight)                # fused.weight_matvec takes either kind
                 a, b = self._q4_parts(w) if q4 else (w.q, w.scale)
                 cols[f"w_{short}s"].append(a)
                 cols[f"s_{short}s"].append(b)
@@ -338,8 +339,8 @@ class CPUBackend(Backend):
         return plan
 
     def fused_decode_max_tokens(self, plan) -> int:
-        # Batched decode of an int8 model in one call as well: ~11 ops x 30 layers of Python and Numba
-        # dispatch (5-15 us each) cost several ms per step next to its ~100 ms of GEMMs (64 sequences).
+        # Batched decode of an int8 model in one call as well: ~11 ops per layer of Python and Numba
+        # dispatch saved on every step, whatever the batch (fused.py).
         return 1 << 30 if plan["packed"] else 0
 
     def decoder_layers(self, plan, ws, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:

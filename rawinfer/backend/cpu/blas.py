@@ -4,8 +4,8 @@ NumPy's own OpenBLAS, single-threaded, on its slice.
 Why: a step alternates Numba kernels (norms, RoPE, attention) with GEMMs. Run through `np.matmul`,
 the GEMMs use OpenBLAS's private thread pool, and on a machine with few cores the two pools steal the
 cores from each other: a worker of one pool spins (waiting for its next parallel region) on the core
-a worker of the other pool needs. Measured on 2 cores: a 64 x 576 x 1536 GEMM right after a tiny Numba
-kernel took 6-8 ms instead of 0.8 ms. With every parallel region on Numba's pool, spinning workers are
+a worker of the other pool needs, and a small GEMM right after a Numba kernel takes several times
+its own cost (docs/kernels.md). With every parallel region on Numba's pool, spinning workers are
 what the next region wants.
 
 How: NumPy (>= 2 wheels) ships OpenBLAS as `scipy_openblas64_` (64-bit integers, `scipy_` symbol
@@ -27,7 +27,7 @@ import numba as nb
 import numpy as np
 from numba import types
 
-# inlined into the kernels below: see the cache NOTE in cpu_fused.py
+# inlined into the kernels below: see the cache NOTE in fused.py
 from rawinfer.backend.cpu.attention import attention_work_item, query_heads_into, softmax_numerators, write_heads
 from rawinfer.backend.cpu.kernels import kv_dims, kv_row_into, kv_scale_table
 from rawinfer.backend.cpu.q4 import dequantize_tile
@@ -35,7 +35,7 @@ from rawinfer.backend.cpu.q4 import dequantize_tile
 _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_threads_local")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _GEMV_MAX_ROWS = 2     # up to this many rows of x, one GEMV per row streams the weights faster than a
-                       # GEMM (OpenBLAS's small-M GEMM reads the matrix at ~1/3 of the copy bandwidth)
+                       # GEMM (OpenBLAS's small-M GEMM reads the matrix far below the copy bandwidth)
 
 
 def _find_library() -> str | None:
@@ -100,7 +100,7 @@ def matmul_nt(x, w, out, parts):
 
 @nb.njit(parallel=True, cache=True)
 def quant_matmul_nt(x, a, b, out, scratch, tile_rows, parts):
-    """out[M, N] = x[M, K] @ W^T for a quantized W[N, K] given as (a, b) (cpu_q4.dequantize_tile: int8 q
+    """out[M, N] = x[M, K] @ W^T for a quantized W[N, K] given as (a, b) (q4.dequantize_tile: int8 q
     and scales, or q4 lanes and block scales): each thread dequantizes tiles of `tile_rows` weight rows
     into its own part of `scratch` (float32, >= parts * tile_rows * K), still in its cache when the
     GEMM on that tile reads them."""

