@@ -174,6 +174,12 @@ class ModelConfig:
         return cls.from_json(d, where=path)
 
 
+def resolve_max_model_len(model: ModelConfig, engine: "EngineConfig") -> int:
+    """The longest sequence (prompt + output) an engine allows: max_model_len, capped at the model's
+    context (its RoPE table ends there)."""
+    return min(engine.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2, "MIB": 1024**2,
           "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4, "TB": 1000**4, "TIB": 1024**4,

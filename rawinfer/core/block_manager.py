@@ -20,10 +20,14 @@ head block, dropping its digest (eviction). Blocks without a digest can never be
 to the head and reused before any cached block. A sequence is released tail first, so within a chain
 the tail is evicted before its prefix (a prefix is worth more: every longer match goes through it).
 
+Token counts. The block manager keeps block tables, not token counts: how many of a sequence's tokens
+are in the cache is the sequence's own num_computed_tokens (core/sequence.py), which every call that
+depends on it passes in. A table covers ceil((computed + new) / BS) blocks once allocate_slots returns.
+
 Copy-on-write. fork() shares every block of the parent (ref++). A sequence's next tokens are written
-from position num_slots (the size its table was last grown to); if that position falls inside a
-partially filled block with ref > 1, allocate_slots swaps in a fresh block and reports (src, dst) for the
-model runner to copy in every layer before the forward pass.
+from position num_computed_tokens; if that position falls inside a partially filled block with ref > 1,
+allocate_slots swaps in a fresh block and reports (src, dst) for the model runner to copy in every layer
+before the forward pass.
 
 NOTE: fork only after the step that computed the parent's tokens has run, and pass cached_block_ids to
 allocate_slots straight from find_cached_prefix: find takes no references, so an allocation in between
@@ -47,6 +51,28 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     """Digest of one full block: sha256 over the parent's digest and the token ids as little-endian int32."""
     # NOTE: fixed-width int32 bytes keep the encoding unambiguous; out-of-range ids raise OverflowError.
     return hashlib.sha256(parent_hash + np.asarray(token_ids, dtype="<i4").tobytes()).digest()
+
+
+class BlockHashes:
+    """The prefix-cache digests of one token sequence's full blocks, each computed once.
+
+    Block i's digest chains over block i-1's and a sequence only ever appends tokens, so the digests of
+    its full blocks never change: a sequence keeps one BlockHashes (Sequence.block_hashes) from its first
+    prefix-cache lookup through every block registration, preemption included."""
+
+    __slots__ = ("digests",)
+
+    def __init__(self, digests: Sequence[bytes] = ()):
+        self.digests: list[bytes] = list(digests)
+
+    def upto(self, token_ids: Sequence[int], num_blocks: int, block_size: int) -> list[bytes]:
+        """The digest list, extended to at least num_blocks full blocks of token_ids."""
+        d = self.digests
+        parent = d[-1] if d else ROOT_HASH
+        for i in range(len(d), num_blocks):
+            parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+            d.append(parent)
+        return d
 
 
 @dataclass(frozen=True)
@@ -73,12 +99,10 @@ class PrefixCacheStats:
 
 @dataclass
 class _SeqBlocks:
-    """One sequence's block table and how far its prefix-cache digests have been computed."""
+    """One sequence's block table and how many of its leading blocks went through cache_full_blocks."""
 
     blocks: list[KVBlock] = field(default_factory=list)
-    num_slots: int = 0                  # tokens the table was sized for; the next token goes to this position
-    num_hashed_blocks: int = 0          # leading blocks already passed through cache_full_blocks
-    last_hash: bytes = ROOT_HASH        # digest of block num_hashed_blocks - 1 (the root before any)
+    num_hashed_blocks: int = 0
 
 
 class BlockManager:
@@ -132,18 +156,18 @@ class BlockManager:
         return [b.block_id for b in self._free]
 
     # ---- prefix cache ----------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def find_cached_prefix(self, token_ids: Sequence[int], hashes: BlockHashes | None = None) -> list[int]:
         """Block ids of the leading full blocks of token_ids already cached, at most (len(token_ids)-1)//BS
         blocks so that at least the last prompt token is recomputed (a fully cached prompt still needs logits).
-        Takes no refs."""
+        hashes: the sequence's digest memo (a throwaway one if None). Takes no refs."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
+        num_blocks = max(0, (len(token_ids) - 1) // bs)
+        digests = (hashes or BlockHashes()).upto(token_ids, num_blocks, bs)
         hits: list[int] = []
-        parent = ROOT_HASH
-        for i in range(max(0, (len(token_ids) - 1) // bs)):
-            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
-            block = self._cached.get(parent)
+        for i in range(num_blocks):
+            block = self._cached.get(digests[i])
             if block is None:
                 break
             hits.append(block.block_id)
@@ -152,20 +176,25 @@ class BlockManager:
         self.stats.hit_tokens += len(hits) * bs
         return hits
 
-    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int,
+                          hashes: BlockHashes | None = None) -> None:
         """Register the digests of seq_id's blocks that are full and fully computed (num_computed_tokens of
         token_ids) and not yet registered. A block whose digest is already registered under another physical
-        block stays unregistered."""
+        block stays unregistered. hashes: the sequence's digest memo (a throwaway one if None)."""
         state = self._get(seq_id)
-        if not 0 <= num_computed_tokens <= min(len(token_ids), state.num_slots):
+        bs = self.block_size
+        if not 0 <= num_computed_tokens <= min(len(token_ids), len(state.blocks) * bs):
             raise ValueError(f"cache_full_blocks for sequence {seq_id!r}: num_computed_tokens={num_computed_tokens} "
-                             f"must lie within the {len(token_ids)} token ids given and the {state.num_slots} "
-                             f"slots allocated; pass the count of tokens whose K/V have been written")
+                             f"must lie within the {len(token_ids)} token ids given and the {len(state.blocks) * bs} "
+                             f"slots of its blocks; pass the count of tokens whose K/V have been written")
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        for i in range(state.num_hashed_blocks, num_computed_tokens // bs):
-            digest = hash_block_tokens(state.last_hash, token_ids[i * bs:(i + 1) * bs])
+        num_full = num_computed_tokens // bs
+        if num_full <= state.num_hashed_blocks:
+            return
+        digests = (hashes or BlockHashes()).upto(token_ids, num_full, bs)
+        for i in range(state.num_hashed_blocks, num_full):
+            digest = digests[i]
             block = state.blocks[i]
             if block.block_hash is None:
                 if digest not in self._cached:
@@ -174,8 +203,7 @@ class BlockManager:
             elif block.block_hash != digest:
                 raise ValueError(f"block {i} of sequence {seq_id!r} was cached for other tokens than token_ids "
                                  f"holds there; pass the sequence's own token ids to cache_full_blocks")
-            state.last_hash = digest
-            state.num_hashed_blocks = i + 1
+        state.num_hashed_blocks = num_full
 
     def reset_prefix_cache(self) -> None:
         """Forget every digest; blocks in use keep their data, free ones become plain free blocks."""
@@ -184,23 +212,24 @@ class BlockManager:
         self._cached.clear()
 
     # ---- allocation ------------------------------------------------------------------------------
-    def num_blocks_needed(self, seq_id_or_None: Hashable | None, num_total_tokens: int,
+    def num_blocks_needed(self, seq_id_or_None: Hashable | None, num_computed_tokens: int, num_new_tokens: int,
                           cached_block_ids: Sequence[int] = ()) -> int:
-        """Free blocks allocate_slots(seq_id, num_total_tokens, cached_block_ids) would consume (fresh
-        blocks, a copy-on-write target, and prefix hits that currently sit on the free list). An unknown
-        seq_id or None means a sequence's first allocation."""
+        """Free blocks allocate_slots(seq_id, num_computed_tokens, num_new_tokens, cached_block_ids) would
+        consume (fresh blocks, a copy-on-write target, and prefix hits that currently sit on the free list).
+        An unknown seq_id or None means a sequence's first allocation."""
         state = self._seqs.get(seq_id_or_None) if seq_id_or_None is not None else None
-        return self._num_needed(seq_id_or_None, state, num_total_tokens, cached_block_ids)
+        return self._num_needed(seq_id_or_None, state, num_computed_tokens, num_new_tokens, cached_block_ids)
 
-    def allocate_slots(self, seq_id: Hashable, num_total_tokens: int,
+    def allocate_slots(self, seq_id: Hashable, num_computed_tokens: int, num_new_tokens: int,
                        cached_block_ids: Sequence[int] = ()) -> Allocation | None:
-        """Make seq_id's table cover num_total_tokens tokens (computed so far + this step's new tokens).
-        On the first call for a seq, cached_block_ids (from find_cached_prefix) are taken first (ref++,
-        removed from the free list if free). Returns None, changing nothing, when there are not enough free
-        blocks. Handles copy-on-write of a shared, partially filled last block that the new tokens will write
-        into: the table entry is replaced, so read block_table after this call."""
+        """Make seq_id's table cover its num_computed_tokens tokens in the cache plus num_new_tokens about to
+        be written. On the first call for a seq, cached_block_ids (from find_cached_prefix) are taken first
+        (ref++, removed from the free list if free), and num_computed_tokens must be the tokens they hold.
+        Returns None, changing nothing, when there are not enough free blocks. Handles copy-on-write of a
+        shared, partially filled block that the new tokens will write into: the table entry is replaced,
+        so read block_table after this call."""
         state = self._seqs.get(seq_id)
-        if self._num_needed(seq_id, state, num_total_tokens, cached_block_ids) > len(self._free):
+        if self._num_needed(seq_id, state, num_computed_tokens, num_new_tokens, cached_block_ids) > len(self._free):
             return None
         if state is None:
             state = self._seqs[seq_id] = _SeqBlocks()
@@ -212,15 +241,12 @@ class BlockManager:
             block.ref_cnt += 1
             state.blocks.append(block)
             new_ids.append(block_id)
-        if cached_block_ids:                # a new sequence: its table is exactly the prefix hits so far
-            state.num_hashed_blocks = len(state.blocks)
-            state.last_hash = state.blocks[-1].block_hash
-            state.num_slots = len(state.blocks) * self.block_size
+        state.num_hashed_blocks = max(state.num_hashed_blocks, len(cached_block_ids))
 
-        num_fresh, cow = self._plan(state, num_total_tokens, ())
+        num_fresh, cow = self._plan(state.blocks, num_computed_tokens, num_new_tokens)
         copies: list[tuple[int, int]] = []
         if cow:
-            index = state.num_slots // self.block_size
+            index = num_computed_tokens // self.block_size
             src = state.blocks[index]
             dst = self._take_free_block()
             src.ref_cnt -= 1                    # still >= 1: it was shared
@@ -230,7 +256,6 @@ class BlockManager:
             block = self._take_free_block()
             state.blocks.append(block)
             new_ids.append(block.block_id)
-        state.num_slots = max(state.num_slots, num_total_tokens)
         return Allocation(new_block_ids=new_ids, copies=copies)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -240,8 +265,7 @@ class BlockManager:
             raise ValueError(f"cannot fork into sequence {child_id!r}: it already has blocks; pick a new id")
         for block in parent.blocks:
             block.ref_cnt += 1
-        self._seqs[child_id] = _SeqBlocks(list(parent.blocks), parent.num_slots,
-                                          parent.num_hashed_blocks, parent.last_hash)
+        self._seqs[child_id] = _SeqBlocks(list(parent.blocks), parent.num_hashed_blocks)
 
     def free(self, seq_id: Hashable) -> None:
         """Release every block of seq_id, tail first, and forget the sequence."""
@@ -263,28 +287,35 @@ class BlockManager:
                            f"call allocate_slots for it first")
         return state
 
-    def _num_needed(self, seq_id: Hashable, state: _SeqBlocks | None, num_total_tokens: int,
-                    cached_block_ids: Sequence[int]) -> int:
-        cached = self._check_cached(seq_id, state, num_total_tokens, cached_block_ids)
-        num_fresh, cow = self._plan(state, num_total_tokens, cached)
+    def _num_needed(self, seq_id: Hashable, state: _SeqBlocks | None, num_computed_tokens: int,
+                    num_new_tokens: int, cached_block_ids: Sequence[int]) -> int:
+        cached = self._check_allocation(seq_id, state, num_computed_tokens, num_new_tokens, cached_block_ids)
+        blocks = state.blocks if state is not None else cached
+        num_fresh, cow = self._plan(blocks, num_computed_tokens, num_new_tokens)
         return num_fresh + int(cow) + sum(1 for b in cached if b.ref_cnt == 0)
 
-    def _check_cached(self, seq_id: Hashable, state: _SeqBlocks | None, num_total_tokens: int,
-                      cached_block_ids: Sequence[int]) -> list[KVBlock]:
+    def _check_allocation(self, seq_id: Hashable, state: _SeqBlocks | None, num_computed_tokens: int,
+                          num_new_tokens: int, cached_block_ids: Sequence[int]) -> list[KVBlock]:
         """Validate the arguments of an allocation; return the prefix-hit blocks."""
-        if num_total_tokens < 0:
-            raise ValueError(f"num_total_tokens must be >= 0, got {num_total_tokens}")
-        if state is not None and num_total_tokens < state.num_slots:
-            raise ValueError(f"sequence {seq_id!r} already has {state.num_slots} slots and cannot shrink to "
-                             f"{num_total_tokens}; free it and allocate again to recompute")
-        if not cached_block_ids:
-            return []
+        bs = self.block_size
+        if num_computed_tokens < 0 or num_new_tokens < 0:
+            raise ValueError(f"token counts must be >= 0, got num_computed_tokens={num_computed_tokens} and "
+                             f"num_new_tokens={num_new_tokens}")
         if state is not None:
-            raise ValueError(f"sequence {seq_id!r} already has blocks; pass cached_block_ids only on its first "
-                             f"allocate_slots call")
-        if len(cached_block_ids) * self.block_size > num_total_tokens:
-            raise ValueError(f"{len(cached_block_ids)} cached blocks hold more than num_total_tokens="
-                             f"{num_total_tokens} tokens; count the cached tokens in num_total_tokens")
+            if cached_block_ids:
+                raise ValueError(f"sequence {seq_id!r} already has blocks; pass cached_block_ids only on its first "
+                                 f"allocate_slots call")
+            if num_computed_tokens > len(state.blocks) * bs:
+                raise ValueError(f"sequence {seq_id!r} has {len(state.blocks)} blocks, too few for "
+                                 f"num_computed_tokens={num_computed_tokens}; pass the tokens its K/V cover")
+            if -(-(num_computed_tokens + num_new_tokens) // bs) < len(state.blocks):
+                raise ValueError(f"sequence {seq_id!r} already has {len(state.blocks)} blocks and cannot shrink to "
+                                 f"{num_computed_tokens + num_new_tokens} tokens; free it and allocate again to "
+                                 f"recompute")
+            return []
+        if num_computed_tokens != len(cached_block_ids) * bs:
+            raise ValueError(f"a new sequence's num_computed_tokens ({num_computed_tokens}) must be the "
+                             f"{len(cached_block_ids) * bs} tokens of its {len(cached_block_ids)} cached blocks")
         if len(set(cached_block_ids)) != len(cached_block_ids):
             raise ValueError(f"cached_block_ids {list(cached_block_ids)} repeats a block; pass the list "
                              f"find_cached_prefix returned")
@@ -296,14 +327,12 @@ class BlockManager:
             blocks.append(self.blocks[block_id])
         return blocks
 
-    def _plan(self, state: _SeqBlocks | None, num_total_tokens: int,
-              cached: Sequence[KVBlock]) -> tuple[int, bool]:
+    def _plan(self, blocks: Sequence[KVBlock], num_computed_tokens: int, num_new_tokens: int) -> tuple[int, bool]:
         """(fresh blocks to append, whether the block the next token goes into must be copied first)."""
-        num_have = len(state.blocks) if state is not None else len(cached)
-        num_slots = state.num_slots if state is not None else len(cached) * self.block_size
-        num_fresh = max(0, -(-num_total_tokens // self.block_size) - num_have)
-        cow = (state is not None and num_slots < num_total_tokens and num_slots % self.block_size != 0
-               and state.blocks[num_slots // self.block_size].ref_cnt > 1)
+        bs = self.block_size
+        num_fresh = max(0, -(-(num_computed_tokens + num_new_tokens) // bs) - len(blocks))
+        cow = (num_new_tokens > 0 and num_computed_tokens % bs != 0
+               and blocks[num_computed_tokens // bs].ref_cnt > 1)
         return num_fresh, cow
 
     def _take_free_block(self) -> KVBlock:
@@ -328,14 +357,12 @@ class BlockManager:
         for seq_id, state in self._seqs.items():
             ids = [b.block_id for b in state.blocks]
             assert len(set(ids)) == len(ids), f"sequence {seq_id!r} holds a block twice: {ids}"
-            assert len(ids) == -(-state.num_slots // bs), \
-                f"sequence {seq_id!r} has {len(ids)} blocks for {state.num_slots} slots"
-            assert state.num_hashed_blocks <= state.num_slots // bs, \
-                f"sequence {seq_id!r} hashed {state.num_hashed_blocks} blocks but has {state.num_slots} slots"
+            assert state.num_hashed_blocks <= len(ids), \
+                f"sequence {seq_id!r} hashed {state.num_hashed_blocks} blocks but has {len(ids)}"
             for i, block in enumerate(state.blocks):
                 assert self.blocks[block.block_id] is block, f"sequence {seq_id!r} holds a foreign {block!r}"
-                assert block.block_hash is None or i < state.num_slots // bs, \
-                    f"sequence {seq_id!r}: partially filled block {i} ({block!r}) is registered in the cache"
+                assert block.block_hash is None or i < state.num_hashed_blocks, \
+                    f"sequence {seq_id!r}: block {i} ({block!r}) is registered past its hashed, full blocks"
                 owners[block.block_id] += 1
         on_free = set(free_ids)
         num_used = 0

@@ -9,51 +9,36 @@ Every step fills one budget of `max_num_batched_tokens` tokens and at most `max_
   2. then, if nothing was preempted this step, waiting sequences in (priority, arrival) order, each
      starting after its longest cached prefix, as long as the budget, the sequence cap and the pool allow.
 
-Invariant (NOTE): a waiting sequence owns no KV blocks; a running one owns exactly the blocks that
-cover its computed tokens plus the tokens scheduled this step.
+The step's decision ends in a StepPlan (core/step_plan.py) for the model runner. After the forward pass,
+advance() moves each sequence's num_computed_tokens and registers the blocks that filled up.
+
+Every change to the queues and to a sequence's blocks goes through here: admission, the samples of an
+n > 1 request forked from their parent (fork), scoring sequences (Sequence.chunk_sizes), finishing.
+
+Invariants (NOTE, checked by check_invariants): a sequence is in at most one queue, and in none once
+finished; a waiting sequence owns no KV blocks; between steps a running one owns exactly the
+ceil(num_computed_tokens / BS) blocks that cover its computed tokens.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
 
-from rawinfer.core.block_manager import BlockManager
 from rawinfer.config import EngineConfig
-from rawinfer.core.sequence import FinishReason, Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def needs_logits(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so there is a next token to sample."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class ScheduledBatch:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)    # copy-on-write (src, dst) blocks
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
+from rawinfer.core.block_manager import BlockHashes, BlockManager
+from rawinfer.core.sequence import FinishReason, Sequence
+from rawinfer.core.step_plan import PlanLayout, ScheduledBatch, ScheduledSeq, build_step_plan
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, block_manager: BlockManager):
+    def __init__(self, ecfg: EngineConfig, block_manager: BlockManager, layout: PlanLayout | None = None):
         self.ecfg = ecfg
         self.bm = block_manager
+        self.layout = layout or PlanLayout(block_manager.block_size)
+        if self.layout.block_size != block_manager.block_size:
+            raise ValueError(f"the plan layout's block size {self.layout.block_size} differs from the block "
+                             f"manager's {block_manager.block_size}")
         self.waiting: list[Sequence] = []     # sorted by (priority, arrival_order); preempted go first
         self.running: list[Sequence] = []     # admission order
         self.num_preemptions = 0
@@ -61,25 +46,37 @@ class Scheduler:
 
     # ---- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (it owns no blocks yet)."""
         self._ticket += 1
         seq.arrival_order = self._ticket
-        seq.status = SequenceStatus.WAITING
         keys = [(s.priority, s.arrival_order) for s in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, (seq.priority, seq.arrival_order)), seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked sample (n > 1) that already shares its parent's blocks joins the running set."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start `child`, a new sample of parent's request whose tokens are parent's prompt, from parent's
+        computed prompt: it shares every block (copy-on-write on its first write) and runs at once.
+        NOTE: only after the step that computed the whole prompt (advance() registered its blocks)."""
+        if parent not in self.running or parent.num_computed_tokens != parent.num_prompt_tokens:
+            raise ValueError(f"cannot fork {parent.seq_id!r}: a sample forks from a running sequence whose prompt "
+                             "was just computed")
+        if child.token_ids != parent.token_ids[:parent.num_prompt_tokens]:
+            raise ValueError(f"sample {child.seq_id!r} must start from its parent's prompt")
+        self.bm.fork(parent.seq_id, child.seq_id)
+        self._ticket += 1
+        child.arrival_order = self._ticket
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        full = parent.num_prompt_tokens // self.bm.block_size
+        child.block_hashes = BlockHashes(parent.block_hashes.digests[:full])
+        self.running.append(child)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Remove seq from whichever queue holds it, free its blocks, mark it finished."""
-        if seq.status is SequenceStatus.RUNNING:
+        if seq in self.running:
             self.running.remove(seq)
             self.bm.free(seq.seq_id)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
-        seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.timings.finished = time.monotonic()
 
@@ -87,8 +84,8 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.chunk_index = 0                   # a scoring sequence restarts its chunks
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
         self.waiting.insert(0, seq)
         self.num_preemptions += 1
 
@@ -97,61 +94,101 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step -----------------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens seq advances by this step within `budget` (0: it waits). A scoring sequence takes its
+        next chunk whole (capped at the step budget) or waits for a step with room for it."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        if seq.chunk_sizes is None:
+            return n
+        if seq.chunk_index >= len(seq.chunk_sizes):
+            raise ValueError(f"chunk_sizes of {seq.seq_id!r} cover {seq.num_computed_tokens} of its "
+                             f"{seq.num_tokens} tokens; give chunks for every token")
+        want = min(seq.chunk_sizes[seq.chunk_index], seq.num_uncomputed_tokens, self.ecfg.max_num_batched_tokens)
+        return want if want <= budget else 0
+
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+        if seq.chunk_sizes is not None:
+            seq.chunk_index += 1
+        return ScheduledSeq(seq, n, samples=not seq.is_scoring and seq.num_computed_tokens + n == seq.num_tokens)
+
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
+        copies: list[tuple[int, int]] = []
         budget = self.ecfg.max_num_batched_tokens
         i = 0
-        # NOTE: forked samples (n > 1) join the running set all at once, so it may hold more than
+        # NOTE: the samples of an n > 1 request join the running set together, so it may hold more than
         # max_num_seqs sequences; a step takes at most max_num_seqs of them, oldest first.
         while i < len(self.running) and budget > 0 and len(out.seqs) < self.ecfg.max_num_seqs:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            alloc = self.bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + n)
+            n = self._chunk(seq, budget)
+            if n == 0:
+                i += 1
+                continue
+            alloc = self.bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
             while alloc is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
-                alloc = self.bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + n)
+                alloc = self.bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
             if alloc is None:
                 break
-            out.copies.extend(alloc.copies)
-            out.seqs.append(ScheduledSeq(seq, n))
+            copies.extend(alloc.copies)
+            out.seqs.append(self._scheduled(seq, n))
             budget -= n
             i += 1
 
         now = time.monotonic()
         while (not out.preempted and self.waiting and budget > 0
-               and len(self.running) < self.ecfg.max_num_seqs):
+               and len(self.running) < self.ecfg.max_num_seqs and len(out.seqs) < self.ecfg.max_num_seqs):
             seq = self.waiting[0]
             cached: list[int] = []
-            if self.ecfg.enable_prefix_caching:
-                cached = self.bm.find_cached_prefix(seq.all_token_ids)
+            if self.ecfg.enable_prefix_caching and not seq.is_scoring:   # scoring computes every position
+                cached = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes)
             num_cached = len(cached) * self.bm.block_size
-            n = min(seq.num_tokens - num_cached, budget)
-            alloc = self.bm.allocate_slots(seq.seq_id, num_cached + n, cached)
+            seq.num_computed_tokens = num_cached
+            n = self._chunk(seq, budget)
+            alloc = self.bm.allocate_slots(seq.seq_id, num_cached, n, cached) if n else None
             if alloc is None:
+                seq.num_computed_tokens = 0
                 break
             self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = num_cached
             if seq.timings.scheduled is None:
                 seq.timings.scheduled = now
                 seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
             self.running.append(seq)
-            out.copies.extend(alloc.copies)
-            out.seqs.append(ScheduledSeq(seq, n))
+            copies.extend(alloc.copies)
+            out.seqs.append(self._scheduled(seq, n))
             budget -= n
+        if out.seqs:
+            tables = [self.bm.block_table(s.seq.seq_id) for s in out.seqs]
+            out.plan = build_step_plan(out.seqs, tables, copies, self.layout)
         return out
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """After the forward pass: the scheduled tokens are in the cache; register full blocks."""
+        """After the forward pass: the scheduled tokens are in the cache; register blocks that filled up."""
         bs = self.bm.block_size
         for s in batch.seqs:
             seq = s.seq
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
-            # only when a block filled up (a decode step mostly fills none; all_token_ids copies the sequence)
-            if self.ecfg.enable_prefix_caching and \
-                    seq.num_computed_tokens // bs > (seq.num_computed_tokens - s.num_new_tokens) // bs:
-                self.bm.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            if self.ecfg.enable_prefix_caching and not seq.is_scoring and seq.num_computed_tokens // bs > before // bs:
+                self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
+
+    # ---- checks -------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Assert the queue and block invariants of the module docstring (between steps)."""
+        bs = self.bm.block_size
+        running = {id(s) for s in self.running}
+        assert len(running) == len(self.running), "a sequence is in the running queue twice"
+        for seq in self.waiting:
+            assert id(seq) not in running, f"{seq.seq_id!r} is both waiting and running"
+            assert seq.seq_id not in self.bm, f"waiting {seq.seq_id!r} owns KV blocks"
+            assert not seq.is_finished, f"finished {seq.seq_id!r} is still waiting"
+        for seq in self.running:
+            assert not seq.is_finished, f"finished {seq.seq_id!r} is still running"
+            table = self.bm.block_table(seq.seq_id)
+            assert len(table) == -(-seq.num_computed_tokens // bs), \
+                f"running {seq.seq_id!r} owns {len(table)} blocks for {seq.num_computed_tokens} computed tokens"
+        self.bm.check_invariants()

@@ -17,28 +17,14 @@ tokens mixed), writes their K/V into the paged cache, and returns logits for the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import numpy as np
 
+from rawinfer.backend.base import FlatBatch, LayerWeights
 from rawinfer.config import ModelConfig
 from rawinfer.exec.memory import MemoryPool
 from rawinfer.quant import Int8Weight, quantized_weight
-
-
-@dataclass
-class FlatBatch:
-    """Device-side inputs of one forward pass (see backend/base.py for the attention metadata)."""
-    token_ids: object          # [T] int32
-    positions: object          # [T] int32
-    slot_mapping: object       # [T] int32
-    block_tables: object       # [B, MB] int32
-    context_lens: object       # [B] int32
-    query_start_loc: object    # [B+1] int32
-    logits_indices: object     # [S] int32: rows whose logits are returned
-    num_tokens: int            # T
-    max_query_len: int
-    max_context_len: int
 
 
 class LlamaModel:
@@ -50,14 +36,11 @@ class LlamaModel:
         def weight(name):   # a float matrix, or an Int8Weight / Q4Weight for a quantized model's matrices
             return quantized_weight(w, name)
 
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            self.layers.append({k: weight(p + k) for k in
-                                ("input_norm", "qkv_proj", "qkv_bias", "o_proj", "post_attn_norm",
-                                 "gate_up_proj", "down_proj")})
+        self.layers = [LayerWeights(**{k: weight(f"layers.{i}.{k}") for k in LayerWeights.__dataclass_fields__})
+                       for i in range(cfg.num_layers)]
         self.embed = weight("embed_tokens")
         self.lm_head = self.embed if cfg.tie_word_embeddings else weight("lm_head")
+        self.acts = pool.workspace.acts
         self.scratch = pool.workspace.dequant if cfg.quant else None
         self.fused_max_tokens = self.backend.fused_max_tokens(cfg.quant)
         self.fused_plan = None            # built by weights_loaded()
@@ -69,12 +52,10 @@ class LlamaModel:
         """Called once the pool holds the weights: the backend may repack int8 matrices for its GEMMs
         (Backend.prepare_int8); the pool's own int8 rows stay what the other ops read."""
         be = self.backend
-        for L in self.layers:
-            for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                if isinstance(L[k], Int8Weight):
-                    L[k] = be.prepare_int8(L[k])
-        if isinstance(self.lm_head, Int8Weight):
-            self.lm_head = be.prepare_int8(self.lm_head)
+        repack = (lambda w: be.prepare_int8(w) if isinstance(w, Int8Weight) else w)
+        self.layers = [dataclasses.replace(L, **{k: repack(getattr(L, k)) for k in LayerWeights.MATRICES})
+                       for L in self.layers]
+        self.lm_head = repack(self.lm_head)
         if self.fused_max_tokens:
             self.fused_plan = be.fused_plan(self.layers, self.pool.kv.k, self.pool.kv.v)
             self.fused_decode_max = be.fused_decode_max_tokens(self.fused_plan)
@@ -86,42 +67,42 @@ class LlamaModel:
 
     def forward_hidden(self, batch: FlatBatch):
         """Every layer and the final norm; returns the normed hidden rows [T, C] (a workspace view)."""
-        cfg, be, ws, kv = self.cfg, self.backend, self.pool.workspace, self.pool.kv
+        cfg, be, a = self.cfg, self.backend, self.acts
         T = batch.num_tokens
         if T > self.pool.max_tokens:
             raise ValueError(f"batch of {T} tokens exceeds the workspace ({self.pool.max_tokens} tokens)")
         eps = cfg.rms_norm_eps
-        res, x = ws.residual[:T], ws.normed[:T]
+        res, x = a.residual[:T], a.normed[:T]
         be.embedding(batch.token_ids, self.embed, res)   # the residual stream starts as the embeddings
         fused = T <= self.fused_max_tokens or (batch.max_query_len == 1 and T <= self.fused_decode_max)
         if fused and self.fused_plan is not None:         # decode batches: one call for all layers
-            be.decoder_layers(self.fused_plan, ws, T, batch, self.cos_sin, eps, self.scale, cfg.num_heads,
+            be.decoder_layers(self.fused_plan, a, T, batch, self.cos_sin, eps, self.scale, cfg.num_heads,
                               cfg.num_kv_heads)
         else:
             for i, L in enumerate(self.layers):
                 self._layer(i, L, batch, T)
-        be.add_rmsnorm(ws.hidden[:T], res, self.final_norm, eps, x)
+        be.add_rmsnorm(a.hidden[:T], res, self.final_norm, eps, x)
         return x
 
-    def _layer(self, i: int, L: dict, batch: FlatBatch, T: int) -> None:
-        """One decoder layer, op by op, over the workspace rows [:T]."""
-        cfg, be, ws, kv = self.cfg, self.backend, self.pool.workspace, self.pool.kv
+    def _layer(self, i: int, L: LayerWeights, batch: FlatBatch, T: int) -> None:
+        """One decoder layer, op by op, over the activation rows [:T]."""
+        cfg, be, a, kv = self.cfg, self.backend, self.acts, self.pool.kv
         eps = cfg.rms_norm_eps
-        h, res, x = ws.hidden[:T], ws.residual[:T], ws.normed[:T]
-        qkv, attn, gu, act = ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T]
+        h, res, x = a.hidden[:T], a.residual[:T], a.normed[:T]
+        qkv, attn, gu, act = a.qkv[:T], a.attn[:T], a.gate_up[:T], a.act[:T]
         if i == 0:
-            be.rmsnorm(res, L["input_norm"], eps, x)
+            be.rmsnorm(res, L.input_norm, eps, x)
         else:
-            be.add_rmsnorm(h, res, L["input_norm"], eps, x)
-        be.linear(x, L["qkv_proj"], qkv, bias=L["qkv_bias"], scratch=self.scratch)
+            be.add_rmsnorm(h, res, L.input_norm, eps, x)
+        be.linear(x, L.qkv_proj, qkv, bias=L.qkv_bias, scratch=self.scratch)
         be.rope(qkv, batch.positions, self.cos_sin, cfg.num_heads, cfg.num_kv_heads)
         be.kv_write(qkv, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
         be.paged_attention(qkv, kv.k[i], kv.v[i], batch.block_tables, batch.context_lens,
                            batch.query_start_loc, self.scale, attn, batch.max_query_len, batch.max_context_len)
-        be.linear(attn, L["o_proj"], h, scratch=self.scratch)
-        be.add_rmsnorm(h, res, L["post_attn_norm"], eps, x)
-        be.linear_silu_mul(x, L["gate_up_proj"], gu, act, scratch=self.scratch)
-        be.linear(act, L["down_proj"], h, scratch=self.scratch)
+        be.linear(attn, L.o_proj, h, scratch=self.scratch)
+        be.add_rmsnorm(h, res, L.post_attn_norm, eps, x)
+        be.linear_silu_mul(x, L.gate_up_proj, gu, act, scratch=self.scratch)
+        be.linear(act, L.down_proj, h, scratch=self.scratch)
 
     def compute_logits(self, indices):
         """LM head over rows `indices` [S] of the last forward_hidden -> logits view [S, V] float32."""
@@ -130,6 +111,8 @@ class LlamaModel:
             raise ValueError(f"{S} logits rows exceed the workspace ({self.pool.logits_rows})")
         ws = self.pool.workspace
         last, logits = ws.last[:S], ws.logits[:S]
-        self.backend.take_rows(ws.normed, indices, last)
+        if S == 0:
+            return logits
+        self.backend.take_rows(self.acts.normed, indices, last)
         self.backend.linear(last, self.lm_head, logits, scratch=self.scratch)
         return logits

@@ -214,7 +214,7 @@ def test_tiny_q4_model_computes_its_dequantized_weights(tiny_q4_dir, tmp_path):
     engine = LLMEngine(tiny_q4_dir, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
                        kv_cache_dtype="float32")
     layer = engine.model.layers[0]      # hidden 64: q4; down_proj reads the 160-wide MLP: int8
-    assert isinstance(layer["qkv_proj"], Q4Weight) and isinstance(layer["down_proj"], Int8Weight)
+    assert isinstance(layer.qkv_proj, Q4Weight) and isinstance(layer.down_proj, Int8Weight)
     assert isinstance(engine.model.lm_head, Int8Weight)
     exact = LLMEngine(dequantized_copy(tiny_q4_dir, str(tmp_path / "float")), device="cpu", kv_cache_memory="8MiB",
                       max_num_batched_tokens=256)

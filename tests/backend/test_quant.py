@@ -134,12 +134,12 @@ def test_batched_decode_in_one_call_matches_the_per_op_path(tiny_int8_dir, smoll
 
 
 def test_decoder_layers_refuses_what_it_cannot_run(tiny_int8_dir):
-    from rawinfer.exec.model import FlatBatch
+    from rawinfer.backend.base import FlatBatch
     engine = LLMEngine(tiny_int8_dir, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256)
     model = engine.model
     z = np.zeros(8, np.int32)
     batch = FlatBatch(z, z, z, np.zeros((1, 1), np.int32), np.ones(1, np.int32), np.array([0, 8], np.int32), z[:1],
                       8, 8, 8)                        # one sequence's 8-token prefill chunk: not a decode batch
     with pytest.raises(ValueError, match="pure decode"):
-        engine.backend.decoder_layers(model.fused_plan, engine.pool.workspace, 8, batch, model.cos_sin, 1e-6,
+        engine.backend.decoder_layers(model.fused_plan, engine.pool.workspace.acts, 8, batch, model.cos_sin, 1e-6,
                                       0.25, 4, 2)

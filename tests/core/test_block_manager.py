@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from rawinfer.core.block_manager import ROOT_HASH, Allocation, BlockManager, hash_block_tokens
+from rawinfer.core import block_manager
+from rawinfer.core.block_manager import ROOT_HASH, Allocation, BlockHashes, BlockManager, hash_block_tokens
 
 
 def snapshot(bm: BlockManager, seq_ids) -> tuple:
@@ -19,7 +20,8 @@ def snapshot(bm: BlockManager, seq_ids) -> tuple:
 def run_prompt(bm: BlockManager, seq_id, tokens, use_cache: bool = True) -> Allocation:
     """Admit a sequence, 'compute' its whole prompt in one step and register its full blocks."""
     cached = bm.find_cached_prefix(tokens) if use_cache else []
-    alloc = bm.allocate_slots(seq_id, len(tokens), cached)
+    computed = len(cached) * bm.block_size
+    alloc = bm.allocate_slots(seq_id, computed, len(tokens) - computed, cached)
     assert alloc is not None
     bm.cache_full_blocks(seq_id, tokens, len(tokens))
     bm.check_invariants()
@@ -29,30 +31,34 @@ def run_prompt(bm: BlockManager, seq_id, tokens, use_cache: bool = True) -> Allo
 # ---- unit tests ----------------------------------------------------------------------------------------
 def test_allocate_grows_the_table_block_by_block():
     bm = BlockManager(num_blocks=8, block_size=4)
-    alloc = bm.allocate_slots("a", 10)
+    alloc = bm.allocate_slots("a", 0, 10)
     assert alloc == Allocation(new_block_ids=[0, 1, 2], copies=[])
     assert bm.block_table("a") == [0, 1, 2]
     assert (bm.num_free_blocks, bm.num_used_blocks, bm.usage) == (5, 3, 3 / 8)
-    assert bm.allocate_slots("a", 12) == Allocation([], [])
-    assert bm.num_blocks_needed("a", 13) == 1
-    assert bm.allocate_slots("a", 13).new_block_ids == [3]
-    assert bm.num_blocks_needed(None, 17) == 5
-    assert bm.allocate_slots("b", 1).new_block_ids == [4]
+    assert bm.allocate_slots("a", 10, 2) == Allocation([], [])
+    assert bm.num_blocks_needed("a", 12, 1) == 1
+    assert bm.allocate_slots("a", 12, 1).new_block_ids == [3]
+    assert bm.num_blocks_needed(None, 0, 17) == 5
+    assert bm.allocate_slots("b", 0, 1).new_block_ids == [4]
     bm.check_invariants()
     table = bm.block_table("a")
     table.append(99)                            # a copy: the manager's table is untouched
     assert bm.block_table("a") == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="cannot shrink"):
-        bm.allocate_slots("a", 5)
+        bm.allocate_slots("a", 5, 0)
+    with pytest.raises(ValueError, match="too few"):
+        bm.allocate_slots("a", 17, 1)           # 4 blocks cannot hold 17 computed tokens
+    with pytest.raises(ValueError, match="must be the 0 tokens"):
+        bm.allocate_slots("c", 3, 1)            # a new sequence has computed only its prefix hits
 
 
 def test_exhaustion_returns_none_and_changes_nothing():
     bm = BlockManager(num_blocks=4, block_size=4)
     run_prompt(bm, "a", list(range(9)))         # 3 blocks, 2 cached
     before = snapshot(bm, ["a", "b"])
-    assert bm.num_blocks_needed("b", 8) == 2 > bm.num_free_blocks
-    assert bm.allocate_slots("b", 8) is None
-    assert bm.allocate_slots("a", 17) is None   # growing needs 2 blocks, 1 free
+    assert bm.num_blocks_needed("b", 0, 8) == 2 > bm.num_free_blocks
+    assert bm.allocate_slots("b", 0, 8) is None
+    assert bm.allocate_slots("a", 9, 8) is None   # growing to 17 tokens needs 2 blocks, 1 free
     assert snapshot(bm, ["a", "b"]) == before
     assert "b" not in bm
     bm.free("a")
@@ -60,10 +66,10 @@ def test_exhaustion_returns_none_and_changes_nothing():
     cached = bm.find_cached_prefix(list(range(9)))
     assert cached == [0, 1]
     before = snapshot(bm, ["c"])
-    assert bm.num_blocks_needed("c", 20, cached) == 5
-    assert bm.allocate_slots("c", 20, cached) is None
+    assert bm.num_blocks_needed("c", 8, 12, cached) == 5
+    assert bm.allocate_slots("c", 8, 12, cached) is None
     assert snapshot(bm, ["c"]) == before
-    assert bm.allocate_slots("c", 16, cached).new_block_ids[:2] == [0, 1]
+    assert bm.allocate_slots("c", 8, 8, cached).new_block_ids[:2] == [0, 1]
     assert bm.num_free_blocks == 0
     bm.check_invariants()
 
@@ -81,8 +87,8 @@ def test_prefix_hit_reuses_blocks_and_recomputes_the_last_token():
     assert bm.find_cached_prefix([5, 6, 7, 8, 9, 99, 11, 12, 13]) == a[:1]   # diverges in block 1
     assert bm.find_cached_prefix([0] + prompt) == []                          # same blocks, shifted
     cached = bm.find_cached_prefix(prompt + [1, 2])
-    assert bm.num_blocks_needed("b", 14, cached) == 1                         # blocks of "a" are in use
-    alloc = bm.allocate_slots("b", 14, cached)
+    assert bm.num_blocks_needed("b", 12, 2, cached) == 1                      # blocks of "a" are in use
+    alloc = bm.allocate_slots("b", 12, 2, cached)
     assert alloc.new_block_ids[:3] == a and alloc.copies == []
     assert [bm.blocks[i].ref_cnt for i in a] == [2, 2, 2]
     bm.cache_full_blocks("b", prompt + [1, 2], 14)
@@ -98,18 +104,18 @@ def test_lru_evicts_the_least_recently_freed_block_first():
     bm = BlockManager(num_blocks=3, block_size=2)
     prompts = {"a": [1, 2, 0], "b": [3, 4, 0], "c": [5, 6, 0]}   # one full (cached) block each...
     for s, p in prompts.items():
-        bm.allocate_slots(s, 2)                                  # ...by allocating only that block
+        bm.allocate_slots(s, 0, 2)                               # ...by allocating only that block
         bm.cache_full_blocks(s, p, 2)
     first = {s: bm.block_table(s)[0] for s in prompts}
     for s in ("b", "a", "c"):
         bm.free(s)
     assert bm.free_block_ids() == [first["b"], first["a"], first["c"]]
-    assert bm.allocate_slots("d", 1).new_block_ids == [first["b"]]
+    assert bm.allocate_slots("d", 0, 1).new_block_ids == [first["b"]]
     assert bm.stats.evicted_blocks == 1
     assert bm.find_cached_prefix(prompts["b"]) == []
     assert bm.find_cached_prefix(prompts["a"]) == [first["a"]]
     assert bm.find_cached_prefix(prompts["c"]) == [first["c"]]
-    assert bm.allocate_slots("e", 1).new_block_ids == [first["a"]]
+    assert bm.allocate_slots("e", 0, 1).new_block_ids == [first["a"]]
     bm.check_invariants()
 
 
@@ -121,7 +127,7 @@ def test_release_is_tail_first_so_prefixes_outlive_their_tails():
     bm.free("a")
     # The partial block holds nothing reusable and goes first; then the chain from its tail back.
     assert bm.free_block_ids() == [3, 2, 1, 0]
-    bm.allocate_slots("x", 4)                   # takes blocks 3 and 2
+    bm.allocate_slots("x", 0, 4)                # takes blocks 3 and 2
     assert bm.find_cached_prefix(tokens) == [0, 1]
     bm.check_invariants()
 
@@ -129,7 +135,7 @@ def test_release_is_tail_first_so_prefixes_outlive_their_tails():
 def test_a_hit_takes_a_cached_block_out_of_the_middle_of_the_free_list():
     bm = BlockManager(num_blocks=6, block_size=2)
     for s, p in {"a": [1, 1, 9], "b": [2, 2, 9], "c": [3, 3, 9]}.items():
-        bm.allocate_slots(s, 2)
+        bm.allocate_slots(s, 0, 2)
         bm.cache_full_blocks(s, p, 2)
     blocks = {s: bm.block_table(s)[0] for s in "abc"}
     for s in "abc":
@@ -138,7 +144,7 @@ def test_a_hit_takes_a_cached_block_out_of_the_middle_of_the_free_list():
     assert order[-3:] == [blocks["a"], blocks["b"], blocks["c"]]
     cached = bm.find_cached_prefix([2, 2, 9])
     assert cached == [blocks["b"]]
-    assert bm.allocate_slots("d", 3, cached).new_block_ids[0] == blocks["b"]
+    assert bm.allocate_slots("d", 2, 1, cached).new_block_ids[0] == blocks["b"]
     rest = [b for b in order if b != blocks["b"]][1:]          # one fresh block was popped from the head
     assert bm.free_block_ids() == rest
     bm.check_invariants()
@@ -155,19 +161,19 @@ def test_copy_on_write_after_fork():
     assert bm.block_table("c") == [p0, p1]
     assert bm.blocks[p0].ref_cnt == bm.blocks[p1].ref_cnt == 2
     bm.check_invariants()
-    assert bm.num_blocks_needed("p", 7) == 1
-    alloc = bm.allocate_slots("p", 7)           # p writes position 6 into the shared block 1
+    assert bm.num_blocks_needed("p", 6, 1) == 1
+    alloc = bm.allocate_slots("p", 6, 1)        # p writes position 6 into the shared block 1
     dst = alloc.copies[0][1]
     assert alloc == Allocation(new_block_ids=[], copies=[(p1, dst)])
     assert bm.block_table("p") == [p0, dst] and bm.block_table("c") == [p0, p1]
     assert bm.blocks[p1].ref_cnt == 1
-    assert bm.allocate_slots("c", 7) == Allocation([], [])   # c is now the sole owner of p1
-    assert bm.allocate_slots("c", 8) == Allocation([], [])
+    assert bm.allocate_slots("c", 6, 1) == Allocation([], [])   # c is now the sole owner of p1
+    assert bm.allocate_slots("c", 7, 1) == Allocation([], [])
     bm.check_invariants()
     # A fork whose last block is full shares nothing that will be written: no copy, a new block.
     bm.cache_full_blocks("c", [1, 2, 3, 4, 5, 6, 7, 8], 8)
     bm.fork("c", "g")
-    alloc = bm.allocate_slots("g", 9)
+    alloc = bm.allocate_slots("g", 8, 1)
     assert alloc.copies == [] and len(alloc.new_block_ids) == 1
     bm.check_invariants()
     for s in ("p", "c", "g"):
@@ -178,11 +184,11 @@ def test_copy_on_write_after_fork():
 
 def test_copy_on_write_that_does_not_fit_returns_none():
     bm = BlockManager(num_blocks=2, block_size=4)
-    bm.allocate_slots("p", 6)
+    bm.allocate_slots("p", 0, 6)
     bm.fork("p", "c")
     before = snapshot(bm, ["p", "c"])
-    assert bm.num_blocks_needed("p", 7) == 1 and bm.num_free_blocks == 0
-    assert bm.allocate_slots("p", 7) is None
+    assert bm.num_blocks_needed("p", 6, 1) == 1 and bm.num_free_blocks == 0
+    assert bm.allocate_slots("p", 6, 1) is None
     assert snapshot(bm, ["p", "c"]) == before
     with pytest.raises(ValueError, match="already has blocks"):
         bm.fork("p", "c")
@@ -196,6 +202,26 @@ def test_hit_counters_count_tokens():
     bm.find_cached_prefix(list(range(20)))                   # 20 queried, 8 hit
     assert (bm.stats.queries, bm.stats.query_tokens, bm.stats.hit_tokens) == (3, 40, 16)
     assert bm.prefix_cache_hit_rate == pytest.approx(16 / 40)
+
+
+def test_each_block_is_hashed_once_through_the_sequences_memo(monkeypatch):
+    """A sequence's digests, kept in its BlockHashes, serve the lookup, the registrations as blocks fill
+    and a later lookup after preemption: every full block is hashed exactly once."""
+    calls = []
+    real = block_manager.hash_block_tokens
+    monkeypatch.setattr(block_manager, "hash_block_tokens", lambda p, t: (calls.append(tuple(t)), real(p, t))[1])
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tokens, hashes = list(range(10)), BlockHashes()
+    assert bm.find_cached_prefix(tokens, hashes) == [] and len(calls) == 2       # blocks 0 and 1
+    bm.allocate_slots("a", 0, 10)
+    bm.cache_full_blocks("a", tokens, 10, hashes)
+    tokens += [10, 11, 12]
+    bm.allocate_slots("a", 10, 3)
+    bm.cache_full_blocks("a", tokens, 13, hashes)                                # block 2 fills
+    bm.free("a")                                                                 # preempted...
+    assert bm.find_cached_prefix(tokens, hashes) == bm.find_cached_prefix(tokens)[:3]
+    assert calls[:3] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)] and len(calls) == 3 + 3
+    assert hashes.digests == BlockHashes().upto(tokens, 3, 4)                    # the same chain
 
 
 def test_hash_collisions_never_share_blocks():
@@ -226,7 +252,8 @@ def test_duplicate_blocks_computed_side_by_side_stay_uncached():
     bm = BlockManager(num_blocks=8, block_size=2)
     tokens = [7, 7, 8, 8, 9]
     for s in ("a", "b"):                        # both admitted before either is computed: no hits
-        assert bm.allocate_slots(s, 5, bm.find_cached_prefix(tokens)) is not None
+        cached = bm.find_cached_prefix(tokens)
+        assert bm.allocate_slots(s, 2 * len(cached), 5 - 2 * len(cached), cached) is not None
     for s in ("a", "b"):
         bm.cache_full_blocks(s, tokens, 5)
     assert bm.num_cached_blocks == 2
@@ -245,18 +272,20 @@ def test_stale_or_bad_cached_ids_are_rejected():
     run_prompt(bm, "a", [1, 2, 3])
     bm.free("a")
     cached = bm.find_cached_prefix([1, 2, 3])
-    assert bm.allocate_slots("b", 6) is not None           # evicts every block, the cached one included
+    assert bm.allocate_slots("b", 0, 6) is not None        # evicts every block, the cached one included
     with pytest.raises(ValueError, match="not in the prefix cache"):
-        bm.allocate_slots("c", 3, cached)
+        bm.allocate_slots("c", 2, 1, cached)
     with pytest.raises(ValueError, match="first"):
-        bm.allocate_slots("b", 6, [0])
+        bm.allocate_slots("b", 6, 0, [0])
+    with pytest.raises(ValueError, match=">= 0"):
+        bm.allocate_slots("b", 6, -1)
     assert "c" not in bm
     bm.check_invariants()
 
 
 def test_unknown_sequence_errors_are_clear():
     bm = BlockManager(num_blocks=4, block_size=2)
-    bm.allocate_slots(3, 2)
+    bm.allocate_slots(3, 0, 2)
     bm.free(3)
     with pytest.raises(KeyError, match="already freed"):
         bm.free(3)                              # no double free
@@ -286,7 +315,7 @@ def test_prefix_caching_disabled_and_reset():
 
 def test_check_invariants_catches_corruption():
     bm = BlockManager(num_blocks=4, block_size=2)
-    bm.allocate_slots("a", 3)
+    bm.allocate_slots("a", 0, 3)
     bm.check_invariants()
     bm.blocks[0].ref_cnt += 1
     with pytest.raises(AssertionError, match="ref_cnt"):
@@ -345,13 +374,13 @@ class PoolSim:
             for r in range(self.bs):
                 assert self.kv[block][r] == tuple(tokens[:i * self.bs + r + 1]), (tokens, i, block)
 
-    def allocate(self, seq_id: int, total: int, cached=()) -> bool:
+    def allocate(self, seq_id: int, computed: int, total: int, cached=()) -> bool:
         """Allocate, check None means 'nothing changed' and the block accounting, run the copies."""
         bm = self.bm
-        needed = bm.num_blocks_needed(seq_id, total, cached)
+        needed = bm.num_blocks_needed(seq_id, computed, total - computed, cached)
         free_before, old_table = bm.num_free_blocks, bm.block_table(seq_id) if seq_id in bm else []
         before = snapshot(bm, [seq_id])
-        alloc = bm.allocate_slots(seq_id, total, cached)
+        alloc = bm.allocate_slots(seq_id, computed, total - computed, cached)
         if alloc is None:
             assert needed > free_before
             assert snapshot(bm, [seq_id]) == before
@@ -376,7 +405,7 @@ class PoolSim:
                 return
             seq.tokens.append(self.rng.randrange(self.vocab))
         total = min(len(seq.tokens), seq.computed + self.rng.randrange(1, 3 * self.bs))
-        if not self.allocate(seq_id, total):
+        if not self.allocate(seq_id, seq.computed, total):
             self.finish(seq_id, preempted=True)
             return
         self.write(seq_id, seq.computed, total)
@@ -392,7 +421,7 @@ class PoolSim:
         seq_id, self.next_id = self.next_id, self.next_id + 1
         start = len(cached) * self.bs
         total = min(len(tokens), start + self.rng.randrange(1, 3 * self.bs))
-        if not self.allocate(seq_id, total, cached):
+        if not self.allocate(seq_id, start, total, cached):
             self.waiting.append(tokens)
             return
         self.seqs[seq_id] = SimSeq(tokens, start)
@@ -419,7 +448,7 @@ class PoolSim:
         self.bm.check_invariants()
         for seq_id, seq in self.seqs.items():
             table = self.bm.block_table(seq_id)
-            assert len(table) * self.bs >= seq.computed
+            assert len(table) == -(-seq.computed // self.bs), (seq_id, len(table), seq.computed)
             self.check_prefix(seq.tokens[:seq.computed - seq.computed % self.bs], table[:seq.computed // self.bs])
             for p in range(seq.computed - seq.computed % self.bs, seq.computed):
                 assert self.kv[table[p // self.bs]][p % self.bs] == tuple(seq.tokens[:p + 1])

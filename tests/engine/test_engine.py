@@ -99,9 +99,14 @@ def test_abort_in_prefill_and_in_decode_returns_every_block(tiny_llama_dir):
 def test_chunked_prefill_interleaves_with_decodes(tiny_llama_dir):
     engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=16)
     steps = []
-    real_run = engine.runner.run
-    engine.runner.run = lambda batch, **kw: (steps.append({s.seq.request_id: s.num_new_tokens
-                                                            for s in batch.seqs}), real_run(batch))[1]
+    real_schedule = engine.scheduler.schedule
+
+    def schedule():
+        batch = real_schedule()
+        if not batch.is_empty:
+            steps.append({s.seq.request_id: s.num_new_tokens for s in batch.seqs})
+        return batch
+    engine.scheduler.schedule = schedule
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))
     engine.step()
     engine.add_request("b", list(range(1, 100)), SamplingParams(max_tokens=2, **GREEDY))

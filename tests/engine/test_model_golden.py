@@ -108,13 +108,12 @@ def test_non_contiguous_block_table_gives_the_same_logits(tiny_llama_dir):
                        enable_prefix_caching=False)
     bm = engine.block_manager
     for i in range(8):                                  # 8 sequences of 3 blocks each take blocks 0..23
-        bm.allocate_slots(f"filler-{i}", 48)
+        bm.allocate_slots(f"filler-{i}", 0, 48)
     for i in (5, 1, 6, 2):                              # free some, in an order that scrambles the list
         bm.free(f"filler-{i}")
     tables = []
-    real_prepare = engine.runner.prepare
-    engine.runner.prepare = lambda batch, **kw: (tables.append(bm.block_table(batch.seqs[0].seq.seq_id)),
-                                                  real_prepare(batch, **kw))[1]
+    real_run = engine.runner.run
+    engine.runner.run = lambda plan: (tables.append(plan.block_tables[0].tolist()), real_run(plan))[1]
     scattered = engine.score(ids, 40)
     table = tables[-1]
     assert len(table) == 10 and table != sorted(table) and table[:4] != list(range(table[0], table[0] + 4))

@@ -23,9 +23,9 @@ from rawinfer import LLMEngine, SamplingParams
 from rawinfer.backend.base import Capabilities
 from rawinfer.backend.cpu.backend import CPUBackend
 from rawinfer.config import EngineConfig, ModelConfig
-from rawinfer.exec.memory import (CPU_KV_CACHE_BYTES, MemoryPool, decode_input_words, kv_bytes_per_block,
-                             kv_region_bytes)
-from rawinfer.exec.runner import bucket_for, build_decode_inputs, decode_layout, graph_buckets
+from rawinfer.core.step_plan import bucket_for, slot_mapping
+from rawinfer.exec.graphs import build_decode_inputs, decode_input_words, decode_layout, graph_buckets
+from rawinfer.exec.memory import CPU_KV_CACHE_BYTES, MemoryPool, kv_bytes_per_block, kv_region_bytes
 from rawinfer.engine.sampler import Sampler, make_generator, sample_row
 
 MIB = 1024**2
@@ -65,7 +65,8 @@ def test_build_decode_inputs_real_rows_and_padding():
     BS, MB, pad = 4, 5, 99
     tables = [[7, 3], [12], [5, 6, 8]]
     positions = [5, 0, 11]                  # last row: block 2 of its table (8), row 3
-    buf = build_decode_inputs([101, 102, 103], positions, tables, [0, 2], bucket=8, max_blocks=MB,
+    slots = [slot_mapping(t, p, BS) for t, p in zip(tables, positions)]
+    buf = build_decode_inputs([101, 102, 103], positions, slots, tables, [0, 2], bucket=8, max_blocks=MB,
                               block_size=BS, padding_block=pad)
     assert buf.dtype == np.int32 and buf.shape == (decode_input_words(8, MB),)
     f = unpack(buf, 8, MB)
@@ -82,15 +83,15 @@ def test_build_decode_inputs_real_rows_and_padding():
 
 
 def test_build_decode_inputs_full_bucket_and_errors():
-    buf = build_decode_inputs([1, 2], [0, 1], [[4], [4]], [0, 1], bucket=2, max_blocks=1, block_size=16,
+    buf = build_decode_inputs([1, 2], [0, 1], [64, 65], [[4], [4]], [0, 1], bucket=2, max_blocks=1, block_size=16,
                               padding_block=9)
     f = unpack(buf, 2, 1)
     np.testing.assert_array_equal(f["slot_mapping"], [64, 65])
     np.testing.assert_array_equal(f["logits_indices"], [0, 1])
     with pytest.raises(ValueError, match="bucket of 2"):
-        build_decode_inputs([1, 2, 3], [0, 0, 0], [[1], [1], [1]], [], 2, 1, 16, 9)
+        build_decode_inputs([1, 2, 3], [0, 0, 0], [16, 16, 16], [[1], [1], [1]], [], 2, 1, 16, 9)
     with pytest.raises(ValueError, match="more than the 1"):
-        build_decode_inputs([1], [0], [[1, 2]], [0], 2, 1, 16, 9)
+        build_decode_inputs([1], [0], [16], [[1, 2]], [0], 2, 1, 16, 9)
 
 
 # ---- pool sizing ------------------------------------------------------------------------------------
@@ -134,9 +135,8 @@ def test_pool_sizes_kv_from_free_device_memory():
 def test_cpu_pool_defaults_to_1gib_and_reserves_nothing_for_graphs():
     pool = MemoryPool(tiny_config(), EngineConfig(max_num_batched_tokens=64, max_num_seqs=8), CPUBackend())
     assert pool.kv_bytes == CPU_KV_CACHE_BYTES
-    assert pool.workspace.attention is None and pool.workspace.decode_inputs is None
+    assert pool.workspace.attention is None and pool.workspace.extra == {}
     assert pool.kv.padding_block is None and pool.kv.k[0].shape[0] == pool.kv.num_blocks
-    assert not pool.uses_cuda_graphs
 
 
 def test_cli_leaves_kv_cache_memory_to_the_device():
@@ -224,11 +224,11 @@ def test_decode_graphs_on_the_shim_match_eager(monkeypatch, tiny_llama_dir, shim
     calls = []
     real_run = runner.graphs.run
 
-    def spy(batch, bm):
-        logits = real_run(batch, bm)
-        calls.append(len(batch.seqs))
+    def spy(plan):
+        logits = real_run(plan)
+        calls.append(plan.num_seqs)
         if len(calls) == 3:      # the graph's inputs still hold this step: run it eagerly and compare
-            flat = runner.graphs.flat_batch(bucket_for(len(batch.seqs), runner.graphs.buckets))
+            flat = runner.graphs.flat_batch(bucket_for(plan.num_seqs, runner.graphs.buckets))
             graph_logits = np.array(logits)
             eager = graphed.model.forward(flat)[:len(logits)]
             np.testing.assert_array_equal(eager, graph_logits)
@@ -314,50 +314,3 @@ def test_sampler_without_device_sampler_is_the_host_rule(tiny_llama_dir):
     got = Sampler(CPUBackend()).sample(logits, params, hist, [make_generator(9, i) for i in range(4)])
     want = [sample_row(logits[i], params[i], hist[i], make_generator(9, i)) for i in range(4)]
     assert got == want
-
-
-# ---- the step's host inputs -------------------------------------------------------------------------
-def test_token_ids_between_matches_all_token_ids():
-    from rawinfer.core.sequence import Sequence
-    seq = Sequence(seq_id="s", request_id="s", index=0, prompt_token_ids=[5, 6, 7], params=SamplingParams())
-    for t in (8, 9):
-        seq.append_token(t, 0.0)
-    for a in range(6):
-        for b in range(a, 6):
-            assert seq.token_ids_between(a, b) == seq.all_token_ids[a:b], (a, b)
-
-
-def test_decode_fast_path_equals_the_chunk_path():
-    """A pure decode step's inputs built by the scalar fast path equal the general path's, field by field
-    (tables of different lengths, a position on a block boundary, a row that needs no logits)."""
-    from types import SimpleNamespace
-
-    from rawinfer.exec.runner import ModelRunner
-    from rawinfer.core.scheduler import ScheduledBatch, ScheduledSeq
-    from rawinfer.core.sequence import Sequence
-    tables = {"a": [7, 3], "b": [1], "c": [4, 9, 2]}
-    runner = object.__new__(ModelRunner)
-    runner.backend, runner.block_size = CPUBackend(), 4
-    runner.bm = SimpleNamespace(block_table=lambda sid: list(tables[sid]))
-    batch = ScheduledBatch()
-    for sid, prompt, out, computed in (("a", [1, 2, 3, 4, 5], [6], 5), ("b", [8, 9], [10], 2),
-                                       ("c", list(range(20, 28)), [30, 31, 32], 8)):
-        seq = Sequence(seq_id=sid, request_id=sid, index=0, prompt_token_ids=prompt, params=SamplingParams())
-        for t in out:
-            seq.append_token(t, 0.0)
-        seq.num_computed_tokens = computed      # c: one new token, two more known (no logits this step)
-        batch.seqs.append(ScheduledSeq(seq, 1))
-    rows = [runner.bm.block_table(s.seq.seq_id) for s in batch.seqs]
-    fast = runner._prepare_decode(batch, rows)
-    slow = runner._prepare_chunks(batch, rows, False)
-    called = []
-    runner._prepare_chunks = lambda *a: called.append(1)
-    runner.prepare(batch)                              # a pure decode step takes the fast path
-    assert not called
-    for name in ("token_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
-                 "logits_indices"):
-        np.testing.assert_array_equal(getattr(fast, name), getattr(slow, name), err_msg=name)
-    assert (fast.num_tokens, fast.max_query_len, fast.max_context_len) == \
-        (slow.num_tokens, slow.max_query_len, slow.max_context_len)
-    assert fast.token_ids.tolist() == [6, 10, 30] and fast.slot_mapping.tolist() == [3 * 4 + 1, 4 * 1 + 2, 2 * 4 + 0]
-    assert fast.logits_indices.tolist() == [0, 1]

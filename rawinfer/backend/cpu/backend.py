@@ -321,7 +321,7 @@ class CPUBackend(Backend):
         cols = {f"{kind}_{short}s": [] for short, _ in mats for kind in ("w", "s", "p")}
         for L in layers:
             for short, name in mats:                        # fused only for quantized models
-                w = L[name]
+                w = getattr(L, name)
                 q4 = isinstance(w, Q4Weight)                # fused.weight_matvec takes either kind
                 a, b = self._q4_parts(w) if q4 else (w.q, w.scale)
                 cols[f"w_{short}s"].append(a)
@@ -330,12 +330,12 @@ class CPUBackend(Backend):
         packed = all(p is not None for short, _ in mats for p in cols[f"p_{short}s"])
         plan = {k: typed(v) for k, v in cols.items() if not k.startswith("p_") or packed}
         plan["packed"] = packed                             # batched decode: integer GEMMs on the packed copies
-        plan["in_norms"] = typed([L["input_norm"] for L in layers])
-        plan["post_norms"] = typed([L["post_attn_norm"] for L in layers])
-        plan["b_qkvs"] = typed([L["qkv_bias"] if L["qkv_bias"] is not None else NO_BIAS for L in layers])
+        plan["in_norms"] = typed([L.input_norm for L in layers])
+        plan["post_norms"] = typed([L.post_attn_norm for L in layers])
+        plan["b_qkvs"] = typed([L.qkv_bias if L.qkv_bias is not None else NO_BIAS for L in layers])
         plan["k_caches"], plan["v_caches"] = typed([_kv(c) for c in k_caches]), typed([_kv(c) for c in v_caches])
         plan["avx2_attention"] = A.decode_attention_avx2_fits(plan["k_caches"][0])
-        plan["max_k"] = max(L[name].shape[1] for L in layers for _, name in mats)
+        plan["max_k"] = max(getattr(L, name).shape[1] for L in layers for _, name in mats)
         return plan
 
     def fused_decode_max_tokens(self, plan) -> int:
@@ -343,7 +343,7 @@ class CPUBackend(Backend):
         # dispatch saved on every step, whatever the batch (fused.py).
         return 1 << 30 if plan["packed"] else 0
 
-    def decoder_layers(self, plan, ws, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
+    def decoder_layers(self, plan, acts, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
         for name in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc"):
             _check(name, getattr(batch, name), None, np.int32)
         p = plan
@@ -353,14 +353,16 @@ class CPUBackend(Backend):
                                  f"batch of an int8 model with packed weights; got {T} tokens")
             qx, qs = self._int_gemm_buffers(T, p["max_k"])
             decoder_stack_batched_kernel(
-                ws.hidden[:T], ws.residual[:T], ws.normed[:T], ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T],
+                acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],
+                acts.act[:T],
                 p["in_norms"], p["p_qkvs"], p["s_qkvs"], p["b_qkvs"], p["p_os"], p["s_os"], p["post_norms"],
                 p["p_gus"], p["s_gus"], p["p_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
                 batch.block_tables, batch.context_lens, p["k_caches"], p["v_caches"], cos_sin, np.float32(eps),
                 np.float32(scale), num_heads, num_kv_heads, qx, qs, p["avx2_attention"])
             return
         decoder_stack_kernel(
-            ws.hidden[:T], ws.residual[:T], ws.normed[:T], ws.qkv[:T], ws.attn[:T], ws.gate_up[:T], ws.act[:T],
+            acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],
+            acts.act[:T],
             p["in_norms"], p["w_qkvs"], p["s_qkvs"], p["b_qkvs"], p["w_os"], p["s_os"], p["post_norms"],
             p["w_gus"], p["s_gus"], p["w_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
             batch.block_tables, batch.context_lens, batch.query_start_loc, p["k_caches"], p["v_caches"],

@@ -1,0 +1,182 @@
+"""StepPlan: everything one forward pass needs, built on the host once per step by the scheduler.
+
+The scheduler decides which sequences advance by how many tokens; `build_step_plan` turns that
+decision into flat arrays. The model runner executes a plan as it is: it never reads the block manager
+or a sequence, and the data of a step flows one way, core -> exec -> backend.
+
+A step of B sequences whose new tokens total T rows, S of which need sampled logits:
+
+    token_ids[T], positions[T]     the new tokens, sequence after sequence
+    slot_mapping[T]                where each token's K/V goes: table[pos // BS] * BS + pos % BS
+    block_tables[B, W]             each sequence's physical blocks (W: the longest table this step;
+                                   shorter rows padded with pad_block, never read)
+    context_lens[B]                tokens of sequence b in the cache once this step has written its K/V
+    query_start_loc[B+1]           rows of sequence b: query_start_loc[b] : query_start_loc[b+1]
+    logits_indices[S]              the last row of each sequence whose next token is sampled, in batch order
+    score_rows[R]                  every row of a scoring (teacher-forced) sequence, in batch order
+    copies                         copy-on-write (src, dst) block pairs to copy before the forward pass
+    graph_bucket                   a pure decode step that fits a captured graph: the graph's batch size
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rawinfer.core.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """How plans are shaped for the runner that executes them (given by the engine at start)."""
+
+    block_size: int
+    graph_buckets: tuple[int, ...] = ()    # decode batch sizes with a captured graph (empty: always eager)
+    pad_block: int = 0                     # fills block-table entries past a sequence's blocks
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step, decided by the scheduler."""
+
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool            # the chunk reaches the last known token and the next one is to be sampled
+
+    @property
+    def scores(self) -> bool:
+        """A scoring sequence: every row of the chunk gets logits, none is sampled."""
+        return self.seq.is_scoring
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    token_ids: np.ndarray          # [T] int32
+    positions: np.ndarray          # [T] int32
+    slot_mapping: np.ndarray       # [T] int32
+    block_tables: np.ndarray       # [B, W] int32
+    context_lens: np.ndarray       # [B] int32
+    query_start_loc: np.ndarray    # [B+1] int32
+    logits_indices: np.ndarray     # [S] int32
+    score_rows: np.ndarray         # [R] int32
+    copies: tuple[tuple[int, int], ...]
+    max_query_len: int
+    max_context_len: int
+    graph_bucket: int | None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+
+@dataclass
+class ScheduledBatch:
+    """The scheduler's decision for one step and the plan that carries it out."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    plan: StepPlan | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+def slot_mapping(table, positions, block_size: int):
+    """The cache slot of a position (an int or an int array) of a sequence with block table `table`:
+    its block's id * BS + its row in the block. The one place this formula lives."""
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def bucket_for(batch: int, buckets: Seq[int]) -> int:
+    """The smallest bucket that holds `batch` rows."""
+    i = bisect.bisect_left(buckets, batch)
+    if batch < 1 or i == len(buckets):
+        raise ValueError(f"a decode batch of {batch} sequences fits no graph bucket "
+                         f"(largest {buckets[-1] if buckets else 'none'})")
+    return buckets[i]
+
+
+def build_step_plan(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], copies: Seq[tuple[int, int]],
+                    layout: PlanLayout) -> StepPlan:
+    """The plan of a step: scheduled[b] advances by its num_new_tokens from its num_computed_tokens,
+    with block table tables[b] (already grown for this step)."""
+    if not scheduled:
+        raise ValueError("a step plan needs at least one scheduled sequence")
+    decode = all(s.num_new_tokens == 1 and not s.scores for s in scheduled)
+    build = _decode_arrays if decode else _chunk_arrays
+    arrays = build(scheduled, tables, layout)
+    B = len(scheduled)
+    bucket = None
+    if decode and layout.graph_buckets and B <= layout.graph_buckets[-1]:
+        bucket = bucket_for(B, layout.graph_buckets)
+    return StepPlan(**arrays, copies=tuple(copies),
+                    max_query_len=max(s.num_new_tokens for s in scheduled),
+                    max_context_len=int(arrays["context_lens"].max()), graph_bucket=bucket)
+
+
+def _padded_tables(tables: Seq[Seq[int]], pad_block: int) -> np.ndarray:
+    """int32 [B, longest table] with each row's table copied in, the rest pad_block."""
+    out = np.full((len(tables), max((len(t) for t in tables), default=1) or 1), pad_block, np.int32)
+    for b, t in enumerate(tables):
+        out[b, :len(t)] = t
+    return out
+
+
+def _decode_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: PlanLayout) -> dict:
+    """A pure decode step (one new token per sequence) in scalar Python: per-sequence NumPy calls
+    would cost more than the step's host work."""
+    BS = layout.block_size
+    B = len(scheduled)
+    ids, positions, slots, logits = [0] * B, [0] * B, [0] * B, []
+    for b, (s, table) in enumerate(zip(scheduled, tables)):
+        pos = s.seq.num_computed_tokens
+        ids[b] = s.seq.token_ids[pos]
+        positions[b] = pos
+        slots[b] = slot_mapping(table, pos, BS)
+        if s.samples:
+            logits.append(b)
+    pos = np.asarray(positions, np.int32)
+    return dict(token_ids=np.asarray(ids, np.int32), positions=pos, slot_mapping=np.asarray(slots, np.int32),
+                block_tables=_padded_tables(tables, layout.pad_block), context_lens=pos + 1,
+                query_start_loc=np.arange(B + 1, dtype=np.int32), logits_indices=np.asarray(logits, np.int32),
+                score_rows=np.zeros(0, np.int32))
+
+
+def _chunk_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: PlanLayout) -> dict:
+    """Any step: prefill chunks, decode tokens and scoring chunks mixed."""
+    BS = layout.block_size
+    B = len(scheduled)
+    ids, positions, slots, logits, score = [], [], [], [], []
+    context_lens = np.zeros(B, np.int32)
+    qsl = np.zeros(B + 1, np.int32)
+    row = 0
+    for b, (s, table) in enumerate(zip(scheduled, tables)):
+        seq, n = s.seq, s.num_new_tokens
+        start = seq.num_computed_tokens
+        pos = np.arange(start, start + n, dtype=np.int32)
+        ids.append(np.asarray(seq.token_ids[start:start + n], np.int32))
+        positions.append(pos)
+        slots.append(slot_mapping(np.asarray(table, np.int32), pos, BS))
+        context_lens[b] = start + n
+        qsl[b + 1] = qsl[b] + n
+        if s.scores:
+            score.extend(range(row, row + n))
+        elif s.samples:
+            logits.append(row + n - 1)
+        row += n
+    return dict(token_ids=np.concatenate(ids), positions=np.concatenate(positions),
+                slot_mapping=np.concatenate(slots).astype(np.int32), block_tables=_padded_tables(tables, layout.pad_block),
+                context_lens=context_lens, query_start_loc=qsl, logits_indices=np.asarray(logits, np.int32),
+                score_rows=np.asarray(score, np.int32))

@@ -1,0 +1,94 @@
+"""Outputs: each sampled token becomes text, is checked against stop conditions, and may finish its
+sequence — the per-sequence output state and the rules that end a sample.
+
+For every sampled token of a sequence, in this order:
+
+    text = detokenizer.add(token)                       incremental, never broken UTF-8
+    stop strings (past min_tokens): hold back text that may begin one; a complete one ends the sample
+    EOS / a stop token id (past min_tokens)             -> finish reason "stop"
+    max_tokens or the model's context reached           -> finish reason "length"
+
+At a finish for another reason than a stop string, the text the detokenizer and the stop checker held
+back is released with the final output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rawinfer.core.sequence import FinishReason, Sequence
+from rawinfer.engine.metrics import RequestMetrics
+from rawinfer.engine.stop import StopChecker
+from rawinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one sample of one request."""
+    request_id: str
+    index: int                      # sample index (0 unless n > 1)
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None   # set on the final output
+
+
+@dataclass
+class SampleState:
+    """One sequence's output machinery: its random generator and, with a tokenizer, its text state."""
+    seq: Sequence
+    rng: np.random.Generator
+    detok: IncrementalDetokenizer | None = None
+    stop: StopChecker | None = None
+
+
+class OutputRules:
+    """The finish rules of one engine (its tokenizer, end-of-sequence ids and context length)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def new_state(self, seq: Sequence, rng: np.random.Generator) -> SampleState:
+        st = SampleState(seq, rng)
+        if self.tokenizer is not None:
+            st.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens],
+                                              skip_special_tokens=True)
+            st.stop = StopChecker(seq.params.stop) if seq.params.stop else None
+        return st
+
+    def add_token(self, st: SampleState, token: int, now: float) -> tuple[str, FinishReason | None]:
+        """Append `token` to st's sequence; (text that may be shown now, the finish reason or None)."""
+        seq, p = st.seq, st.seq.params
+        seq.append_token(token, now)
+        reason = None
+        text = ""
+        past_min = seq.num_output_tokens > p.min_tokens
+        if st.detok is not None:
+            text = st.detok.add(token)
+            if st.stop is not None and past_min:
+                upd = st.stop.add(text)
+                text = upd.text
+                if upd.stopped:
+                    reason = FinishReason.STOP
+        eos = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+        if reason is None and eos and past_min:
+            reason = FinishReason.STOP
+        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None and st.detok is not None and not (st.stop is not None and st.stop.stopped):
+            text += self._release(st)
+        return text, reason
+
+    @staticmethod
+    def _release(st: SampleState) -> str:
+        """At a finish without a stop string: the text the detokenizer and the stop checker held back."""
+        tail = st.detok.finish()
+        if st.stop is None:
+            return tail
+        upd = st.stop.add(tail)
+        return upd.text if upd.stopped else upd.text + st.stop.flush()

@@ -1,0 +1,152 @@
+"""The scheduler without a model: budgets, chunked prefill, preemption, forks, scoring chunks, invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rawinfer.config import EngineConfig
+from rawinfer.core.block_manager import BlockManager
+from rawinfer.core.scheduler import Scheduler
+from rawinfer.core.sequence import FinishReason, Sequence
+from rawinfer.sampling import SamplingParams
+
+
+def make(num_blocks=64, block_size=4, **ecfg) -> Scheduler:
+    cfg = EngineConfig(block_size=block_size, **{"max_num_batched_tokens": 16, "max_num_seqs": 8, **ecfg})
+    return Scheduler(cfg, BlockManager(num_blocks, block_size, cfg.enable_prefix_caching))
+
+
+def seq(sid, n_prompt, start=0, **kw) -> Sequence:
+    return Sequence(seq_id=sid, request_id=sid, index=0, prompt_token_ids=list(range(start, start + n_prompt)),
+                    params=SamplingParams(), **kw)
+
+
+def step(s: Scheduler, token=1) -> dict[str, int]:
+    """One step: schedule, 'run', advance, append a token to every sampled sequence."""
+    batch = s.schedule()
+    s.advance(batch)
+    for x in batch.seqs:
+        if x.samples:
+            x.seq.append_token(token, 0.0)
+    s.check_invariants()
+    return {x.seq.seq_id: x.num_new_tokens for x in batch.seqs}
+
+
+def test_budget_chunks_a_long_prompt_beside_decodes():
+    s = make()
+    a = seq("a", 3)
+    s.add(a)
+    assert step(s) == {"a": 3}
+    s.add(seq("b", 40))
+    got = [step(s) for _ in range(4)]
+    assert got == [{"a": 1, "b": 15}, {"a": 1, "b": 15}, {"a": 1, "b": 10}, {"a": 1, "b": 1}]
+    plan = s.schedule().plan
+    assert plan.num_seqs == 2 and plan.logits_indices.tolist() == [0, 1]
+
+
+def test_pool_exhaustion_preempts_the_newest_and_recomputes_it():
+    s = make(num_blocks=4, block_size=4)
+    a, b = seq("a", 6), seq("b", 6, start=100)
+    s.add(a)
+    s.add(b)
+    assert step(s) == {"a": 6, "b": 6}                     # 2 blocks each: the pool is full
+    for _ in range(2):
+        step(s)                                            # both write into their second block
+    batch = s.schedule()                                   # position 8 needs a third block for a: b goes
+    assert [x.seq.seq_id for x in batch.seqs] == ["a"] and batch.preempted == [b]
+    assert s.waiting == [b] and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert "b" not in s.bm and s.num_preemptions == 1
+    s.advance(batch)
+    s.check_invariants()
+    s.finish(a, FinishReason.LENGTH)
+    # recomputed: its first block is still in the prefix cache (a took its second one), the rest of its
+    # prompt and its two tokens are computed again
+    assert step(s) == {"b": 5} and b.num_cached_prompt_tokens == 0 and b.num_computed_tokens == 9
+    s.finish(b, FinishReason.LENGTH)
+    assert s.bm.num_used_blocks == 0 and not s.has_unfinished
+
+
+def test_forked_samples_share_blocks_and_respect_max_num_seqs():
+    s = make(max_num_seqs=2)
+    p = seq("p", 10)
+    s.add(p)
+    step(s)
+    children = [Sequence(seq_id=f"p#{i}", request_id="p", index=i, prompt_token_ids=p.token_ids[:10],
+                         params=p.params) for i in (1, 2, 3)]
+    for c in children:
+        s.fork(p, c)
+        c.append_token(7, 0.0)
+    assert all(s.bm.block_table(c.seq_id) == s.bm.block_table("p") for c in children)
+    s.check_invariants()
+    first = step(s)
+    assert len(first) == 2 and first == {"p": 1, "p#1": 1}                # oldest two of four
+    batch = s.schedule()
+    assert [x.seq.seq_id for x in batch.seqs] == ["p", "p#1"]
+    assert batch.plan.copies == ()                     # the shared partial block was copied the step before
+    with pytest.raises(ValueError, match="prompt was just computed"):
+        s.fork(p, Sequence(seq_id="p#9", request_id="p", index=9, prompt_token_ids=p.token_ids[:10],
+                           params=p.params))
+
+
+def test_scoring_takes_exact_chunks_and_no_prefix_hits():
+    s = make(max_num_batched_tokens=8)
+    warm = seq("w", 12)                                    # puts the same prompt's blocks in the prefix cache
+    s.add(warm)
+    step(s)
+    step(s)
+    s.finish(warm, FinishReason.LENGTH)
+    scored = seq("s", 12, chunk_sizes=(5, 1, 20))
+    other = seq("o", 6, start=50)
+    s.add(other)
+    s.add(scored)
+    assert step(s) == {"o": 6}                             # 5 > the 2 tokens left: s waits, unsplit
+    assert step(s) == {"o": 1, "s": 5}                     # from position 0 (no prefix hit)
+    assert step(s) == {"o": 1, "s": 1}
+    batch = s.schedule()                                   # the 20-chunk: what is left of the sequence
+    assert [(x.seq.seq_id, x.num_new_tokens, x.samples) for x in batch.seqs] == [("o", 1, True), ("s", 6, False)]
+    assert batch.plan.score_rows.tolist() == list(range(1, 7)) and batch.plan.logits_indices.tolist() == [0]
+    s.advance(batch)
+    assert scored.num_computed_tokens == 12 and scored.chunk_index == 3
+    s.check_invariants()
+
+
+def test_invariants_catch_a_waiting_sequence_with_blocks():
+    s = make()
+    a = seq("a", 5)
+    s.add(a)
+    s.bm.allocate_slots("a", 0, 5)
+    with pytest.raises(AssertionError, match="owns KV blocks"):
+        s.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_keeps_the_invariants_and_frees_everything(seed):
+    rng = random.Random(seed)
+    s = make(num_blocks=12, block_size=4, max_num_batched_tokens=12, max_num_seqs=4)
+    live, n = [], 0
+    for _ in range(400):
+        r = rng.random()
+        if r < 0.2:
+            x = seq(f"r{n}", rng.randrange(1, 20), start=rng.choice((0, 0, 100)))
+            n += 1
+            s.add(x)
+            live.append(x)
+        elif r < 0.25 and live:
+            x = live.pop(rng.randrange(len(live)))
+            s.finish(x, FinishReason.ABORT)
+        else:
+            step(s, token=rng.randrange(3))
+            for x in list(live):
+                if x.num_output_tokens >= 8:
+                    s.finish(x, FinishReason.LENGTH)
+                    live.remove(x)
+        s.check_invariants()
+    while s.has_unfinished:
+        step(s)
+        for x in list(live):
+            if x.num_output_tokens >= 8:
+                s.finish(x, FinishReason.LENGTH)
+                live.remove(x)
+    assert s.bm.num_used_blocks == 0 and s.num_preemptions > 0
