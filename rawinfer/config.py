@@ -105,7 +105,7 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ModelFormatError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
 
-    # Derived sizes, named with the shape letters of DESIGN.md.
+    # Derived sizes, named with the shape letters of docs/architecture.md.
     @property
     def q_size(self) -> int:  # H*D
         return self.num_heads * self.head_dim
@@ -204,6 +204,21 @@ def parse_size(text: str | int) -> int:
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 
+# Environment switches: read here and nowhere else, as the defaults of EngineConfig fields.
+ENV_SWITCHES = {
+    "RAWINFER_CPU_INT_GEMM": "0 runs int8 models' GEMMs on dequantized float32 weights (EngineConfig.cpu_int_gemm)",
+}
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An ENV_SWITCHES flag: unset means `default`, "0" / "false" / "no" / "off" mean False."""
+    if name not in ENV_SWITCHES:
+        raise KeyError(f"{name} is not a documented switch (config.ENV_SWITCHES)")
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
 
 @dataclass
 class EngineConfig:
@@ -226,6 +241,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9     # CUDA: share of free device memory for the pool
     use_cuda_graphs: bool = True            # CUDA: replay pure decode steps as captured CUDA graphs
     seed: int = 0                           # default seed for requests that set none
+    cpu_int_gemm: bool = field(default_factory=lambda: env_flag("RAWINFER_CPU_INT_GEMM", True))
+                                            # CPU, int8 models: GEMMs on int16-quantized activations
+                                            # (False: dequantized weights on BLAS)
 
     def validate(self) -> "EngineConfig":
         if isinstance(self.kv_cache_memory, str):
@@ -246,6 +264,7 @@ class EngineConfig:
             ("num_threads", self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
              "a positive integer or None"),
             ("gpu_memory_utilization", 0.0 < float(self.gpu_memory_utilization) <= 1.0, "a number in (0, 1]"),
+            ("cpu_int_gemm", isinstance(self.cpu_int_gemm, bool), "true or false"),
         ]
         for name, ok, what in checks:
             if not ok:

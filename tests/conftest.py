@@ -16,6 +16,14 @@ SMOLLM2_GGUF = os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser(
                             "SmolLM2-135M-Instruct.Q4_1.gguf")   # cached by tools/fetch_default_model.sh
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fresh_cpu_kernel_cache():
+    """Drop CPU kernel builds compiled from other sources, before any test loads one (the CPU backend
+    does the same when it starts; tests also call kernels without one)."""
+    from rawinfer.backend.cpu import cache
+    cache.refresh_once()
+
+
 def _convert_tiny(tmp_path_factory, name: str, dtype: str = "float32", quant: str | None = None) -> str:
     from rawinfer.convert import ConversionWarning, convert
     dst = str(tmp_path_factory.mktemp("models") / f"{name}-{dtype}-{quant}")

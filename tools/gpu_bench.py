@@ -215,7 +215,7 @@ def main(argv=None) -> int:
         return cp.cuda.get_elapsed_time(start, stop) / 1000.0 / repeats
 
     if runner.graphs is not None:
-        from rawinfer.exec.runner import bucket_for
+        from rawinfer.core.step_plan import bucket_for
         bucket = bucket_for(args.batch, runner.graphs.buckets)
         flat = runner.graphs.flat_batch(bucket)
         forward = lambda: engine.model.forward(flat)  # noqa: E731

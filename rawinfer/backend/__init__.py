@@ -17,7 +17,8 @@ def cuda_usable() -> bool:
         return False
 
 
-def get_backend(device: str = "auto", num_threads: int | None = None) -> Backend:
+def get_backend(device: str = "auto", num_threads: int | None = None, cpu_int_gemm: bool = True) -> Backend:
+    """The backend for `device` (EngineConfig.device); num_threads and cpu_int_gemm configure the CPU one."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device {device!r} is not one of auto, cpu, cuda")
     if device == "cuda" or (device == "auto" and cuda_usable()):
@@ -27,7 +28,7 @@ def get_backend(device: str = "auto", num_threads: int | None = None) -> Backend
         from rawinfer.backend.cuda.backend import CUDABackend
         return CUDABackend()
     from rawinfer.backend.cpu.backend import CPUBackend
-    return CPUBackend(num_threads=num_threads)
+    return CPUBackend(num_threads=num_threads, int_gemm=cpu_int_gemm)
 
 
 __all__ = ["Backend", "get_backend", "cuda_usable"]

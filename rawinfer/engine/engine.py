@@ -85,7 +85,7 @@ class LLMEngine:
     def _setup(self, cfg: ModelConfig, ecfg: EngineConfig) -> None:
         self.model_config, self.config = cfg, ecfg
         self.max_model_len = resolve_max_model_len(cfg, ecfg)
-        self.backend = get_backend(ecfg.device, ecfg.num_threads)
+        self.backend = get_backend(ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm)
         if cfg.quant is not None and cfg.quant not in self.backend.capabilities.quantized_weights:
             raise ValueError(f"{cfg.quant} weight-only models run on the CPU backend; convert without --quant "
                              f"for --device {self.backend.name} (or run this model with --device cpu)")

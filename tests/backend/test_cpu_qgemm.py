@@ -181,7 +181,9 @@ def test_shapes_outside_the_layout_and_the_switch_keep_the_float_path(monkeypatc
     assert be.prepare_int8(Int8Weight(q, scale)).packed is None
     q, scale = quantize_int8(RNG.standard_normal((32, 63)).astype(np.float32))   # odd K
     assert be.prepare_int8(Int8Weight(q, scale)).packed is None
-    monkeypatch.setenv("RAWINFER_CPU_INT_GEMM", "0")
-    off = CPUBackend()
+    monkeypatch.setenv("RAWINFER_CPU_INT_GEMM", "0")             # read once, as EngineConfig's default
+    from rawinfer.config import EngineConfig
+    assert EngineConfig().cpu_int_gemm is False
+    off = CPUBackend(int_gemm=EngineConfig().cpu_int_gemm)
     q, scale = quantize_int8(RNG.standard_normal((32, 64)).astype(np.float32))
     assert not off.int_gemm and off.prepare_int8(Int8Weight(q, scale)).packed is None

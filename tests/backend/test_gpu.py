@@ -5,7 +5,7 @@ seeds, the refusal of int8 models, and the whole model on the GPU: the tiny chec
 reference logits and the CUDA backend against the CPU backend on a randomly initialised model of
 about 250 million parameters.
 
-Skipped, module-wide, wherever no usable GPU is present (see rawinfer.backend.cuda_runtime.cuda_status).
+Skipped, module-wide, wherever no usable GPU is present (see rawinfer.backend.cuda.runtime.cuda_status).
 tools/gpu_check.sh runs it on a GPU machine:  python -m pytest -m gpu tests/backend/test_gpu.py
 """
 
@@ -323,7 +323,6 @@ def test_tiny_greedy_generation_matches_reference(tmp_path_factory):
 def test_decode_graphs_replay_equals_eager(tmp_path_factory, dtype, staggered_generation):
     """The runner's decode graphs: a replay gives the bits of an eager run of the same padded batch,
     and graph-decoded tokens are what eager decoding (on teacher-forced logits) calls best."""
-    from rawinfer.exec.runner import bucket_for
     path = _convert(tmp_path_factory, "tiny-llama", dtype)
     graphed = _engine(path, "cuda", max_num_seqs=8)
     runner = graphed.runner
@@ -331,10 +330,10 @@ def test_decode_graphs_replay_equals_eager(tmp_path_factory, dtype, staggered_ge
     checked = []
     real_run = runner.graphs.run
 
-    def spy(batch, bm):
-        logits = real_run(batch, bm)
-        bucket = bucket_for(len(batch.seqs), runner.graphs.buckets)
-        if bucket > len(batch.seqs) and not checked:     # a step with padding rows
+    def spy(plan):
+        logits = real_run(plan)
+        bucket = plan.graph_bucket
+        if bucket > plan.num_seqs and not checked:       # a step with padding rows
             got = graphed.backend.to_host(logits).copy()
             want = graphed.backend.to_host(graphed.model.forward(runner.graphs.flat_batch(bucket))[:len(logits)])
             np.testing.assert_array_equal(got, want)

@@ -140,7 +140,7 @@ def test_cpu_pool_defaults_to_1gib_and_reserves_nothing_for_graphs():
 
 
 def test_cli_leaves_kv_cache_memory_to_the_device():
-    from rawinfer.frontends.cli.main import add_engine_args, engine_config_from_args
+    from rawinfer.frontends.options import add_engine_args, engine_config_from_args
     p = argparse.ArgumentParser()
     add_engine_args(p)
     assert engine_config_from_args(p.parse_args([])).kv_cache_memory is None
@@ -204,7 +204,7 @@ def shim_libraries():
 def shim_engine(monkeypatch, model_dir, libraries, graphs: bool) -> LLMEngine:
     from rawinfer.backend.cuda.backend import CUDABackend
     backend = CUDABackend(launcher=CapturingShimLauncher(libraries))
-    monkeypatch.setattr("rawinfer.engine.engine.get_backend", lambda device, threads=None: backend)
+    monkeypatch.setattr("rawinfer.engine.engine.get_backend", lambda *args, **kwargs: backend)
     return LLMEngine(model_dir, EngineConfig(device="cuda", kv_cache_memory=2 * MIB, max_num_batched_tokens=64,
                                              max_num_seqs=4, max_model_len=256, use_cuda_graphs=graphs))
 

@@ -6,29 +6,19 @@ import os
 
 import numpy as np
 
+from rawinfer.backend import shapes
+from rawinfer.backend.base import Backend, Capabilities
+from rawinfer.backend.cpu import attention as A
 from rawinfer.backend.cpu import blas as cpu_blas
+from rawinfer.backend.cpu import cache as cpu_cache
+from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu import memory as cpu_memory
 from rawinfer.backend.cpu import q4 as cpu_q4
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
-
-# NOTE: Numba's OpenMP workers spin after each parallel region before they sleep (300k iterations by
-# default). When every parallel region of a step runs on that one pool (kernels and, through
-# blas.py, the GEMMs), a spinning worker is what the next region wants; 100k iterations keep it
-# short enough not to starve the step's Python work or other processes afterwards. When the GEMMs
-# run on the BLAS library's own pool instead (blas.py unavailable), the two pools' spinning workers
-# take each other's cores (a small GEMM after a kernel takes several times its cost: docs/kernels.md),
-# so Numba's workers sleep at once. Set before Numba starts its pool (on the first parallel call); a
-# user's own value wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "100000" if cpu_blas.available() else "0")
-
-from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN  # noqa: E402
-from rawinfer.quant import Int8Weight, Q4Weight  # noqa: E402
-from rawinfer.backend.cpu import attention as A  # noqa: E402
-from rawinfer.backend.cpu import kernels as K  # noqa: E402
-from rawinfer.backend import shapes  # noqa: E402
-from rawinfer.backend.base import Backend, Capabilities  # noqa: E402
-from rawinfer.backend.cpu.fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel  # noqa: E402
+from rawinfer.backend.cpu.fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel
+from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN
+from rawinfer.quant import Int8Weight, Q4Weight
 
 ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
 ATTN_BLAS_MIN_QUERY = 32   # batches with a query run this long take the BLAS attention (prefill)...
@@ -36,6 +26,18 @@ ATTN_BLAS_QUERY_TILE = 64  # ... in tiles of this many queries
 INT8_GEMV_MAX_ROWS = 4  # int8 / q4 matmul: up to this many rows, dot products straight from the quantized
                         # weights; above, the integer GEMM (int8) or BLAS on dequantized row tiles
 INT8_TILE_ROWS = 128    # weight rows per dequantized tile (128 x 576 floats: 288 KiB, fits in L2)
+
+
+def _configure_thread_pool(blas_on_numba_pool: bool) -> None:
+    """How long Numba's OpenMP workers spin after a parallel region before they sleep (GOMP_SPINCOUNT,
+    read once when the pool starts, at its first use; a user's own value wins).
+
+    When every parallel region of a step runs on that one pool (kernels and, through blas.py, the
+    GEMMs), a spinning worker is what the next region wants; 100k iterations keep it short enough not
+    to starve the step's Python work or other processes afterwards. When the GEMMs run on the BLAS
+    library's own pool instead (blas.py unavailable), the two pools' spinning workers take each
+    other's cores, so Numba's workers sleep at once (docs/kernels.md)."""
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000" if blas_on_numba_pool else "0")
 
 
 def _check(name: str, x, shape: tuple | None = None, dtype=None, contiguous: bool = True) -> None:
@@ -77,15 +79,19 @@ class CPUBackend(Backend):
             return 0
         return INT8_GEMV_MAX_ROWS if quant in ("int8", "q4") else 0
 
-    def __init__(self, num_threads: int | None = None):
+    def __init__(self, num_threads: int | None = None, int_gemm: bool = True):
+        """num_threads: the Numba pool's size (None: every core). int_gemm: int8 models' GEMMs (more than
+        INT8_GEMV_MAX_ROWS rows) in integer arithmetic on int16-quantized activations (qgemm.py) where
+        the CPU has AVX2; False dequantizes the weights to float32 for BLAS instead
+        (EngineConfig.cpu_int_gemm, RAWINFER_CPU_INT_GEMM=0)."""
+        cpu_cache.refresh_once()          # before any kernel of this process loads from the disk cache
+        self.blas_on_numba_pool = cpu_blas.available()   # else np.matmul on OpenBLAS's (or MKL's) own pool
+        _configure_thread_pool(self.blas_on_numba_pool)
         import numba
         if num_threads is not None:
             numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
         self.threads = numba.get_num_threads()
-        self.blas_on_numba_pool = cpu_blas.available()   # else np.matmul on OpenBLAS's (or MKL's) own pool
-        # int8 models: GEMMs (more than INT8_GEMV_MAX_ROWS rows) in integer arithmetic on int16-quantized
-        # activations (qgemm.py); RAWINFER_CPU_INT_GEMM=0 dequantizes the weights to float32 instead.
-        self.int_gemm = cpu_qgemm.available() and os.environ.get("RAWINFER_CPU_INT_GEMM", "1") != "0"
+        self.int_gemm = int_gemm and cpu_qgemm.available()
         self._qx = np.empty(0, np.int16)                   # activation buffers of the integer GEMM,
         self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
 

@@ -13,6 +13,7 @@ so there it changes nothing.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -71,3 +72,9 @@ def refresh(here: str | None = None) -> list[str]:
         except OSError:
             continue
     return removed
+
+
+@functools.cache
+def refresh_once() -> None:
+    """refresh() the package's own cache once per process (the CPU backend calls it when it starts)."""
+    refresh()

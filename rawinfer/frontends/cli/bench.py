@@ -12,7 +12,7 @@ import math
 import sys
 
 from rawinfer.frontends.options import CLIError, add_engine_args, engine_config_from_args
-from rawinfer.frontends.server.client import DEFAULT_ADDR
+from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
 
 def add_parser(sub) -> None:

@@ -11,7 +11,7 @@ from rawinfer.config import parse_size
 from rawinfer.frontends.cli.stream import client_events, print_stream
 from rawinfer.frontends.options import (CLIError, add_engine_args, add_sampling_args, engine_config_from_args,
                                         read_prompt, sampling_params_from_args)
-from rawinfer.frontends.server.client import DEFAULT_ADDR
+from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
 log = logging.getLogger("rawinfer")
 
