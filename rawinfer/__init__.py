@@ -1,8 +1,7 @@
 """rawinfer: a readable LLM inference engine (paged KV cache, continuous batching, CUDA or NumPy+Numba)."""
 
+from rawinfer.config import VERSION as __version__
 from rawinfer.sampling import SamplingParams
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name):

@@ -39,6 +39,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+VERSION = "0.1.0"                                   # rawinfer's version (pyproject.toml says the same)
 DEFAULT_MODEL = "weights/smollm2-135m-instruct"   # where tools/fetch_default_model.sh converts SmolLM2
 FORMAT_NAME = "rawinfer"
 FORMAT_VERSION = 1

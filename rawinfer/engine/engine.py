@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from rawinfer.backend import get_backend
+from rawinfer.backend.select import get_backend
 from rawinfer.config import DEFAULT_MODEL, EngineConfig, ModelConfig, is_int, resolve_max_model_len
 from rawinfer.core.block_manager import BlockManager
 from rawinfer.core.scheduler import Scheduler

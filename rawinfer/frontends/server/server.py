@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from rawinfer import __version__
+from rawinfer.config import VERSION
 from rawinfer.engine.tokenizer import has_chat_template, render_chat
 from rawinfer.sampling import SamplingParams
 from rawinfer.frontends.server import protocol as P
@@ -367,4 +367,4 @@ class Server:
                 "bos_token_id": mc.bos_token_id, "has_tokenizer": tok is not None,
                 "has_chat_template": has_chat_template(tok),
                 "block_size": eng.config.block_size, "kv_blocks_total": eng.block_manager.num_blocks,
-                "device": eng.backend.name, "protocol_version": P.PROTOCOL_VERSION, "rawinfer_version": __version__}
+                "device": eng.backend.name, "protocol_version": P.PROTOCOL_VERSION, "rawinfer_version": VERSION}

@@ -1,0 +1,33 @@
+"""Backend selection: `get_backend("auto" | "cpu" | "cuda")` returns the op implementation to run on.
+
+The one module that knows both backends; each backend knows only the interface (base.py, shapes.py)."""
+
+from __future__ import annotations
+
+from rawinfer.backend.base import Backend
+
+
+def cuda_usable() -> bool:
+    """True when CuPy imports and sees at least one GPU. Never raises."""
+    try:
+        from rawinfer.backend.cuda.backend import cuda_available
+    except Exception:
+        return False
+    try:
+        return bool(cuda_available())
+    except Exception:
+        return False
+
+
+def get_backend(device: str = "auto", num_threads: int | None = None, cpu_int_gemm: bool = True) -> Backend:
+    """The backend for `device` (EngineConfig.device); num_threads and cpu_int_gemm configure the CPU one."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device {device!r} is not one of auto, cpu, cuda")
+    if device == "cuda" or (device == "auto" and cuda_usable()):
+        if device == "cuda" and not cuda_usable():
+            raise RuntimeError("--device cuda was asked for but no usable GPU was found (CuPy missing or no "
+                               "device); install rawinfer[cuda12] or rawinfer[cuda13], or use --device cpu")
+        from rawinfer.backend.cuda.backend import CUDABackend
+        return CUDABackend()
+    from rawinfer.backend.cpu.backend import CPUBackend
+    return CPUBackend(num_threads=num_threads, int_gemm=cpu_int_gemm)
