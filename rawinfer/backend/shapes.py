@@ -49,6 +49,19 @@ def linear(x: Any, w_shape: tuple[int, int], out: Any, bias: Any = None) -> tupl
     return T, K, N
 
 
+def linear_silu_mul(x: Any, w_shape: tuple[int, int], out: Any) -> tuple[int, int, int]:
+    """out[T, F] = silu(x @ Wg^T) * (x @ Wu^T), w = [Wg; Wu] of shape [2F, K] -> (T, K, F)."""
+    if len(x.shape) != 2:
+        raise shape_error("linear_silu_mul", "x", x.shape, "(T, K)")
+    T, K = _shape(x)
+    N, K_w = w_shape
+    if K_w != K or N % 2:
+        raise shape_error("linear_silu_mul", "w", w_shape, f"(2F, K) with K = {K} (x is {(T, K)})")
+    if _shape(out) != (T, N // 2):
+        raise shape_error("linear_silu_mul", "out", out.shape, f"(T, F) = ({T}, {N // 2})")
+    return T, K, N // 2
+
+
 def silu_mul(gate_up: Any, out: Any) -> tuple[int, int]:
     """out[T, F] = silu(gate_up[:, :F]) * gate_up[:, F:] -> (T, F)."""
     if len(gate_up.shape) != 2 or gate_up.shape[1] % 2:

@@ -40,22 +40,14 @@ def _configure_thread_pool(blas_on_numba_pool: bool) -> None:
     os.environ.setdefault("GOMP_SPINCOUNT", "100000" if blas_on_numba_pool else "0")
 
 
-def _check(name: str, x, shape: tuple | None = None, dtype=None, contiguous: bool = True) -> None:
-    """Validate an op argument (cheap: this runs for every argument of every op of every step)."""
+def _check(name: str, x, dtype=None, contiguous: bool = True) -> None:
+    """What the kernels need of an argument beyond its shape (backend/shapes.py checks those): a NumPy
+    array, of dtype where given, C-contiguous (kernels index raw rows). Cheap: it runs for every
+    argument of every op of every step."""
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name} must be {np.dtype(dtype)}, got {x.dtype}")
-    if shape is not None:
-        xs = x.shape
-        ok = len(xs) == len(shape)
-        if ok:
-            for want, got in zip(shape, xs):
-                if want is not None and want != got:
-                    ok = False
-                    break
-        if not ok:
-            raise ValueError(f"{name} has shape {xs}, expected {shape}")
     if contiguous and not x.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
 
@@ -132,8 +124,9 @@ class CPUBackend(Backend):
 
     # ---- layer ops ---------------------------------------------------------------------------
     def embedding(self, ids, table, out) -> None:
-        _check("ids", ids, (None,), np.int32)
-        _check("out", out, (ids.shape[0], table.shape[1]))
+        shapes.embedding(ids, table.shape, out)
+        _check("ids", ids, np.int32)
+        _check("out", out)
         if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
             raise ValueError(f"token id out of range [0, {table.shape[0]})")
         if isinstance(table, Int8Weight):
@@ -142,19 +135,22 @@ class CPUBackend(Backend):
             K.take_rows_kernel(table, ids, out)
 
     def rmsnorm(self, x, weight, eps, out) -> None:
-        _check("x", x, (None, weight.shape[0]))
-        _check("out", out, x.shape)
+        shapes.norm("rmsnorm", x, weight, out)
+        _check("x", x)
+        _check("out", out)
         K.rmsnorm_kernel(x.shape[0], x, weight, np.float32(eps), out)
 
     def add_rmsnorm(self, x, residual, weight, eps, out) -> None:
-        _check("x", x, (None, weight.shape[0]))
-        _check("residual", residual, x.shape, np.float32)
-        _check("out", out, x.shape)
+        shapes.norm("add_rmsnorm", x, weight, out, residual)
+        _check("x", x)
+        _check("residual", residual, np.float32)
+        _check("out", out)
         K.add_rmsnorm_kernel(x.shape[0], x, residual, weight, np.float32(eps), out)
 
     def linear(self, x, w, out, bias=None, scratch=None) -> None:
-        _check("x", x, (None, w.shape[1]), np.float32)   # BLAS and the int8 quantizer read it as raw float32
-        _check("out", out, (x.shape[0], w.shape[0]))
+        shapes.linear(x, w.shape, out, bias)
+        _check("x", x, np.float32)              # BLAS and the int8 quantizer read it as raw float32
+        _check("out", out)
         if isinstance(w, Int8Weight):
             self._linear_int8(x, w, out, scratch)
         elif isinstance(w, Q4Weight):
@@ -175,16 +171,18 @@ class CPUBackend(Backend):
         if isinstance(w, Int8Weight):
             gemm = self._on_packed_gemm(x, w, scratch) and w.packed.shape[0] % 2 == 0
             if gemm or x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None:
-                _check("x", x, (None, w.shape[1]), np.float32)
-                _check("out", out, (x.shape[0], w.shape[0] // 2))
+                shapes.linear_silu_mul(x, w.shape, out)
+                _check("x", x, np.float32)
+                _check("out", out)
                 if gemm:
                     cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(*x.shape))
                 else:
                     K.rows_matmul_silu_kernel(x, w.q, w.scale, out)
                 return
         if isinstance(w, Q4Weight) and self._q4_matvec(x, scratch):
-            _check("x", x, (None, w.shape[1]), np.float32)
-            _check("out", out, (x.shape[0], w.shape[0] // 2))
+            shapes.linear_silu_mul(x, w.shape, out)
+            _check("x", x, np.float32)
+            _check("out", out)
             cpu_q4.q4_matvec_silu(x, *self._q4_parts(w), out)
             return
         super().linear_silu_mul(x, w, gate_up, out, scratch)
@@ -262,23 +260,23 @@ class CPUBackend(Backend):
         return self._qx, self._qs
 
     def rope(self, qkv, positions, cos_sin, num_heads, num_kv_heads) -> None:
-        D = cos_sin.shape[1]
-        _check("qkv", qkv, (None, (num_heads + 2 * num_kv_heads) * D))
-        _check("positions", positions, (qkv.shape[0],), np.int32)
+        _, D = shapes.rope(qkv, positions, cos_sin, num_heads, num_kv_heads)
+        _check("qkv", qkv)
+        _check("positions", positions, np.int32)
         if positions.size and (positions.min() < 0 or positions.max() >= cos_sin.shape[0]):
             raise ValueError(f"position out of range [0, {cos_sin.shape[0]}): the model's context is exceeded")
         K.rope_kernel(qkv.shape[0], qkv, positions, cos_sin, num_heads, num_kv_heads, D)
 
     def silu_mul(self, gate_up, out) -> None:
-        _check("gate_up", gate_up, (None, 2 * out.shape[1]))
-        _check("out", out, (gate_up.shape[0], out.shape[1]))
+        shapes.silu_mul(gate_up, out)
+        _check("gate_up", gate_up)
+        _check("out", out)
         K.silu_mul_kernel(gate_up.shape[0], gate_up, out)
 
     def kv_write(self, qkv, k_cache, v_cache, slot_mapping, num_heads) -> None:
-        Hkv, D = k_cache.shape[1], k_cache.shape[3]
-        _check("qkv", qkv, (None, (num_heads + 2 * Hkv) * D))
-        _check("v_cache", v_cache, k_cache.shape, k_cache.dtype)
-        _check("slot_mapping", slot_mapping, (qkv.shape[0],), np.int32)
+        shapes.kv_write(qkv, k_cache, v_cache, slot_mapping, num_heads)
+        _check("qkv", qkv)
+        _check("slot_mapping", slot_mapping, np.int32)
         K.kv_write_kernel(qkv.shape[0], qkv, _kv(k_cache), _kv(v_cache), slot_mapping, num_heads)
 
     def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -310,9 +308,9 @@ class CPUBackend(Backend):
         """What the attention kernels read raw: contiguous float32 rows, int32 metadata."""
         _check("qkv", qkv)
         _check("out", out)
-        _check("block_tables", block_tables, None, np.int32)
-        _check("context_lens", context_lens, None, np.int32)
-        _check("query_start_loc", query_start_loc, None, np.int32)
+        _check("block_tables", block_tables, np.int32)
+        _check("context_lens", context_lens, np.int32)
+        _check("query_start_loc", query_start_loc, np.int32)
 
     def fused_plan(self, layers, k_caches, v_caches):
         """The per-layer tensors as typed lists (built once), so one Numba call can walk every layer."""
@@ -351,7 +349,7 @@ class CPUBackend(Backend):
 
     def decoder_layers(self, plan, acts, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
         for name in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc"):
-            _check(name, getattr(batch, name), None, np.int32)
+            _check(name, getattr(batch, name), np.int32)
         p = plan
         if T > INT8_GEMV_MAX_ROWS:
             if not p["packed"] or batch.max_query_len != 1:
@@ -383,5 +381,6 @@ class CPUBackend(Backend):
             K.copy_blocks_kernel(_kv(cache), src, dst)
 
     def take_rows(self, x, indices, out) -> None:
-        _check("out", out, (indices.shape[0], x.shape[1]))
+        shapes.take_rows(x, indices, out)
+        _check("out", out)
         K.take_rows_kernel(x, indices, out)
