@@ -281,18 +281,16 @@ class CPUBackend(Backend):
 
     def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                scale, out, max_context_len) -> None:
-        _, B, H, Hkv, _ = shapes.attention("paged_attention_decode", qkv, k_cache, v_cache, block_tables,
-                                           context_lens, query_start_loc, out)
-        self._check_attention_args(qkv, out, block_tables, context_lens, query_start_loc)
+        B, H, Hkv = self._attention_args("paged_attention_decode", qkv, k_cache, v_cache, block_tables,
+                                         context_lens, query_start_loc, out)
         k_cache, v_cache = _kv(k_cache), _kv(v_cache)
         kernel = A.decode_attention_avx2_kernel if A.decode_attention_avx2_fits(k_cache) else A.decode_attention_kernel
         kernel(B * Hkv, qkv, k_cache, v_cache, block_tables, context_lens, np.float32(scale), H, out)
 
     def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                 scale, out, max_query_len) -> None:
-        _, _, H, Hkv, _ = shapes.attention("paged_attention_prefill", qkv, k_cache, v_cache, block_tables,
-                                           context_lens, query_start_loc, out)
-        self._check_attention_args(qkv, out, block_tables, context_lens, query_start_loc)
+        _, H, Hkv = self._attention_args("paged_attention_prefill", qkv, k_cache, v_cache, block_tables,
+                                         context_lens, query_start_loc, out)
         k_cache, v_cache = _kv(k_cache), _kv(v_cache)
         if self.blas_on_numba_pool and max_query_len >= ATTN_BLAS_MIN_QUERY:   # long queries: products on BLAS
             seqs, q0, q1 = A.attention_work_items(query_start_loc, ATTN_BLAS_QUERY_TILE)
@@ -304,13 +302,17 @@ class CPUBackend(Backend):
                                  query_start_loc, seqs, q0, q1, np.float32(scale), H, out)
 
     @staticmethod
-    def _check_attention_args(qkv, out, block_tables, context_lens, query_start_loc) -> None:
-        """What the attention kernels read raw: contiguous float32 rows, int32 metadata."""
+    def _attention_args(op, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, out):
+        """(B, H, Hkv) of an attention call, after checking its shapes and what the kernels read raw:
+        contiguous rows, int32 metadata."""
+        _, B, H, Hkv, _ = shapes.attention(op, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                           out)
         _check("qkv", qkv)
         _check("out", out)
         _check("block_tables", block_tables, np.int32)
         _check("context_lens", context_lens, np.int32)
         _check("query_start_loc", query_start_loc, np.int32)
+        return B, H, Hkv
 
     def fused_plan(self, layers, k_caches, v_caches):
         """The per-layer tensors as typed lists (built once), so one Numba call can walk every layer."""
