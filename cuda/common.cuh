@@ -1,7 +1,7 @@
 // common.cuh: the element types, conversions and block/warp reductions shared by every kernel file.
 //
 // Every .cu file of rawinfer is compiled three ways, from the same text:
-//   - by NVRTC at run time (CuPy RawModule, rawinfer/backend/cuda.py);
+//   - by NVRTC at run time (CuPy RawModule, rawinfer/backend/cuda/runtime.py);
 //   - by nvcc for sm_80 and sm_90 in CI (tools/check_cuda.sh: warnings are errors, spills fail);
 //   - by g++ on the host under the execution shim tests/cuda_shim/cuda_shim.h (-DRAWINFER_SHIM).
 // So this header includes nothing (NVRTC has no standard headers and CuPy wheels may lack cuda_fp16.h):

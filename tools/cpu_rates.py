@@ -9,7 +9,7 @@ JIT-compiled from LLVM IR with llvmlite for this CPU and timed on one thread (be
     madd   12 x vpmaddwd ymm (16 int16 pairs)       the integer multiply pipes
 
 On the 2-core Zen 3 of docs/benchmarks.md both measure 6.3-6.4 G/s: 2 per cycle at ~3.2 GHz. The
-integer GEMM tile (cpu_llvm.int_gemm_tiles) adds a vpaddd per vpmaddwd plus sign extensions and
+integer GEMM tile (rawinfer/backend/cpu/llvm.py: int_gemm_tiles) adds a vpaddd per vpmaddwd plus sign extensions and
 broadcasts, which share the same vector pipes: `bench roofline` measures what it reaches.
 """
 

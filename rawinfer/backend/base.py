@@ -4,7 +4,7 @@
 `cuda.CUDABackend` (CuPy RawKernels + cuBLAS) implement it one for one. Each op writes into an output
 buffer the caller passes in (a view of the memory pool's workspace), so no op allocates on the hot path.
 
-Shape letters (DESIGN.md): T tokens in the flat batch, B sequences, H query heads, Hkv key/value heads,
+Shape letters (docs/architecture.md): T tokens in the flat batch, B sequences, H query heads, Hkv key/value heads,
 D head_dim, C hidden, F FFN width, V vocab, NB blocks, BS block size, MB max blocks per sequence.
 
 The fused QKV row layout (one row per token, as the QKV GEMM writes it):
@@ -19,7 +19,7 @@ The paged KV cache of one layer (one tensor for K, one for V):
     p % BS; its "slot" is block_table[p // BS] * BS + p % BS.  Keeping a head's BS x D tile contiguous
     lets one GPU thread block (or one CPU loop) stream a whole tile for all the query heads that share it.
     (The CPU's int8 cache appends each tile's BS float32 row scales as ceil(4 BS / D) more rows:
-    k_cache[NB, Hkv, BS + E, D], memory.kv_cache_shape.)
+    k_cache[NB, Hkv, BS + E, D], kv_cache_shape in rawinfer/exec/memory.py.)
 
 Attention metadata of a flat batch of B sequences:
 

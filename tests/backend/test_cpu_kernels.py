@@ -138,7 +138,7 @@ def test_embedding_and_take_rows():
 
 
 def tile_scales(cache, blk, h, BS):
-    """The float32 row scales of an int8 cache's (block, kv head) tile (memory.kv_cache_shape)."""
+    """The float32 row scales of an int8 cache's (block, kv head) tile (kv_cache_shape in rawinfer/exec/memory.py)."""
     D = cache.shape[3]
     return cache[blk, h].reshape(-1)[BS * D:BS * D + 4 * BS].view(np.float32)
 
@@ -226,7 +226,7 @@ def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None, 
 
 def float_cache(cache, BS):
     """The K (or V) values a cache holds, as float [NB, Hkv, BS, D] for paged_attention_ref: an int8
-    cache's rows times their float32 scales (the tile layout of memory.kv_cache_shape), any other
+    cache's rows times their float32 scales (the tile layout of kv_cache_shape in rawinfer/exec/memory.py), any other
     cache as it is."""
     if cache.dtype != np.int8:
         return cache

@@ -1,4 +1,4 @@
-"""The integer GEMM of int8 models on the CPU (backend/cpu_qgemm.py) against NumPy references."""
+"""The integer GEMM of int8 models on the CPU (rawinfer/backend/cpu/qgemm.py) against NumPy references."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
 
 Work items are (query tile of one sequence, kv head) -- (sequence, kv head) for decode -- so that the
 G = H / Hkv query heads sharing a kv head read its K and V rows once. Each kernel has a NumPy
-reference test (tests/backend/test_cpu_kernels.py: attention_ref). Caches are float32, float16 bits (uint16) or
+reference test (tests/reference_ops.py: paged_attention_ref). Caches are float32, float16 bits (uint16) or
 int8 with row scales; the KV helpers of kernels.py resolve the element type at compile time.
 Which kernel runs for which batch: docs/kernels.md.
 """

@@ -1,7 +1,7 @@
 """Numba kernels of the CPU backend: the elementwise ops, KV cache access and the int8 GEMV;
 float32 math throughout (attention: rawinfer/backend/cpu/attention.py).
 
-Each kernel has a NumPy `<op>_ref` twin in tests/backend/test_cpu_kernels.py. Kernels are compiled once and
+Each kernel has a NumPy `<op>_ref` twin in tests/reference_ops.py. Kernels are compiled once and
 cached on disk (`cache=True`); `parallel=True` kernels spread rows over the Numba thread pool.
 docs/kernels.md has the dispatch rules and the measurements behind these kernels' shapes.
 """

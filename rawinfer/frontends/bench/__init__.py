@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput, open-loop serving load, the roofline of prefill and decode."""

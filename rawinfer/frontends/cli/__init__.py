@@ -1,0 +1,1 @@
+"""The `rawinfer` command line: main.py builds the parser; one module per command group."""
