@@ -22,6 +22,7 @@ the backend falls back to `np.matmul`.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numba as nb
 import numpy as np
@@ -55,14 +56,16 @@ def _find_library() -> str | None:
     return None
 
 
-_PATH = _find_library()
-if _PATH is not None:
-    import llvmlite.binding as llvm
-    llvm.load_library_permanently(_PATH)    # lets LLVM resolve the external symbols below
-
-
+@functools.cache
 def available() -> bool:
-    return _PATH is not None
+    """Whether NumPy's OpenBLAS can be called from the kernels below. The first call (the CPU backend's,
+    when it starts) finds the library and makes its symbols visible to LLVM, which the kernels below
+    need before they are compiled or loaded from the disk cache."""
+    path = _find_library()
+    if path is not None:
+        import llvmlite.binding as llvm
+        llvm.load_library_permanently(path)
+    return path is not None
 
 
 _i32, _i64, _f32, _ptr = types.int32, types.int64, types.float32, types.voidptr
