@@ -32,8 +32,7 @@ PROMPT = "Write a long story about a lighthouse keeper who finds a message in a 
 # ---- the measurement scripts (run in a fresh interpreter each) ----------------------------------
 RAWINFER = r'''
 import json, sys, time, numpy as np
-from rawinfer import LLMEngine, SamplingParams
-from rawinfer.engine.llm import LLM
+from rawinfer import LLM, SamplingParams
 model, workload, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 prompt = sys.argv[4]
 llm = LLM(model, device="cpu", num_threads=threads, kv_cache_memory="2GiB", max_num_batched_tokens=2048,
