@@ -208,7 +208,10 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 # Environment switches: read here and nowhere else, as the defaults of EngineConfig fields.
 ENV_SWITCHES = {
     "RAWINFER_CPU_INT_GEMM": "0 runs int8 models' GEMMs on dequantized float32 weights (EngineConfig.cpu_int_gemm)",
+    "RAWINFER_CACHE": "the user cache: compiled CPU kernels (and the tools' downloads); default ~/.cache/rawinfer "
+                      "(EngineConfig.cache_dir)",
 }
+DEFAULT_CACHE_DIR = "~/.cache/rawinfer"
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -219,6 +222,13 @@ def env_flag(name: str, default: bool) -> bool:
     if value is None:
         return default
     return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def env_path(name: str, default: str) -> str:
+    """An ENV_SWITCHES path: its value, or `default`, with ~ expanded."""
+    if name not in ENV_SWITCHES:
+        raise KeyError(f"{name} is not a documented switch (config.ENV_SWITCHES)")
+    return os.path.expanduser(os.environ.get(name) or default)
 
 
 @dataclass
@@ -245,6 +255,10 @@ class EngineConfig:
     cpu_int_gemm: bool = field(default_factory=lambda: env_flag("RAWINFER_CPU_INT_GEMM", True))
                                             # CPU, int8 models: GEMMs on int16-quantized activations
                                             # (False: dequantized weights on BLAS)
+    cache_dir: str | None = field(default_factory=lambda: env_path("RAWINFER_CACHE", DEFAULT_CACHE_DIR))
+                                            # user cache for compiled kernels (None: Numba's own places)
+    warmup: bool = True                     # run every step shape once at start, so that no request
+                                            # waits for a kernel to compile
 
     def validate(self) -> "EngineConfig":
         if isinstance(self.kv_cache_memory, str):
@@ -266,6 +280,8 @@ class EngineConfig:
              "a positive integer or None"),
             ("gpu_memory_utilization", 0.0 < float(self.gpu_memory_utilization) <= 1.0, "a number in (0, 1]"),
             ("cpu_int_gemm", isinstance(self.cpu_int_gemm, bool), "true or false"),
+            ("cache_dir", self.cache_dir is None or isinstance(self.cache_dir, str), "a folder path or None"),
+            ("warmup", isinstance(self.warmup, bool), "true or false"),
         ]
         for name, ok, what in checks:
             if not ok:

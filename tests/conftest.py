@@ -17,11 +17,12 @@ SMOLLM2_GGUF = os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser(
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _fresh_cpu_kernel_cache():
-    """Drop CPU kernel builds compiled from other sources, before any test loads one (the CPU backend
-    does the same when it starts; tests also call kernels without one)."""
+def _user_kernel_cache():
+    """The CPU kernels in the user's kernel cache before any test runs one (the CPU backend installs it
+    when it starts; tests also call kernels without one)."""
     from rawinfer.backend.cpu import cache
-    cache.refresh_once()
+    from rawinfer.config import EngineConfig
+    cache.install(EngineConfig().cache_dir)
 
 
 def _convert_tiny(tmp_path_factory, name: str, dtype: str = "float32", quant: str | None = None) -> str:

@@ -10,4 +10,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e .
 PYTHON=.venv/bin/python bash tools/fetch_default_model.sh
+.venv/bin/rawinfer warmup                 # compiles the CPU kernels once per machine (cached in ~/.cache/rawinfer)
 exec .venv/bin/rawinfer generate "${1:-What is the capital of France?}"

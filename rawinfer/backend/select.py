@@ -19,8 +19,10 @@ def cuda_usable() -> bool:
         return False
 
 
-def get_backend(device: str = "auto", num_threads: int | None = None, cpu_int_gemm: bool = True) -> Backend:
-    """The backend for `device` (EngineConfig.device); num_threads and cpu_int_gemm configure the CPU one."""
+def get_backend(device: str = "auto", num_threads: int | None = None, cpu_int_gemm: bool = True,
+                cache_dir: str | None = None) -> Backend:
+    """The backend for `device` (EngineConfig.device); num_threads, cpu_int_gemm and cache_dir (where
+    compiled kernels are kept) configure the CPU one."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device {device!r} is not one of auto, cpu, cuda")
     if device == "cuda" or (device == "auto" and cuda_usable()):
@@ -30,4 +32,4 @@ def get_backend(device: str = "auto", num_threads: int | None = None, cpu_int_ge
         from rawinfer.backend.cuda.backend import CUDABackend
         return CUDABackend()
     from rawinfer.backend.cpu.backend import CPUBackend
-    return CPUBackend(num_threads=num_threads, int_gemm=cpu_int_gemm)
+    return CPUBackend(num_threads=num_threads, int_gemm=cpu_int_gemm, cache_dir=cache_dir)

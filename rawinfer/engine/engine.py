@@ -33,6 +33,7 @@ from rawinfer.core.step_plan import ScheduledBatch
 from rawinfer.engine.metrics import EngineStats, request_metrics
 from rawinfer.engine.outputs import OutputRules, RequestOutput, SampleState
 from rawinfer.engine.sampler import Sampler, make_generator, sample_row
+from rawinfer.engine.warmup import warm_up
 from rawinfer.exec.graphs import DecodeGraphs
 from rawinfer.exec.memory import MemoryPool
 from rawinfer.exec.model import LlamaModel
@@ -71,6 +72,8 @@ class LLMEngine:
             self.tokenizer = Tokenizer.from_dir(model_dir, cfg)
             self.rules = OutputRules(self.tokenizer, cfg.eos_token_ids, self.max_model_len)
         self.model_dir = model_dir
+        if ecfg.warmup:
+            warm_up(self)
 
     @classmethod
     def random(cls, model_config: ModelConfig, engine_config: EngineConfig, seed: int = 0) -> "LLMEngine":
@@ -80,12 +83,14 @@ class LLMEngine:
         self.pool.init_random_weights(seed)
         self.model.weights_loaded()
         self.pool.prefault_kv()
+        if self.config.warmup:
+            warm_up(self)
         return self
 
     def _setup(self, cfg: ModelConfig, ecfg: EngineConfig) -> None:
         self.model_config, self.config = cfg, ecfg
         self.max_model_len = resolve_max_model_len(cfg, ecfg)
-        self.backend = get_backend(ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm)
+        self.backend = get_backend(ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm, ecfg.cache_dir)
         if cfg.quant is not None and cfg.quant not in self.backend.capabilities.quantized_weights:
             raise ValueError(f"{cfg.quant} weight-only models run on the CPU backend; convert without --quant "
                              f"for --device {self.backend.name} (or run this model with --device cpu)")
@@ -96,18 +101,26 @@ class LLMEngine:
             extra = DecodeGraphs.workspace_request(ecfg, max_blocks_per_seq(cfg, ecfg))
         self.pool = MemoryPool(cfg, ecfg, self.backend, padding_block=graphs, extra_workspace=extra)
         log.info("%s backend; %s", self.backend.name, self.pool.describe())
-        self.block_manager = BlockManager(self.pool.kv.num_blocks, ecfg.block_size, ecfg.enable_prefix_caching)
         self.model = LlamaModel(cfg, self.pool)
         self.runner = ModelRunner(self.model, graphs=graphs)
-        self.scheduler = Scheduler(ecfg, self.block_manager, self.runner.plan_layout)
         self.sampler = Sampler(self.backend)
         self.tokenizer = None
         self.model_dir = None
         self.rules = OutputRules(None, cfg.eos_token_ids, self.max_model_len)
+        self._seed_counter = 0
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        """Forget every request, cached prefix and counter: a fresh block manager and scheduler over the
+        same pool (its KV contents are garbage nobody reads). For an engine with nothing in flight."""
+        if getattr(self, "_requests", None):
+            raise RuntimeError(f"reset_state with {len(self._requests)} request(s) in flight; abort them first")
+        ecfg = self.config
+        self.block_manager = BlockManager(self.pool.kv.num_blocks, ecfg.block_size, ecfg.enable_prefix_caching)
+        self.scheduler = Scheduler(ecfg, self.block_manager, self.runner.plan_layout)
         self._requests: dict[str, list[SampleState]] = {}
         self._scores: dict[str, np.ndarray] = {}           # scoring sequence id -> host logits [T, V]
         self._pending: list[RequestOutput] = []            # outputs of steps that score() ran for others
-        self._seed_counter = 0
         self.stats_tracker = EngineStats()
 
     # ---- requests ---------------------------------------------------------------------------

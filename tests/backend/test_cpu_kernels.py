@@ -335,24 +335,33 @@ def test_serial_and_parallel_builds_cache_apart():
     assert len(names) == 2 * len(kernels)
 
 
-def test_kernel_cache_refresh_drops_builds_of_changed_sources(tmp_path):
-    """Cached kernels inline code from the other modules of the CPU package, which Numba's own check
-    does not see: a change to any of its sources drops every kernel build (and nothing else)."""
+def test_kernel_cache_folder_follows_the_sources_not_the_checkout(tmp_path):
+    """Kernels inline code from every module of the CPU package, and a new clone of the same sources
+    should not compile again: the cache folder is keyed by all the package's sources, not by where
+    they live, and only this package's kernels go there."""
     from rawinfer.backend.cpu import cache as cpu_cache
-    (tmp_path / "a.py").write_text("X = 1\n")
-    (tmp_path / "b.py").write_text("Y = 1\n")
-    cache = tmp_path / "__pycache__"
-    cache.mkdir()
-
-    def cached():
-        for name in ("a.f-3.py311.nbi", "b.g-9.py311.nbc", "a.cpython-311.pyc"):
-            (cache / name).write_bytes(b"x")
-    cached()
-    assert len(cpu_cache.refresh(str(tmp_path))) == 2            # no stamp yet: the kernel builds go
-    assert (cache / "a.cpython-311.pyc").exists()
-    cached()
-    assert cpu_cache.refresh(str(tmp_path)) == []                # sources unchanged: kept
-    (tmp_path / "b.py").write_text("Y = 2\n")                   # one source edited: every kernel build goes
-    assert sorted(os.path.basename(p) for p in cpu_cache.refresh(str(tmp_path))) == [
-        "a.f-3.py311.nbi", "b.g-9.py311.nbc"]
-    assert cpu_cache.refresh(str(tmp_path)) == []
+    a, b = tmp_path / "checkout-a", tmp_path / "checkout-b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "x.py").write_text("X = 1\n")
+        (d / "y.py").write_text("Y = 1\n")
+    root = str(tmp_path / "cache")
+    assert cpu_cache.kernel_dir(root, str(a)) == cpu_cache.kernel_dir(root, str(b))   # same sources, any path
+    (b / "y.py").write_text("Y = 2\n")                                                   # one file edited
+    assert cpu_cache.kernel_dir(root, str(a)) != cpu_cache.kernel_dir(root, str(b))
+    installed = cpu_cache.install(root)
+    try:
+        assert installed == cpu_cache.kernel_dir(root) and os.path.isdir(installed)
+        for k in (K.rmsnorm_kernel.serial, K.rmsnorm_kernel.parallel, A.paged_attention_kernel.parallel):
+            assert k._cache._cache_path == installed
+        import numpy.linalg
+        locator = cpu_cache.locator_classes()[0]
+        assert locator.from_function(numpy.linalg.norm, numpy.linalg.__file__) is None   # other code: untouched
+        assert cpu_cache.install(root) == installed                                        # idempotent
+        for i in range(cpu_cache.KEEP_FOLDERS + 2):                                        # old folders pruned
+            os.makedirs(os.path.join(root, "kernels", f"old-{i}"))
+        cpu_cache.install(root)
+        assert len(os.listdir(os.path.join(root, "kernels"))) == cpu_cache.KEEP_FOLDERS
+    finally:
+        from rawinfer.config import EngineConfig
+        cpu_cache.install(EngineConfig().cache_dir)                                        # back to the suite's

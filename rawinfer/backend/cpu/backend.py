@@ -71,12 +71,14 @@ class CPUBackend(Backend):
             return 0
         return INT8_GEMV_MAX_ROWS if quant in ("int8", "q4") else 0
 
-    def __init__(self, num_threads: int | None = None, int_gemm: bool = True):
+    def __init__(self, num_threads: int | None = None, int_gemm: bool = True, cache_dir: str | None = None):
         """num_threads: the Numba pool's size (None: every core). int_gemm: int8 models' GEMMs (more than
         INT8_GEMV_MAX_ROWS rows) in integer arithmetic on int16-quantized activations (qgemm.py) where
         the CPU has AVX2; False dequantizes the weights to float32 for BLAS instead
-        (EngineConfig.cpu_int_gemm, RAWINFER_CPU_INT_GEMM=0)."""
-        cpu_cache.refresh_once()          # before any kernel of this process loads from the disk cache
+        (EngineConfig.cpu_int_gemm, RAWINFER_CPU_INT_GEMM=0). cache_dir: the user cache whose kernels/
+        folder keeps the compiled kernels (EngineConfig.cache_dir; None: Numba's own locations)."""
+        # before any kernel of this process compiles or loads
+        self.kernel_cache = cpu_cache.install(cache_dir) if cache_dir is not None else None
         self.blas_on_numba_pool = cpu_blas.available()   # else np.matmul on OpenBLAS's (or MKL's) own pool
         _configure_thread_pool(self.blas_on_numba_pool)
         import numba

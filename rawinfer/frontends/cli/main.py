@@ -7,7 +7,7 @@ import logging
 import sys
 
 from rawinfer.config import ModelFormatError
-from rawinfer.frontends.cli import bench, convert, generate, serve
+from rawinfer.frontends.cli import bench, convert, generate, serve, warmup
 from rawinfer.frontends.options import CLIError
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_parser(sub)
     bench.add_parser(sub)
     serve.add_parsers(sub)               # serve, client, keygen
+    warmup.add_parser(sub)
     return parser
 
 
