@@ -248,7 +248,8 @@ class EngineConfig:
     max_model_len: int | None = None        # cap on prompt + output; defaults to the model's context
     enable_prefix_caching: bool = True
     device: str = "cpu"                     # "auto" | "cpu" | "cuda"
-    num_threads: int | None = None          # CPU backend threads (None: all cores)
+    num_threads: int | None = None          # CPU backend threads (None: all cores, fewer while other
+                                            # processes keep cores busy: backend/cpu/threads.py)
     gpu_memory_utilization: float = 0.9     # CUDA: share of free device memory for the pool
     use_cuda_graphs: bool = True            # CUDA: replay pure decode steps as captured CUDA graphs
     seed: int = 0                           # default seed for requests that set none

@@ -134,6 +134,10 @@ class Backend(ABC):
     def to_host(self, x: Any) -> np.ndarray:
         """A NumPy copy (or view) of x."""
 
+    def begin_step(self) -> None:
+        """Called by the runner before each step's first op: a backend may adapt to the machine here (the
+        CPU backend picks its thread count)."""
+
     def synchronize(self) -> None:
         """Wait until every queued op has finished (a no-op on the CPU)."""
 

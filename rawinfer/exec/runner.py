@@ -60,6 +60,7 @@ class ModelRunner:
 
     def run(self, plan: StepPlan) -> StepOutput:
         """Copy-on-write copies, then the forward pass (a decode graph where the plan names one)."""
+        self.backend.begin_step()
         if plan.copies:
             kv = self.model.pool.kv
             self.backend.copy_blocks(kv.k, kv.v, list(plan.copies))

@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128, help="sequences in one step at most")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: all cores, fewer while other processes keep cores busy)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="CUDA: share of free device memory")
     g.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run decode steps eagerly")
 

@@ -17,6 +17,7 @@ from rawinfer.backend.cpu import memory as cpu_memory
 from rawinfer.backend.cpu import q4 as cpu_q4
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
 from rawinfer.backend.cpu.fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel
+from rawinfer.backend.cpu.threads import ThreadGovernor
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN
 from rawinfer.quant import Int8Weight, Q4Weight
 
@@ -84,10 +85,24 @@ class CPUBackend(Backend):
         import numba
         if num_threads is not None:
             numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
-        self.threads = numba.get_num_threads()
+        self.threads = numba.get_num_threads()          # used by the next parallel regions
+        # NOTE: work is split into max_threads parts whatever the current thread count: a BLAS call's bits
+        # depend on the shape of the slice it gets, and outputs must not depend on the governor's choice.
+        self.max_threads = self.threads
+        # num_threads None: every core while the machine is otherwise idle, fewer while other processes
+        # keep cores busy (threads.py); a number given is kept as it is.
+        self._governor = ThreadGovernor(self.threads) if num_threads is None and self.threads > 1 else None
         self.int_gemm = int_gemm and cpu_qgemm.available()
         self._qx = np.empty(0, np.int16)                   # activation buffers of the integer GEMM,
         self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
+
+    def begin_step(self) -> None:
+        if self._governor is not None:
+            n = self._governor.update()
+            if n != self.threads:
+                import numba
+                numba.set_num_threads(n)
+                self.threads = n
 
     def kv_dtype(self, model_dtype: str, choice: str = "auto", quant: str | None = None) -> np.dtype:
         # Decode attention streams every cached K/V row each step: float16 halves those bytes, int8 (a
@@ -158,7 +173,7 @@ class CPUBackend(Backend):
         elif isinstance(w, Q4Weight):
             self._linear_q4(x, w, out, scratch)
         elif self.blas_on_numba_pool:
-            cpu_blas.matmul_nt(x, w, out, max(1, min(self.threads, w.shape[0] // 64)))
+            cpu_blas.matmul_nt(x, w, out, max(1, min(self.max_threads, w.shape[0] // 64)))
         else:
             # NOTE: w.T is a transposed view; NumPy hands it to BLAS as a transpose flag, no copy.
             np.matmul(x, w.T, out=out)
@@ -227,16 +242,16 @@ class CPUBackend(Backend):
             cpu_q4.q4_matvec(x, qs, dm, out)
             return
         if scratch is None:                              # no AVX2 and no workspace: a tile of our own
-            scratch = np.empty(min(w.shape[0], INT8_TILE_ROWS) * self.threads * w.shape[1], np.float32)
+            scratch = np.empty(min(w.shape[0], INT8_TILE_ROWS) * self.max_threads * w.shape[1], np.float32)
         self._dequantized_matmul(x, qs.view(np.uint16), dm, out, scratch)
 
     def _dequantized_matmul(self, x, a, b, out, scratch) -> None:
         """out = x @ W^T, W given as (a, b) (q4.dequantize_tile), on BLAS over float32 tiles of W
         dequantized into scratch."""
         N, Kd = out.shape[1], x.shape[1]
-        tile = min(INT8_TILE_ROWS, scratch.size // (self.threads * Kd))
+        tile = min(INT8_TILE_ROWS, scratch.size // (self.max_threads * Kd))
         if self.blas_on_numba_pool and tile >= 1:
-            cpu_blas.quant_matmul_nt(x, a, b, out, scratch, tile, self.threads)
+            cpu_blas.quant_matmul_nt(x, a, b, out, scratch, tile, self.max_threads)
             return
         tile = max(1, min(N, scratch.size // Kd))        # rows of W dequantized per BLAS call
         for n0 in range(0, N, tile):
@@ -297,7 +312,7 @@ class CPUBackend(Backend):
         if self.blas_on_numba_pool and max_query_len >= ATTN_BLAS_MIN_QUERY:   # long queries: products on BLAS
             seqs, q0, q1 = A.attention_work_items(query_start_loc, ATTN_BLAS_QUERY_TILE)
             cpu_blas.prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs,
-                                       q0, q1, np.float32(scale), H, out, self.threads)
+                                       q0, q1, np.float32(scale), H, out, self.max_threads)
             return
         seqs, q0, q1 = A.attention_work_items(query_start_loc, ATTN_QUERY_TILE)   # [W] each
         A.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,

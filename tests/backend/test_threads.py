@@ -1,0 +1,87 @@
+"""The CPU backend's thread count: the governor's rule on synthetic machine readings, and outputs that do
+not depend on how many threads ran them."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import _convert_tiny
+from rawinfer import LLMEngine, SamplingParams
+from rawinfer.backend.cpu.threads import ThreadGovernor, read_machine_busy_seconds
+
+
+class FakeMachine:
+    """A 2-core machine on which this process and others use given shares of the cores."""
+
+    def __init__(self):
+        self.t, self.machine_busy, self.own = 0.0, 0.0, 0.0
+
+    def advance(self, seconds: float, own_cores: float, other_cores: float) -> None:
+        self.t += seconds
+        self.own += own_cores * seconds
+        self.machine_busy += (own_cores + other_cores) * seconds
+
+    def governor(self, **kw) -> ThreadGovernor:
+        return ThreadGovernor(2, cores=2, interval_s=0.5, machine=lambda: self.machine_busy,
+                              process=lambda: self.own, clock=lambda: self.t, **kw)
+
+
+def test_a_busy_core_takes_a_thread_and_gives_it_back():
+    m = FakeMachine()
+    g = m.governor()
+    m.advance(0.2, own_cores=2.0, other_cores=0.0)
+    assert g.update() == 2                          # no reading before the interval has passed
+    m.advance(0.4, own_cores=2.0, other_cores=0.0)
+    assert g.update() == 2 and g.others == 0.0
+    m.advance(0.5, own_cores=1.33, other_cores=0.67)  # a busy process shares a core with a worker
+    assert g.update() == 1 and g.others == pytest.approx(0.67)
+    for _ in range(3):                              # it keeps its core: stay at one thread
+        m.advance(0.5, own_cores=1.0, other_cores=1.0)
+        assert g.update() == 1
+    m.advance(0.5, own_cores=1.0, other_cores=0.4)  # partly gone: between the thresholds, no change
+    assert g.update() == 1
+    m.advance(0.5, own_cores=1.0, other_cores=0.1)  # gone
+    assert g.update() == 2
+
+
+def test_short_blips_do_not_flap_and_unreadable_machines_keep_every_thread():
+    m = FakeMachine()
+    g = m.governor()
+    for other in (0.2, 0.5, 0.1, 0.55, 0.0):        # below the 0.6 of a core that costs a thread
+        m.advance(0.5, own_cores=2.0 - other, other_cores=other)
+        assert g.update() == 2
+    blind = ThreadGovernor(2, cores=2, machine=lambda: None)
+    assert blind.update() == 2 and blind.threads == 2
+    assert read_machine_busy_seconds() is None or read_machine_busy_seconds() > 0
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "q4"])
+def test_outputs_do_not_depend_on_the_thread_count(tmp_path_factory, quant):
+    """The same greedy tokens and the same scored logits with one thread running and with two, for every
+    weight format: the governor may narrow the pool at any step, and work is split the same way
+    whatever the current count (into parts of the pool's full size)."""
+    import numba
+    model = _convert_tiny(tmp_path_factory, "tiny-llama", quant=quant)
+    prompts = [[5, 6, 7], list(range(3, 60)), [9, 9, 4, 2, 7], list(range(100, 110))]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    engine = LLMEngine(model, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256)
+    be = engine.backend
+    if be.max_threads < 2:
+        pytest.skip("one core: nothing to narrow")
+    be._governor = None
+    results = []
+    for threads in (2, 1, 2):
+        numba.set_num_threads(threads)
+        be.threads = threads
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        tokens = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens[o.request_id] += o.new_token_ids
+        engine.block_manager.reset_prefix_cache()
+        results.append((tokens, engine.score(list(range(3, 40)), [30, 1, 1, 1, 1, 1, 1, 1])))
+    numba.set_num_threads(be.max_threads)
+    for tokens, logits in results[1:]:
+        assert tokens == results[0][0]
+        assert (logits == results[0][1]).all()
