@@ -12,8 +12,18 @@ How: NumPy (>= 2 wheels) ships OpenBLAS as `scipy_openblas64_` (64-bit integers,
 prefix). We find that library among the ones the process has loaded, make its symbols visible to
 LLVM, and call `cblas_sgemm` / `cblas_sgemv` from nopython code as external functions, so the kernels
 stay cacheable on disk (the symbol is linked by name when a cached kernel loads, not by address).
-Inside a parallel region each thread first sets OpenBLAS's thread count for itself only to 1
-(`openblas_set_num_threads_local`) and restores it afterwards.
+
+Every call inside a parallel region must run single-threaded: OpenBLAS splits a GEMM over its own
+threads differently from one thread, which rounds differently, so a call that ran threaded would make
+the result depend on timing. NumPy's OpenBLAS is a pthreads build, where
+`openblas_set_num_threads_local` sets the process-wide count (it is per thread only in OpenMP builds):
+set and restored by each worker, one worker restores the count while another is still between calls,
+whose next GEMM then runs threaded, and the count ends as whichever worker restored last left it. So
+the calling thread sets the count to 1 once before the parallel region and restores it after.
+
+Pointers: each argument goes to BLAS as `a.ctypes` (typed void*), never as `a.ctypes.data` (an int):
+the ctypes object holds a reference to the array until the call returns, whereas Numba may release
+an array after its last use by name, which for `a.ctypes.data` comes before the call.
 
 Where NumPy's BLAS is something else (MKL, Accelerate, an older OpenBLAS), `available()` is False and
 the backend falls back to `np.matmul`.
@@ -73,7 +83,7 @@ _sgemm = types.ExternalFunction(_SYMBOLS[0], types.void(
     _i32, _i32, _i32, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64))
 _sgemv = types.ExternalFunction(_SYMBOLS[1], types.void(
     _i32, _i32, _i64, _i64, _f32, _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64))
-_set_threads_local = types.ExternalFunction(_SYMBOLS[2], _i32(_i32))
+_set_threads = types.ExternalFunction(_SYMBOLS[2], _i32(_i32))   # process-wide here: see the docstring
 
 
 @nb.njit(cache=True, inline="always")
@@ -84,21 +94,21 @@ def _matmul_slice(x, w, out, n0, n1):
     one, zero = np.float32(1.0), np.float32(0.0)
     if M <= _GEMV_MAX_ROWS:
         for m in range(M):
-            _sgemv(_ROW_MAJOR, _NO_TRANS, n1 - n0, K, one, w[n0:].ctypes.data, K, x[m].ctypes.data, 1,
-                   zero, out[m, n0:].ctypes.data, 1)
+            _sgemv(_ROW_MAJOR, _NO_TRANS, n1 - n0, K, one, w[n0:].ctypes, K, x[m].ctypes, 1, zero,
+                   out[m, n0:].ctypes, 1)
     else:
-        _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, M, n1 - n0, K, one, x.ctypes.data, K, w[n0:].ctypes.data, K,
-               zero, out[:, n0:].ctypes.data, N)
+        _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, M, n1 - n0, K, one, x.ctypes, K, w[n0:].ctypes, K, zero,
+               out[:, n0:].ctypes, N)
 
 
 @nb.njit(parallel=True, cache=True)
 def matmul_nt(x, w, out, parts):
     """out[M, N] = x[M, K] @ w[N, K]^T, the N columns split into `parts` slices over the thread pool."""
     N = w.shape[0]
+    prev = _set_threads(1)                               # on the calling thread, around the region
     for p in nb.prange(parts):
-        prev = _set_threads_local(1)
         _matmul_slice(x, w, out, N * p // parts, N * (p + 1) // parts)
-        _set_threads_local(prev)
+    _set_threads(prev)
 
 
 @nb.njit(parallel=True, cache=True)
@@ -109,16 +119,16 @@ def quant_matmul_nt(x, a, b, out, scratch, tile_rows, parts):
     GEMM on that tile reads them."""
     M, K = x.shape
     N = a.shape[0]
+    prev = _set_threads(1)
     for p in nb.prange(parts):
-        prev = _set_threads_local(1)
         wt = scratch[p * tile_rows * K:(p + 1) * tile_rows * K].reshape(tile_rows, K)
         n_end = N * (p + 1) // parts
         for n0 in range(N * p // parts, n_end, tile_rows):
             rows = min(tile_rows, n_end - n0)
             dequantize_tile(a, b, n0, wt[:rows])
-            _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, M, rows, K, np.float32(1.0), x.ctypes.data, K,
-                   wt.ctypes.data, K, np.float32(0.0), out[:, n0:].ctypes.data, N)
-        _set_threads_local(prev)
+            _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, M, rows, K, np.float32(1.0), x.ctypes, K, wt.ctypes, K,
+                   np.float32(0.0), out[:, n0:].ctypes, N)
+    _set_threads(prev)
 
 
 @nb.njit(parallel=True, cache=True, fastmath={"reassoc", "contract", "arcp", "nsz"})
@@ -137,8 +147,8 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
     W = work_seq.shape[0] * Hkv
     one, zero = np.float32(1.0), np.float32(0.0)
     k_table, v_table = kv_scale_table(k_cache), kv_scale_table(v_cache)
+    prev = _set_threads(1)
     for p in nb.prange(parts):
-        prev = _set_threads_local(1)
         for w in range(p, W, parts):
             b, kvh, q0, nq, first = attention_work_item(w, Hkv, work_seq, work_q0, work_q1, query_start_loc,
                                                         context_lens)
@@ -153,8 +163,8 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
             for i in range(nq):
                 query_heads_into(qkv, q0 + i, kvh, scale, q.reshape((G, nq, D))[:, i])
             s = np.empty((G * nq, n), np.float32)
-            _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, G * nq, n, D, one, q.ctypes.data, D, kc.ctypes.data, D,
-                   zero, s.ctypes.data, n)
+            _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, G * nq, n, D, one, q.ctypes, D, kc.ctypes, D, zero, s.ctypes,
+                   n)
             inv = np.empty(G * nq, np.float32)
             for row in range(G * nq):
                 visible = first + row % nq + 1           # causal: keys up to the query's position
@@ -162,8 +172,8 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
                 for j in range(visible, n):
                     s[row, j] = zero
             o = np.empty((G * nq, D), np.float32)
-            _sgemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, G * nq, D, n, one, s.ctypes.data, n, vc.ctypes.data, D,
-                   zero, o.ctypes.data, D)
+            _sgemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, G * nq, D, n, one, s.ctypes, n, vc.ctypes, D, zero, o.ctypes,
+                   D)
             for i in range(nq):
                 write_heads(o.reshape((G, nq, D))[:, i], inv.reshape((G, nq))[:, i], q0 + i, kvh, out)
-        _set_threads_local(prev)
+    _set_threads(prev)
