@@ -22,7 +22,7 @@ from numba.extending import overload
 
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.kernels import _JIT, Kernel, fast_exp, int8_kv_block_size, kv_dims, kv_scale_table, kv_tile
-from rawinfer.backend.cpu.llvm import prefetch
+from rawinfer.backend.cpu.llvm import keep_alive, prefetch
 
 
 @nb.njit(inline="always")
@@ -289,6 +289,8 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
                 for d0 in range(0, D, 32):
                     kv_axpy_rows32(v_cache, G - g0, sa + (g0 * width + page * BS) * 4, width,
                                    v0 + tile + d0 * isz, rows, D, oa + (g0 * D + d0) * 4, D, v0 + tile + BS * D)
+        keep_alive(q)                                    # q and s are read through qa and sa up to here
+        keep_alive(s)
         write_heads(o, inv, b, kvh, out)
 
 

@@ -17,12 +17,16 @@ the way the hardware wants are written here instead, each one a straight-line bl
 
     half_to_float,       float16 <-> float32 of one value held as its uint16 bits (Numba has no float16
     float_to_half        on the CPU); loops of them vectorize to vcvtph2ps / vcvtps2ph
+    keep_alive           nothing at run time: keeps an array read through its raw address alive
 
 dot_rows4 and axpy_rows32 come in builds per head count (1..HEADS_MAX) and row type (ELEMS): float32
 rows, float16 rows (the float16 KV cache) and int8 rows (the int8 KV cache) converted as they are
 loaded; the int8 builds also take the rows' scales and apply them to the 4 scores / to the weights
 p[g, r], one multiply per row instead of one per element. Arguments are raw addresses
-(int64) and element counts. `available()` is False where the host CPU lacks AVX2 or FMA (or is not
+(int64) and element counts: Numba releases an array after its last use by name, which for
+`np.int64(a.ctypes.data)` comes before the block reads it, so a kernel that allocates an array and
+hands a block its address calls keep_alive(a) after the block's last read (arguments of the kernel
+are kept alive by its caller). `available()` is False where the host CPU lacks AVX2 or FMA (or is not
 x86-64): callers then take their plain Numba loops. Prefill attention stays on OpenBLAS (blas.py):
 these blocks are shaped for decode's few query rows, and variants built on them for prefill's long
 query runs lost to sgemm (docs/kernels.md).
@@ -124,6 +128,14 @@ def _vstore(builder, value, base, index, align=4):
 
 def _fma(builder):
     return builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(V8F32, [V8F32] * 3))
+
+
+@intrinsic
+def keep_alive(typingctx, a):
+    """Nothing, at run time: a use of `a` by name, so that Numba releases it no earlier than here."""
+    def codegen(context, builder, signature, args):
+        return context.get_dummy_value()
+    return types.none(a), codegen
 
 
 # ---- float16 ----------------------------------------------------------------------------------------
