@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+import numba
 import numpy as np
 
 from rawinfer.backend import shapes
@@ -17,7 +16,7 @@ from rawinfer.backend.cpu import memory as cpu_memory
 from rawinfer.backend.cpu import q4 as cpu_q4
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
 from rawinfer.backend.cpu.fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel
-from rawinfer.backend.cpu.threads import ThreadGovernor
+from rawinfer.backend.cpu.threads import ThreadGovernor, configure_spin
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN
 from rawinfer.quant import Int8Weight, Q4Weight
 
@@ -27,18 +26,6 @@ ATTN_BLAS_QUERY_TILE = 64  # ... in tiles of this many queries
 INT8_GEMV_MAX_ROWS = 4  # int8 / q4 matmul: up to this many rows, dot products straight from the quantized
                         # weights; above, the integer GEMM (int8) or BLAS on dequantized row tiles
 INT8_TILE_ROWS = 128    # weight rows per dequantized tile (128 x 576 floats: 288 KiB, fits in L2)
-
-
-def _configure_thread_pool(blas_on_numba_pool: bool) -> None:
-    """How long Numba's OpenMP workers spin after a parallel region before they sleep (GOMP_SPINCOUNT,
-    read once when the pool starts, at its first use; a user's own value wins).
-
-    When every parallel region of a step runs on that one pool (kernels and, through blas.py, the
-    GEMMs), a spinning worker is what the next region wants; 100k iterations keep it short enough not
-    to starve the step's Python work or other processes afterwards. When the GEMMs run on the BLAS
-    library's own pool instead (blas.py unavailable), the two pools' spinning workers take each
-    other's cores, so Numba's workers sleep at once (docs/kernels.md)."""
-    os.environ.setdefault("GOMP_SPINCOUNT", "100000" if blas_on_numba_pool else "0")
 
 
 def _check(name: str, x, dtype=None, contiguous: bool = True) -> None:
@@ -81,8 +68,7 @@ class CPUBackend(Backend):
         # before any kernel of this process compiles or loads
         self.kernel_cache = cpu_cache.install(cache_dir) if cache_dir is not None else None
         self.blas_on_numba_pool = cpu_blas.available()   # else np.matmul on OpenBLAS's (or MKL's) own pool
-        _configure_thread_pool(self.blas_on_numba_pool)
-        import numba
+        configure_spin(self.blas_on_numba_pool)
         if num_threads is not None:
             numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
         self.threads = numba.get_num_threads()          # used by the next parallel regions
@@ -97,24 +83,23 @@ class CPUBackend(Backend):
         self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
 
     def begin_step(self) -> None:
-        if self._governor is not None:
-            n = self._governor.update()
-            if n != self.threads:
-                import numba
-                numba.set_num_threads(n)
-                self.threads = n
+        if self._governor is not None and (n := self._governor.update()) != self.threads:
+            numba.set_num_threads(n)
+            self.threads = n
 
     def kv_dtype(self, model_dtype: str, choice: str = "auto", quant: str | None = None) -> np.dtype:
         # Decode attention streams every cached K/V row each step: float16 halves those bytes, int8 (a
-        # float32 scale per row of head_dim values) brings them to (head_dim + 4) / (4 head_dim). auto
-        # takes int8 for quantized models, already approximate (their golden agreement holds with it:
-        # tests/backend/test_quant.py, test_q4.py; step times in docs/kernels.md), and keeps float32
-        # models exact. float16 needs F16C (every x86-64 CPU with AVX2 has it).
-        if choice == "float16" and not cpu_llvm.has_f16c():
+        # float32 scale per row of head_dim values) brings them to (head_dim + 4) / (4 head_dim). auto:
+        # int8 for int8 models, built for many sequences, whose golden agreement holds with it
+        # (tests/backend/test_quant.py); float16 for q4 models, built for one stream, whose agreement
+        # is best with it (test_q4.py: the int8 cache's rounding flips near-ties that float16 keeps);
+        # float32 for float models, exact. float16 needs F16C (every x86-64 CPU with AVX2 has it).
+        f16c = cpu_llvm.has_f16c()
+        if choice == "float16" and not f16c:
             raise ValueError("kv_cache_dtype='float16' needs a CPU with F16C conversions, which this one lacks; "
                              "use kv_cache_dtype='int8' or 'float32' (--kv-cache-dtype)")
         if choice == "auto":
-            return np.dtype(np.int8 if quant is not None else np.float32)
+            choice = "float32" if quant is None else "float16" if quant == "q4" and f16c else "int8"
         return np.dtype(choice)
 
     # ---- memory (memory.py) ------------------------------------------------------------------

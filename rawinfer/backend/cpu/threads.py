@@ -18,6 +18,18 @@ import time
 from typing import Callable
 
 
+def configure_spin(blas_on_numba_pool: bool) -> None:
+    """How long Numba's OpenMP workers spin after a parallel region before they sleep (GOMP_SPINCOUNT,
+    read once when the pool starts, at its first use; a user's own value wins).
+
+    When every parallel region of a step runs on that one pool (kernels and, through blas.py, the
+    GEMMs), a spinning worker is what the next region wants; 100k iterations keep it short enough not
+    to starve the step's Python work or other processes afterwards. When the GEMMs run on the BLAS
+    library's own pool instead (blas.py unavailable), the two pools' spinning workers take each
+    other's cores, so Numba's workers sleep at once (docs/kernels.md)."""
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000" if blas_on_numba_pool else "0")
+
+
 def read_machine_busy_seconds() -> float | None:
     """CPU seconds every core of the machine has spent busy since boot (user, nice, system, irq, softirq),
     or None where /proc/stat cannot be read."""
