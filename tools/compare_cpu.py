@@ -113,11 +113,26 @@ print(json.dumps({"value": value}))
 '''
 
 
+def user_env() -> dict:
+    """This process's environment as a user's machine would have it: without the OPENBLAS_CORETYPE /
+    OPENBLAS_L2_SIZE pins these test machines set for old OpenBLAS builds, with this checkout first."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return env
+
+
+def blas_kernel() -> str:
+    """The OpenBLAS kernel the measured processes run (asked in a process with their environment)."""
+    code = "import numpy; from rawinfer.backend.cpu import blas; print(blas.describe())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=user_env())
+    return r.stdout.strip() or "unknown"
+
+
 def run_script(python: str, script: str, *args: str, timeout: float = 1800) -> float | None:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(script)
     try:
-        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = user_env()
         r = subprocess.run([python, f.name, *args], capture_output=True, text=True, timeout=timeout, env=env)
     finally:
         os.unlink(f.name)
@@ -165,6 +180,8 @@ def main() -> int:
             print(f"converting {args.gguf} -> {models[quant]} ({quant})", file=sys.stderr)
             convert(args.gguf, models[quant], quant=quant, progress=False)
     th = str(args.threads)
+    blas_info = blas_kernel()
+    print(f"BLAS of the measured processes: {blas_info}", file=sys.stderr)
     have_llama = has_module(args.peer_python, "llama_cpp")
     have_hf = has_module(args.peer_python, "torch", "transformers", "gguf")
     rows = []
@@ -207,7 +224,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "rounds": args.rounds,
-                       "rows": rows}, f, indent=1)
+                       "blas": blas_info, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -97,6 +97,9 @@ def test_bench_roofline_reports_both_phases(tmp_path, tiny_llama_dir):
     for p in res["phases"]:
         assert p["tokens_per_s"] > 0 and p["GFLOPs"] > 0 and p["bound"] in ("compute", "memory")
     assert "prefill" in r.stdout and "decode" in r.stdout
+    from rawinfer.backend.cpu import blas
+    if blas.available():                        # the report names the BLAS kernel it measured
+        assert "kernel" in res["ceilings"]["blas"] and "BLAS: OpenBLAS" in r.stdout
 
 
 def test_bench_roofline_int8_model_uses_the_int8_gemm_ceiling(tmp_path, tmp_path_factory):

@@ -66,6 +66,27 @@ def _find_library() -> str | None:
     return None
 
 
+def describe() -> str:
+    """The BLAS NumPy runs and the kernel it picked for this CPU ("OpenBLAS 0.3.31 ... kernel SkylakeX"),
+    and the OPENBLAS_CORETYPE pin when one is set, for benchmark reports; "" where it cannot tell."""
+    import os
+    path = _find_library()
+    if path is None:
+        return ""
+    lib = ctypes.CDLL(path)
+    text = []
+    for names in (("scipy_openblas_get_config64_", "openblas_get_config"),
+                  ("scipy_openblas_get_corename64_", "openblas_get_corename")):
+        fn = next((getattr(lib, n) for n in names if hasattr(lib, n)), None)
+        if fn is not None:
+            fn.restype = ctypes.c_char_p
+            text.append(fn().decode(errors="replace"))
+    out = " ".join(text[:1]) + (f", kernel {text[1]}" if len(text) > 1 else "")
+    pin = os.environ.get("OPENBLAS_CORETYPE")
+    return out + (f" (pinned by OPENBLAS_CORETYPE={pin}: unset it to measure as a user's machine runs)"
+                  if pin else "")
+
+
 @functools.cache
 def available() -> bool:
     """Whether NumPy's OpenBLAS can be called from the kernels below. The first call (the CPU backend's,
