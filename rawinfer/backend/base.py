@@ -234,10 +234,10 @@ class Backend(ABC):
         """Batches of at most this many tokens use decoder_layers() (0: never) for a model quantized as quant."""
         return 0
 
-    def fused_decode_max_tokens(self, plan) -> int:
-        """Pure decode batches (one new token per sequence) of up to this many tokens also use
-        decoder_layers() (0: only batches within fused_max_tokens do)."""
-        return 0
+    def fused_limits(self, plan) -> tuple[int, int]:
+        """(T, D): once the plan is built, batches of at most T tokens and pure decode batches (one new
+        token per sequence) of at most D tokens take decoder_layers() (0: none)."""
+        return 0, 0
 
     def fused_plan(self, layers: list[LayerWeights], k_caches: list, v_caches: list):
         """Optional: whatever decoder_layers() needs prepared once (called when fused_max_tokens > 0)."""
@@ -247,8 +247,7 @@ class Backend(ABC):
                        num_heads: int, num_kv_heads: int) -> None:
         """Optional: every decoder layer (the same ops as exec/model.py's per-op path, in the same order,
         over the rows [:T] of `acts`) in one call, for small decode batches where per-op dispatch costs
-        more than the work. Only called when T <= fused_max_tokens(quant), or for a pure decode batch
-        of T <= fused_decode_max_tokens(plan)."""
+        more than the work. Only called for the batches fused_limits(plan) admits."""
         raise NotImplementedError
 
     # ---- capabilities beyond the ops (see Capabilities) ----------------------------------------

@@ -58,7 +58,7 @@ class LlamaModel:
         self.lm_head = repack(self.lm_head)
         if self.fused_max_tokens:
             self.fused_plan = be.fused_plan(self.layers, self.pool.kv.k, self.pool.kv.v)
-            self.fused_decode_max = be.fused_decode_max_tokens(self.fused_plan)
+            self.fused_max_tokens, self.fused_decode_max = be.fused_limits(self.fused_plan)
 
     def forward(self, batch: FlatBatch):
         """Run the layers; returns the logits view [S, V] (float32) of the pool's workspace."""

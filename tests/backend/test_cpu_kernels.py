@@ -262,6 +262,23 @@ def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, kv_dtype, monkey
     assert np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16, np.int8])
+def test_each_sequence_takes_its_own_attention_kernel(kv_dtype):
+    """In a mixed batch (a decode row, a short prefill chunk, a long one), every sequence gets the bits
+    it gets alone: its own query count picks its kernel, never the rest of the batch's."""
+    q_lens, ctx_lens, H, Hkv, D, BS = [1, 5, 40, 1], [30, 9, 57, 17], 9, 3, 64, 16
+    qkv, kc, vc, tables, ctx, qsl = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3, kv_dtype=kv_dtype)
+    scale = D ** -0.5
+    out = np.empty((qkv.shape[0], H * D), np.float32)
+    be.paged_attention(qkv, kc, vc, tables, ctx, qsl, scale, out, max(q_lens), max(ctx_lens))
+    for b, n in enumerate(q_lens):
+        rows = slice(qsl[b], qsl[b + 1])
+        alone = np.empty((n, H * D), np.float32)
+        be.paged_attention(np.ascontiguousarray(qkv[rows]), kc, vc, tables[b:b + 1].copy(), ctx[b:b + 1].copy(),
+                           np.array([0, n], np.int32), scale, alone, n, ctx_lens[b])
+        np.testing.assert_array_equal(out[rows], alone, err_msg=f"sequence {b} ({n} queries)")
+
+
 @pytest.mark.parametrize("ctx_lens,H,Hkv,D,BS", [
     ([1, 7, 8, 9], 4, 2, 32, 8),                         # contexts around the 4-row groups and blocks
     ([1, 4, 5, 13], 14, 2, 32, 4),                       # 7 query heads per kv head (3 + 3 + 1), BS = 4

@@ -1,4 +1,5 @@
-"""CPUBackend: the op interface on NumPy (BLAS GEMMs) and Numba kernels, float32 storage and compute."""
+"""CPUBackend: the op interface on NumPy (BLAS GEMMs) and Numba kernels, float32 storage and compute
+(quantized weights' products: products.py)."""
 
 from __future__ import annotations
 
@@ -6,38 +7,22 @@ import numba
 import numpy as np
 
 from rawinfer.backend import shapes
-from rawinfer.backend.base import Backend, Capabilities
+from rawinfer.backend.base import Capabilities
 from rawinfer.backend.cpu import attention as A
 from rawinfer.backend.cpu import blas as cpu_blas
 from rawinfer.backend.cpu import cache as cpu_cache
 from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu import memory as cpu_memory
-from rawinfer.backend.cpu import q4 as cpu_q4
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
 from rawinfer.backend.cpu.fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel
+from rawinfer.backend.cpu.products import INT8_GEMV_MAX_ROWS, QuantizedProducts, check_array
 from rawinfer.backend.cpu.threads import ThreadGovernor, configure_spin
-from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN
 from rawinfer.quant import Int8Weight, Q4Weight
 
-ATTN_QUERY_TILE = 16   # queries per attention work item: K/V rows are streamed once per tile
-ATTN_BLAS_MIN_QUERY = 32   # batches with a query run this long take the BLAS attention (prefill)...
+ATTN_QUERY_TILE = 16       # queries per attention work item: K/V rows are streamed once per tile
+ATTN_BLAS_MIN_QUERY = 32   # sequences with this many queries in a step take the BLAS attention...
 ATTN_BLAS_QUERY_TILE = 64  # ... in tiles of this many queries
-INT8_GEMV_MAX_ROWS = 4  # int8 / q4 matmul: up to this many rows, dot products straight from the quantized
-                        # weights; above, the integer GEMM (int8) or BLAS on dequantized row tiles
-INT8_TILE_ROWS = 128    # weight rows per dequantized tile (128 x 576 floats: 288 KiB, fits in L2)
-
-
-def _check(name: str, x, dtype=None, contiguous: bool = True) -> None:
-    """What the kernels need of an argument beyond its shape (backend/shapes.py checks those): a NumPy
-    array, of dtype where given, C-contiguous (kernels index raw rows). Cheap: it runs for every
-    argument of every op of every step."""
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
-    if dtype is not None and x.dtype != dtype:
-        raise TypeError(f"{name} must be {np.dtype(dtype)}, got {x.dtype}")
-    if contiguous and not x.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
 
 
 def _kv(cache):
@@ -45,7 +30,14 @@ def _kv(cache):
     return cache.view(np.uint16) if cache.dtype == np.float16 else cache
 
 
-class CPUBackend(Backend):
+def _items_of(chosen: np.ndarray, query_start_loc: np.ndarray, tile: int):
+    """The attention work items (seq[W], q0[W], q1[W]) of the sequences where `chosen` [B] is true."""
+    seqs, q0, q1 = A.attention_work_items(query_start_loc, tile)
+    keep = chosen[seqs]
+    return seqs[keep], q0[keep], q1[keep]
+
+
+class CPUBackend(QuantizedProducts):
     name = "cpu"
     xp = np
     capabilities = Capabilities(quantized_weights=("int8", "q4"))
@@ -109,12 +101,6 @@ class CPUBackend(Backend):
     def prefault(self, arena, offset, nbytes) -> None:
         cpu_memory.populate(arena, offset, nbytes, self.threads)
 
-    def prepare_int8(self, w):
-        if self.int_gemm and cpu_qgemm.supports(w.shape):
-            import dataclasses
-            return dataclasses.replace(w, packed=cpu_qgemm.pack_weights(w.q))
-        return w
-
     def upload(self, dst, src) -> None:
         src = np.asarray(src)
         if src.shape != dst.shape:
@@ -127,8 +113,8 @@ class CPUBackend(Backend):
     # ---- layer ops ---------------------------------------------------------------------------
     def embedding(self, ids, table, out) -> None:
         shapes.embedding(ids, table.shape, out)
-        _check("ids", ids, np.int32)
-        _check("out", out)
+        check_array("ids", ids, np.int32)
+        check_array("out", out)
         if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
             raise ValueError(f"token id out of range [0, {table.shape[0]})")
         if isinstance(table, Int8Weight):
@@ -138,21 +124,21 @@ class CPUBackend(Backend):
 
     def rmsnorm(self, x, weight, eps, out) -> None:
         shapes.norm("rmsnorm", x, weight, out)
-        _check("x", x)
-        _check("out", out)
+        check_array("x", x)
+        check_array("out", out)
         K.rmsnorm_kernel(x.shape[0], x, weight, np.float32(eps), out)
 
     def add_rmsnorm(self, x, residual, weight, eps, out) -> None:
         shapes.norm("add_rmsnorm", x, weight, out, residual)
-        _check("x", x)
-        _check("residual", residual, np.float32)
-        _check("out", out)
+        check_array("x", x)
+        check_array("residual", residual, np.float32)
+        check_array("out", out)
         K.add_rmsnorm_kernel(x.shape[0], x, residual, weight, np.float32(eps), out)
 
     def linear(self, x, w, out, bias=None, scratch=None) -> None:
         shapes.linear(x, w.shape, out, bias)
-        _check("x", x, np.float32)              # BLAS and the int8 quantizer read it as raw float32
-        _check("out", out)
+        check_array("x", x, np.float32)              # BLAS and the int8 quantizer read it as raw float32
+        check_array("out", out)
         if isinstance(w, Int8Weight):
             self._linear_int8(x, w, out, scratch)
         elif isinstance(w, Q4Weight):
@@ -165,120 +151,24 @@ class CPUBackend(Backend):
         if bias is not None:
             out += bias
 
-    def linear_silu_mul(self, x, w, gate_up, out, scratch=None) -> None:
-        # int8 GEMMs on packed weights: silu * up in the GEMM's epilogue, gate_up never stored (the same
-        # bits as the GEMM and silu_mul apart). Gate block j pairs with up block j + half: an even count
-        # of 16-column blocks (the batched decode kernel's test too). A few rows: silu * up in the int8
-        # matrix-vector kernel the same way.
-        if isinstance(w, Int8Weight):
-            gemm = self._on_packed_gemm(x, w, scratch) and w.packed.shape[0] % 2 == 0
-            if gemm or x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None:
-                shapes.linear_silu_mul(x, w.shape, out)
-                _check("x", x, np.float32)
-                _check("out", out)
-                if gemm:
-                    cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(*x.shape))
-                else:
-                    K.rows_matmul_silu_kernel(x, w.q, w.scale, out)
-                return
-        if isinstance(w, Q4Weight) and self._q4_matvec(x, scratch):
-            shapes.linear_silu_mul(x, w.shape, out)
-            _check("x", x, np.float32)
-            _check("out", out)
-            cpu_q4.q4_matvec_silu(x, *self._q4_parts(w), out)
-            return
-        super().linear_silu_mul(x, w, gate_up, out, scratch)
-
-    @staticmethod
-    def _on_packed_gemm(x, w: Int8Weight, scratch) -> bool:
-        """Whether an int8 product of x takes the integer GEMM on w's packed copy (more rows than the
-        matrix-vector kernel takes, a workspace given, a packed copy made at load)."""
-        return x.shape[0] > INT8_GEMV_MAX_ROWS and scratch is not None and w.packed is not None
-
-    def _linear_int8(self, x, w: Int8Weight, out, scratch) -> None:
-        T, Kd = x.shape[0], w.shape[1]
-        if self._on_packed_gemm(x, w, scratch):
-            cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
-            return
-        if T <= INT8_GEMV_MAX_ROWS or scratch is None:
-            K.rows_matmul_kernel(x, w.q, w.scale, out)
-            return
-        self._dequantized_matmul(x, w.q, w.scale, out, scratch)
-
-    @staticmethod
-    def _q4_matvec(x, scratch) -> bool:
-        """Whether a q4 product of x takes the matrix-vector kernel (a few rows, or no workspace for the
-        BLAS path) rather than BLAS on dequantized tiles; the kernel needs AVX2."""
-        return cpu_llvm.available() and (x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None)
-
-    @staticmethod
-    def _q4_parts(w: Q4Weight) -> tuple[np.ndarray, np.ndarray]:
-        """(nibbles, block scales as uint16 float16 bits): what the q4 kernels take, after checking that
-        the pair is one quant.quantize_q4 makes (the kernels read it through raw addresses)."""
-        N, Kd = w.shape
-        if Kd % SPAN or w.dm.shape != (N, Kd // Q4_BLOCK, 2) or w.dm.dtype != np.float16:
-            raise ValueError(f"a q4 weight of shape {w.shape} needs K % {SPAN} == 0 and float16 block scales "
-                             f"[N, K/{Q4_BLOCK}, 2], got {w.dm.dtype} {w.dm.shape}; build it with quant.quantize_q4")
-        return w.qs, w.dm.view(np.uint16)
-
-    def _linear_q4(self, x, w: Q4Weight, out, scratch) -> None:
-        qs, dm = self._q4_parts(w)
-        if self._q4_matvec(x, scratch):
-            cpu_q4.q4_matvec(x, qs, dm, out)
-            return
-        if scratch is None:                              # no AVX2 and no workspace: a tile of our own
-            scratch = np.empty(min(w.shape[0], INT8_TILE_ROWS) * self.max_threads * w.shape[1], np.float32)
-        self._dequantized_matmul(x, qs.view(np.uint16), dm, out, scratch)
-
-    def _dequantized_matmul(self, x, a, b, out, scratch) -> None:
-        """out = x @ W^T, W given as (a, b) (q4.dequantize_tile), on BLAS over float32 tiles of W
-        dequantized into scratch."""
-        N, Kd = out.shape[1], x.shape[1]
-        tile = min(INT8_TILE_ROWS, scratch.size // (self.max_threads * Kd))
-        if self.blas_on_numba_pool and tile >= 1:
-            cpu_blas.quant_matmul_nt(x, a, b, out, scratch, tile, self.max_threads)
-            return
-        tile = max(1, min(N, scratch.size // Kd))        # rows of W dequantized per BLAS call
-        for n0 in range(0, N, tile):
-            n1 = min(N, n0 + tile)
-            wt = scratch[:(n1 - n0) * Kd].reshape(n1 - n0, Kd)
-            if a.dtype == np.int8:
-                K.int8_dequant_rows_kernel(a, b, n0, wt)
-            else:
-                cpu_q4.dequantize_rows(a, b, n0, wt)
-            if n0 == 0 and n1 == N:
-                np.matmul(x, wt.T, out=out)
-            else:
-                out[:, n0:n1] = x @ wt.T
-
-    def _int_gemm_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The integer GEMM's activation buffers (int16 panels, float32 scales) for up to rows x k,
-        grown to the largest batch seen."""
-        nx, ns = cpu_qgemm.x_buffer_sizes(rows, k)
-        if self._qx.size < nx:
-            self._qx = np.empty(nx, np.int16)
-        if self._qs.size < ns:
-            self._qs = np.empty(ns, np.float32)
-        return self._qx, self._qs
-
     def rope(self, qkv, positions, cos_sin, num_heads, num_kv_heads) -> None:
         _, D = shapes.rope(qkv, positions, cos_sin, num_heads, num_kv_heads)
-        _check("qkv", qkv)
-        _check("positions", positions, np.int32)
+        check_array("qkv", qkv)
+        check_array("positions", positions, np.int32)
         if positions.size and (positions.min() < 0 or positions.max() >= cos_sin.shape[0]):
             raise ValueError(f"position out of range [0, {cos_sin.shape[0]}): the model's context is exceeded")
         K.rope_kernel(qkv.shape[0], qkv, positions, cos_sin, num_heads, num_kv_heads, D)
 
     def silu_mul(self, gate_up, out) -> None:
         shapes.silu_mul(gate_up, out)
-        _check("gate_up", gate_up)
-        _check("out", out)
+        check_array("gate_up", gate_up)
+        check_array("out", out)
         K.silu_mul_kernel(gate_up.shape[0], gate_up, out)
 
     def kv_write(self, qkv, k_cache, v_cache, slot_mapping, num_heads) -> None:
         shapes.kv_write(qkv, k_cache, v_cache, slot_mapping, num_heads)
-        _check("qkv", qkv)
-        _check("slot_mapping", slot_mapping, np.int32)
+        check_array("qkv", qkv)
+        check_array("slot_mapping", slot_mapping, np.int32)
         K.kv_write_kernel(qkv.shape[0], qkv, _kv(k_cache), _kv(v_cache), slot_mapping, num_heads)
 
     def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -294,14 +184,37 @@ class CPUBackend(Backend):
         _, H, Hkv = self._attention_args("paged_attention_prefill", qkv, k_cache, v_cache, block_tables,
                                          context_lens, query_start_loc, out)
         k_cache, v_cache = _kv(k_cache), _kv(v_cache)
-        if self.blas_on_numba_pool and max_query_len >= ATTN_BLAS_MIN_QUERY:   # long queries: products on BLAS
-            seqs, q0, q1 = A.attention_work_items(query_start_loc, ATTN_BLAS_QUERY_TILE)
+        # NOTE: each sequence takes the kernel its own query count picks (one query: the decode kernel;
+        # ATTN_BLAS_MIN_QUERY or more: the products on BLAS; else the tiled kernel), not one the rest of
+        # the batch picks: the kernels round differently, and a request's output must not depend on its
+        # batch. Every kernel computes each (query tile, kv head) work item on its own.
+        q_lens = np.diff(query_start_loc)
+        one = q_lens == 1
+        long = q_lens >= ATTN_BLAS_MIN_QUERY if self.blas_on_numba_pool else np.zeros_like(one)
+        if one.any():
+            self._decode_rows(np.flatnonzero(one), qkv, k_cache, v_cache, block_tables, context_lens,
+                              query_start_loc, scale, H, Hkv, out)
+        if long.any():
+            seqs, q0, q1 = _items_of(long, query_start_loc, ATTN_BLAS_QUERY_TILE)
             cpu_blas.prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs,
                                        q0, q1, np.float32(scale), H, out, self.max_threads)
-            return
-        seqs, q0, q1 = A.attention_work_items(query_start_loc, ATTN_QUERY_TILE)   # [W] each
-        A.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
-                                 query_start_loc, seqs, q0, q1, np.float32(scale), H, out)
+        if (short := ~(one | long)).any():
+            seqs, q0, q1 = _items_of(short, query_start_loc, ATTN_QUERY_TILE)   # [W] each
+            A.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
+                                     query_start_loc, seqs, q0, q1, np.float32(scale), H, out)
+
+    @staticmethod
+    def _decode_rows(seqs, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, H, Hkv,
+                     out) -> None:
+        """Attention of the one-query sequences `seqs` of a mixed batch through the decode kernel, on
+        gathered rows (the kernel takes row b as sequence b)."""
+        rows = query_start_loc[seqs]
+        o = np.empty((len(seqs), out.shape[1]), out.dtype)
+        kernel = A.decode_attention_avx2_kernel if A.decode_attention_avx2_fits(k_cache) else A.decode_attention_kernel
+        kernel(len(seqs) * Hkv, np.ascontiguousarray(qkv[rows]), k_cache, v_cache,
+               np.ascontiguousarray(block_tables[seqs]), np.ascontiguousarray(context_lens[seqs]), np.float32(scale),
+               H, o)
+        out[rows] = o
 
     @staticmethod
     def _attention_args(op, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, out):
@@ -309,11 +222,11 @@ class CPUBackend(Backend):
         contiguous rows, int32 metadata."""
         _, B, H, Hkv, _ = shapes.attention(op, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                            out)
-        _check("qkv", qkv)
-        _check("out", out)
-        _check("block_tables", block_tables, np.int32)
-        _check("context_lens", context_lens, np.int32)
-        _check("query_start_loc", query_start_loc, np.int32)
+        check_array("qkv", qkv)
+        check_array("out", out)
+        check_array("block_tables", block_tables, np.int32)
+        check_array("context_lens", context_lens, np.int32)
+        check_array("query_start_loc", query_start_loc, np.int32)
         return B, H, Hkv
 
     def fused_plan(self, layers, k_caches, v_caches):
@@ -346,19 +259,21 @@ class CPUBackend(Backend):
         plan["max_k"] = max(getattr(L, name).shape[1] for L in layers for _, name in mats)
         return plan
 
-    def fused_decode_max_tokens(self, plan) -> int:
-        # Batched decode of an int8 model in one call as well: ~11 ops per layer of Python and Numba
-        # dispatch saved on every step, whatever the batch (fused.py).
-        return 1 << 30 if plan["packed"] else 0
+    def fused_limits(self, plan) -> tuple[int, int]:
+        # int8 with packed weights: every pure decode batch, whatever its size, in one call on the integer
+        # GEMM, and nothing else fused: a row then takes the same kernels alone or in any batch (the
+        # matrix-vector kernels round differently). Otherwise (q4, unpacked int8): batches of a few rows.
+        return (0, 1 << 30) if plan["packed"] else (INT8_GEMV_MAX_ROWS, 0)
 
     def decoder_layers(self, plan, acts, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
         for name in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc"):
-            _check(name, getattr(batch, name), np.int32)
+            check_array(name, getattr(batch, name), np.int32)
         p = plan
-        if T > INT8_GEMV_MAX_ROWS:
+        if p["packed"] or T > INT8_GEMV_MAX_ROWS:          # see fused_limits
             if not p["packed"] or batch.max_query_len != 1:
-                raise ValueError(f"decoder_layers takes at most {INT8_GEMV_MAX_ROWS} tokens, or a pure decode "
-                                 f"batch of an int8 model with packed weights; got {T} tokens")
+                raise ValueError(f"decoder_layers takes a pure decode batch of an int8 model with packed weights, "
+                                 f"or at most {INT8_GEMV_MAX_ROWS} tokens of another quantized model; got {T} "
+                                 f"tokens")
             qx, qs = self._int_gemm_buffers(T, p["max_k"])
             decoder_stack_batched_kernel(
                 acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],
@@ -386,5 +301,5 @@ class CPUBackend(Backend):
 
     def take_rows(self, x, indices, out) -> None:
         shapes.take_rows(x, indices, out)
-        _check("out", out)
+        check_array("out", out)
         K.take_rows_kernel(x, indices, out)

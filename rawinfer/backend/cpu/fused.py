@@ -119,6 +119,8 @@ _add_rmsnorm_p = K.add_rmsnorm_kernel.parallel
 _rope_p = K.rope_kernel.parallel
 _silu_mul_p = K.silu_mul_kernel.parallel
 _kv_write_p = K.kv_write_kernel.parallel
+_silu_mul = K.silu_mul_kernel.serial
+_PARALLEL_ROWS = K.rmsnorm_kernel.min_parallel_rows   # fewer rows: the serial builds (same bits per row)
 _decode_attention_avx2 = A.decode_attention_avx2_kernel.parallel
 _decode_attention = A.decode_attention_kernel.parallel
 _int8_matmul = cpu_qgemm.int8_matmul
@@ -131,31 +133,48 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
                                  s_downs, positions, slot_mapping, block_tables, context_lens, k_caches, v_caches,
                                  cos_sin, eps, scale, num_heads, num_kv_heads, xbuf, sbuf, avx2_attention):
     # Every layer of a pure decode batch (row b = sequence b's new token) in one call: the per-op path's
-    # parallel kernels in its order, the matrix products on the integer GEMM (p_* = packed weights).
+    # kernels in its order (the serial builds of the elementwise ops for a few rows, where waking the
+    # pool costs more than the work), the matrix products on the integer GEMM (p_* = packed weights).
     D = cos_sin.shape[1]
+    small = x.shape[0] < _PARALLEL_ROWS
     for i in range(len(in_norms)):
         if i == 0:
-            _rmsnorm_p(res, in_norms[i], eps, x)
+            if small:
+                _rmsnorm(res, in_norms[i], eps, x)
+            else:
+                _rmsnorm_p(res, in_norms[i], eps, x)
+        elif small:
+            _add_rmsnorm(h, res, in_norms[i], eps, x)
         else:
             _add_rmsnorm_p(h, res, in_norms[i], eps, x)
         _int8_matmul(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf)
         if b_qkvs[i].shape[0] > 0:
             for t in range(qkv.shape[0]):
                 qkv[t] += b_qkvs[i]
-        _rope_p(qkv, positions, cos_sin, num_heads, num_kv_heads, D)
-        _kv_write_p(qkv, k_caches[i], v_caches[i], slot_mapping, num_heads)
+        if small:
+            _rope(qkv, positions, cos_sin, num_heads, num_kv_heads, D)
+            _kv_write(qkv, k_caches[i], v_caches[i], slot_mapping, num_heads)
+        else:
+            _rope_p(qkv, positions, cos_sin, num_heads, num_kv_heads, D)
+            _kv_write_p(qkv, k_caches[i], v_caches[i], slot_mapping, num_heads)
         if avx2_attention:
             _decode_attention_avx2(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads,
                                    attn)
         else:
             _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, attn)
         _int8_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf)
-        _add_rmsnorm_p(h, res, post_norms[i], eps, x)
+        if small:
+            _add_rmsnorm(h, res, post_norms[i], eps, x)
+        else:
+            _add_rmsnorm_p(h, res, post_norms[i], eps, x)
         if p_gus[i].shape[0] % 2 == 0:
             _int8_matmul_silu(x, p_gus[i], s_gus[i], act, xbuf, sbuf)
         else:
             _int8_matmul(x, p_gus[i], s_gus[i], gu, xbuf, sbuf)
-            _silu_mul_p(gu, act)
+            if small:
+                _silu_mul(gu, act)
+            else:
+                _silu_mul_p(gu, act)
         _int8_matmul(act, p_downs[i], s_downs[i], h, xbuf, sbuf)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from rawinfer.backend.cpu.llvm import GEMM_COLS as BLOCK_COLS
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
-from rawinfer.backend.cpu.kernels import fast_exp
+from rawinfer.backend.cpu.kernels import Kernel, fast_exp
 from rawinfer.backend.cpu.llvm import abs_max, available, int_gemm_tiles
 
 _tile2, _tile4, _tile6 = int_gemm_tiles[2], int_gemm_tiles[4], int_gemm_tiles[PANEL_ROWS]
@@ -93,8 +93,7 @@ def _quantize_row(x, qmax, q, r, xpanel):
     return amax / np.float32(qmax)
 
 
-@nb.njit(parallel=True, cache=True)
-def quantize_rows(x, qmax, xp, sx):
+def _quantize_rows(x, qmax, xp, sx):
     """x float32 [M, K] (rows contiguous) -> xp int16 [ceil(M/6), K/2, 6, 2] and sx float32
     [>= ceil(M/6) * 6] with x[m] ~= xp row m * sx[m]; rows past M are zero."""
     M, K = x.shape
@@ -110,6 +109,11 @@ def quantize_rows(x, qmax, xp, sx):
                 for kp in range(kpairs):
                     xp[t, kp, r, 0] = 0
                     xp[t, kp, r, 1] = 0
+
+
+# One panel (a decode step of up to 6 rows) is quantized serially: waking the pool for it costs more
+# than the work. Both builds compute every row the same way.
+quantize_rows = Kernel(_quantize_rows, min_parallel_rows=2)     # rows: panels
 
 
 @nb.njit(inline="always")
@@ -186,13 +190,19 @@ def gemm_packed_silu(xp, sx, wp, sw, out, M):
                     out[m0 + r, j * BLOCK_COLS + c] = v / (np.float32(1.0) + fast_exp(-v)) * gu[1, r, c]
 
 
+_quantize_parallel, _quantize_serial = quantize_rows.parallel, quantize_rows.serial
+
+
 @nb.njit(cache=True)
 def quantized_x(x, xbuf, sx):
     """x [M, K] quantized into xbuf's packed panels (returned as a view) and sx."""
     M, K = x.shape
     shape = packed_x_shape(M, K)
     xp = xbuf[:shape[0] * shape[1] * shape[2] * shape[3]].reshape(shape)
-    quantize_rows(x, act_qmax(K), xp, sx)
+    if shape[0] > 1:
+        _quantize_parallel(x, act_qmax(K), xp, sx)
+    else:
+        _quantize_serial(x, act_qmax(K), xp, sx)
     return xp
 
 

@@ -1,0 +1,149 @@
+"""Products with quantized weights on the CPU (int8 rows, q4 blocks): which kernel computes x @ W^T for T
+rows, and the buffers they share.
+
+    int8 with a packed copy (made at load where the shape fits): the integer GEMM (qgemm.py) for any
+         number of rows, silu * up in its epilogue for the gate/up product. Every row is computed the
+         same way whatever its batch: a request's tokens do not depend on what else runs.
+    int8 without one: the matrix-vector kernels for up to INT8_GEMV_MAX_ROWS rows, BLAS on
+         dequantized row tiles above.
+    q4:  the matrix-vector kernel (q4.py, AVX2) for up to INT8_GEMV_MAX_ROWS rows, BLAS on dequantized
+         row tiles above.
+
+`QuantizedProducts` is a part of CPUBackend (backend.py), which sets the attributes it reads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rawinfer.backend import shapes
+from rawinfer.backend.base import Backend
+from rawinfer.backend.cpu import blas as cpu_blas
+from rawinfer.backend.cpu import kernels as K
+from rawinfer.backend.cpu import llvm as cpu_llvm
+from rawinfer.backend.cpu import q4 as cpu_q4
+from rawinfer.backend.cpu import qgemm as cpu_qgemm
+from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN
+from rawinfer.quant import Int8Weight, Q4Weight
+
+INT8_GEMV_MAX_ROWS = 4  # up to this many rows, matrix-vector kernels where no integer GEMM applies
+INT8_TILE_ROWS = 128    # weight rows per dequantized tile (fits in L2)
+
+
+def check_array(name: str, x, dtype=None, contiguous: bool = True) -> None:
+    """What the kernels need of an argument beyond its shape (backend/shapes.py checks those): a NumPy
+    array, of dtype where given, C-contiguous (kernels index raw rows). Cheap: it runs for every
+    argument of every op of every step."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name} must be {np.dtype(dtype)}, got {x.dtype}")
+    if contiguous and not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+class QuantizedProducts(Backend):
+    """The int8 / q4 halves of CPUBackend.linear and linear_silu_mul. Reads the backend's int_gemm,
+    blas_on_numba_pool, max_threads and its integer GEMM buffers _qx, _qs."""
+
+    def prepare_int8(self, w):
+        if self.int_gemm and cpu_qgemm.supports(w.shape):
+            import dataclasses
+            return dataclasses.replace(w, packed=cpu_qgemm.pack_weights(w.q))
+        return w
+
+    def linear_silu_mul(self, x, w, gate_up, out, scratch=None) -> None:
+        # int8 GEMMs on packed weights: silu * up in the GEMM's epilogue, gate_up never stored (the same
+        # bits as the GEMM and silu_mul apart). Gate block j pairs with up block j + half: an even count
+        # of 16-column blocks (the batched decode kernel's test too). Without a packed copy, a few rows:
+        # silu * up in the int8 matrix-vector kernel the same way.
+        if isinstance(w, Int8Weight):
+            gemm = self._on_packed_gemm(x, w, scratch) and w.packed.shape[0] % 2 == 0
+            if gemm or x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None:
+                shapes.linear_silu_mul(x, w.shape, out)
+                check_array("x", x, np.float32)
+                check_array("out", out)
+                if gemm:
+                    cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(*x.shape))
+                else:
+                    K.rows_matmul_silu_kernel(x, w.q, w.scale, out)
+                return
+        if isinstance(w, Q4Weight) and self._q4_matvec(x, scratch):
+            shapes.linear_silu_mul(x, w.shape, out)
+            check_array("x", x, np.float32)
+            check_array("out", out)
+            cpu_q4.q4_matvec_silu(x, *self._q4_parts(w), out)
+            return
+        super().linear_silu_mul(x, w, gate_up, out, scratch)
+
+    @staticmethod
+    def _on_packed_gemm(x, w: Int8Weight, scratch) -> bool:
+        """Whether an int8 product takes the integer GEMM: whenever the weight has a packed copy (made at
+        load), whatever the number of rows, so that a row's bits never depend on its batch."""
+        return w.packed is not None
+
+    def _linear_int8(self, x, w: Int8Weight, out, scratch) -> None:
+        T, Kd = x.shape[0], w.shape[1]
+        if self._on_packed_gemm(x, w, scratch):
+            cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
+            return
+        if T <= INT8_GEMV_MAX_ROWS or scratch is None:
+            K.rows_matmul_kernel(x, w.q, w.scale, out)
+            return
+        self._dequantized_matmul(x, w.q, w.scale, out, scratch)
+
+    @staticmethod
+    def _q4_matvec(x, scratch) -> bool:
+        """Whether a q4 product of x takes the matrix-vector kernel (a few rows, or no workspace for the
+        BLAS path) rather than BLAS on dequantized tiles; the kernel needs AVX2."""
+        return cpu_llvm.available() and (x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None)
+
+    @staticmethod
+    def _q4_parts(w: Q4Weight) -> tuple[np.ndarray, np.ndarray]:
+        """(nibbles, block scales as uint16 float16 bits): what the q4 kernels take, after checking that
+        the pair is one quant.quantize_q4 makes (the kernels read it through raw addresses)."""
+        N, Kd = w.shape
+        if Kd % SPAN or w.dm.shape != (N, Kd // Q4_BLOCK, 2) or w.dm.dtype != np.float16:
+            raise ValueError(f"a q4 weight of shape {w.shape} needs K % {SPAN} == 0 and float16 block scales "
+                             f"[N, K/{Q4_BLOCK}, 2], got {w.dm.dtype} {w.dm.shape}; build it with quant.quantize_q4")
+        return w.qs, w.dm.view(np.uint16)
+
+    def _linear_q4(self, x, w: Q4Weight, out, scratch) -> None:
+        qs, dm = self._q4_parts(w)
+        if self._q4_matvec(x, scratch):
+            cpu_q4.q4_matvec(x, qs, dm, out)
+            return
+        if scratch is None:                              # no AVX2 and no workspace: a tile of our own
+            scratch = np.empty(min(w.shape[0], INT8_TILE_ROWS) * self.max_threads * w.shape[1], np.float32)
+        self._dequantized_matmul(x, qs.view(np.uint16), dm, out, scratch)
+
+    def _dequantized_matmul(self, x, a, b, out, scratch) -> None:
+        """out = x @ W^T, W given as (a, b) (q4.dequantize_tile), on BLAS over float32 tiles of W
+        dequantized into scratch."""
+        N, Kd = out.shape[1], x.shape[1]
+        tile = min(INT8_TILE_ROWS, scratch.size // (self.max_threads * Kd))
+        if self.blas_on_numba_pool and tile >= 1:
+            cpu_blas.quant_matmul_nt(x, a, b, out, scratch, tile, self.max_threads)
+            return
+        tile = max(1, min(N, scratch.size // Kd))        # rows of W dequantized per BLAS call
+        for n0 in range(0, N, tile):
+            n1 = min(N, n0 + tile)
+            wt = scratch[:(n1 - n0) * Kd].reshape(n1 - n0, Kd)
+            if a.dtype == np.int8:
+                K.int8_dequant_rows_kernel(a, b, n0, wt)
+            else:
+                cpu_q4.dequantize_rows(a, b, n0, wt)
+            if n0 == 0 and n1 == N:
+                np.matmul(x, wt.T, out=out)
+            else:
+                out[:, n0:n1] = x @ wt.T
+
+    def _int_gemm_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The integer GEMM's activation buffers (int16 panels, float32 scales) for up to rows x k,
+        grown to the largest batch seen."""
+        nx, ns = cpu_qgemm.x_buffer_sizes(rows, k)
+        if self._qx.size < nx:
+            self._qx = np.empty(nx, np.int16)
+        if self._qs.size < ns:
+            self._qs = np.empty(ns, np.float32)
+        return self._qx, self._qs
