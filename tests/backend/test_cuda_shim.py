@@ -1,17 +1,14 @@
-"""Every CUDA kernel, run on the CPU under tests/cuda_shim, against a NumPy <op>_ref.
+"""The CUDA layer kernels, run on the CPU under tests/cuda_shim, against a NumPy <op>_ref.
 
 The kernels are the real cuda/*.cu sources compiled by g++ with the execution shim, launched through
 the real `CUDABackend` op methods (shape checks, launch geometry, kernel_specs argument packing) with a
 host launcher in place of CuPy.  Shapes are small (the shim runs one OS thread per CUDA thread) but
-ragged, not multiples of tiles or warps, and cover split-K decode over long contexts and block tables
-in shuffled order.  Tolerances: about two units in the last place of the storage dtype.
+ragged, not multiples of tiles or warps.  Tolerances: about two units in the last place of the storage
+dtype.  The paged attention kernels are in test_cuda_shim_attention.py, the shim's own tests in
+test_cuda_shim_selftest.py.
 """
 
 from __future__ import annotations
-
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -27,9 +24,8 @@ from ml_dtypes import bfloat16  # noqa: E402
 
 from rawinfer.backend.cuda.backend import CUDABackend  # noqa: E402
 from reference_ops import (DTYPE_IDS, DTYPES, add_rmsnorm_ref, argmax_ref, assert_close, copy_blocks_ref,  # noqa: E402
-                           cos_sin_table, embedding_ref, f64, kv_write_ref, linear_ref, make_paged_batch,
-                           paged_attention_ref, rand, rmsnorm_ref, rope_ref, sample_ref, silu_mul_ref,
-                           take_rows_ref)
+                           cos_sin_table, embedding_ref, f64, kv_write_ref, linear_ref, rand, rmsnorm_ref,
+                           rope_ref, sample_ref, silu_mul_ref, take_rows_ref)
 
 
 @pytest.fixture(scope="module")
@@ -40,116 +36,6 @@ def shim_libraries():
 @pytest.fixture
 def backend(shim_libraries):
     return CUDABackend(launcher=harness.ShimLauncher(shim_libraries))
-
-
-def small_partition_backend(shim_libraries, partition):
-    return CUDABackend(launcher=harness.ShimLauncher(shim_libraries), decode_partition=partition)
-
-
-# ---- the shim itself ------------------------------------------------------------------------------
-SELFTEST_SPECS = [
-    ks.KernelSpec("convert_kernel", "shim_selftest.cu",
-                  ks.signature("f16* h, bf16* b, float* h_back, float* b_back, const float* x, int n")),
-    ks.KernelSpec("shuffle_kernel", "shim_selftest.cu", ks.signature("int* out")),
-    ks.KernelSpec("atomics_kernel", "shim_selftest.cu",
-                  ks.signature("float* fsum, int* isum, int* imax, unsigned long long* usum")),
-    ks.KernelSpec("smem_kernel", "shim_selftest.cu", ks.signature("float* out, int* warp_out")),
-    ks.KernelSpec("divergent_kernel", "shim_selftest.cu", ks.signature("int* out")),
-    ks.KernelSpec("early_return_kernel", "shim_selftest.cu", ks.signature("int* out")),
-]
-
-
-@pytest.fixture(scope="module")
-def selftest():
-    lib = harness.build("shim_selftest.cu", SELFTEST_SPECS, folder=harness.SHIM_DIR)
-    launcher = harness.ShimLauncher({"shim_selftest.cu": lib})
-    specs = {s.name: s for s in SELFTEST_SPECS}
-
-    def run(name, grid, block, smem, *args):
-        launcher.launch(specs[name], (), grid, block, smem, ks.pack_args(specs[name], (), args))
-    return run
-
-
-def test_shim_conversions_are_bit_exact(selftest):
-    rng = np.random.default_rng(0)
-    special = np.array([0.0, -0.0, 1.0, -2.5, 65504.0, 65519.99, 65520.0, 1e6, -1e6, np.inf, -np.inf,
-                        2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-26, 1e-30, 1.0 + 2.0**-11,
-                        1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 3.0e38], np.float32)
-    scaled = (rng.standard_normal(2000) * 10.0 ** rng.integers(-9, 6, 2000)).astype(np.float32)
-    bits = rng.integers(0, 2**32, 3000, dtype=np.uint32).view(np.float32)
-    x = np.concatenate([special, scaled, bits])
-    x = x[~np.isnan(x)]
-    n = len(x)
-    h, b = np.empty(n, np.float16), np.empty(n, bfloat16)
-    hb, bb = np.empty(n, np.float32), np.empty(n, np.float32)
-    selftest("convert_kernel", (4,), (64,), 0, h, b, hb, bb, x, n)
-    with np.errstate(over="ignore"):  # values beyond fp16's range become inf, as on the GPU
-        want_h, want_b = x.astype(np.float16), x.astype(bfloat16)
-    np.testing.assert_array_equal(h.view(np.uint16), want_h.view(np.uint16))
-    np.testing.assert_array_equal(b.view(np.uint16), want_b.view(np.uint16))
-    np.testing.assert_array_equal(hb, want_h.astype(np.float32))
-    np.testing.assert_array_equal(bb, want_b.astype(np.float32))
-
-
-def test_shim_shuffles_follow_cuda_rules(selftest):
-    blocks, threads = 2, 64
-    out = np.zeros((blocks * threads, 6), np.int32)
-    selftest("shuffle_kernel", (blocks,), (threads,), 0, out)
-    tid = np.tile(np.arange(threads), blocks)
-    lane, warp0 = tid % 32, tid - tid % 32
-    v = lambda t: 3 * t + 1  # noqa: E731
-
-    def within(width, src_lane):  # a source outside the lane's width-segment returns the lane's own value
-        seg = lane - lane % width
-        ok = (src_lane >= seg) & (src_lane < seg + width)
-        return v(warp0 + np.where(ok, src_lane, lane))
-    np.testing.assert_array_equal(out[:, 0], v(warp0 + (lane ^ 5)))
-    np.testing.assert_array_equal(out[:, 1], within(32, lane + 3))
-    np.testing.assert_array_equal(out[:, 2], within(32, lane - 2))
-    np.testing.assert_array_equal(out[:, 3], v(warp0 + 7))
-    # xor with a width may read an earlier segment; only a later one yields the lane's own value
-    xor_src = lane ^ 9
-    np.testing.assert_array_equal(out[:, 4], v(warp0 + np.where(xor_src < lane - lane % 8 + 8, xor_src, lane)))
-    np.testing.assert_array_equal(out[:, 5], within(8, lane + 3))
-
-
-def test_shim_atomics(selftest):
-    fsum, isum = np.zeros(1, np.float32), np.zeros(1, np.int32)
-    imax, usum = np.full(1, -5, np.int32), np.zeros(1, np.uint64)
-    selftest("atomics_kernel", (3,), (96,), 0, fsum, isum, imax, usum)
-    assert fsum[0] == 3 * 96 and isum[0] == 3 * sum(range(96)) and imax[0] == 2 * 1000 + 95
-    assert int(usum[0]) == 3 * 96 * 2**33
-
-
-def test_shim_shared_memory_and_syncwarp(selftest):
-    blocks, threads = 3, 64
-    out, warp_out = np.zeros(blocks * threads, np.float32), np.zeros(blocks * threads, np.int32)
-    selftest("smem_kernel", (blocks,), (threads,), threads * 4, out, warp_out)
-    tid = np.arange(threads)
-    for b in range(blocks):
-        np.testing.assert_array_equal(out[b * threads:(b + 1) * threads], (threads - 1 - tid) * (b + 1))
-        neighbour = tid - tid % 32 + (tid % 32 + 1) % 32
-        np.testing.assert_array_equal(warp_out[b * threads:(b + 1) * threads], neighbour * 10 + b)
-
-
-@pytest.mark.parametrize("kernel", ["divergent_kernel", "early_return_kernel"])
-def test_shim_rejects_divergent_barriers(kernel, selftest):
-    """A barrier not reached by every thread is a bug on the GPU; the shim must abort, not pass."""
-    # Reuse the library the fixture built (same specs -> same cache entry).
-    lib = harness.build("shim_selftest.cu", SELFTEST_SPECS, folder=harness.SHIM_DIR)
-    code = textwrap.dedent(f"""
-        import ctypes, numpy as np
-        lib = ctypes.CDLL({str(lib)!r})
-        out = np.zeros(32, np.int32)
-        ptr = ctypes.c_void_p(out.ctypes.data)
-        args = (ctypes.c_void_p * 1)(ctypes.addressof(ptr))
-        fn = getattr(lib, "rawinfer_launch_{kernel}")
-        fn(*[ctypes.c_uint(v) for v in (1, 1, 1, 32, 1, 1)], ctypes.c_ulonglong(0), args)
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"RAWINFER_SHIM_DEADLOCK_S": "5", "PATH": "/usr/bin:/bin"})
-    assert proc.returncode != 0
-    assert "divergent synchronisation" in proc.stderr or "deadlock" in proc.stderr, proc.stderr
 
 
 # ---- argument packing -----------------------------------------------------------------------------
@@ -259,79 +145,6 @@ def test_kv_write(backend, dtype):
     backend.kv_write(qkv, k_cache, v_cache, slots, heads)
     np.testing.assert_array_equal(f64(k_cache), f64(ref_k))
     np.testing.assert_array_equal(f64(v_cache), f64(ref_v))
-
-
-DECODE_CASES = [
-    # heads, kv_heads, head_dim, block_size, context lengths, partition
-    (4, 2, 16, 4, [1, 17, 40], 16),        # ragged, splits of 4 blocks
-    (8, 1, 32, 8, [300, 5], 64),           # long context in 5 splits, G = 8 > heads per pass
-    (3, 3, 64, 16, [33, 16, 70, 2], 512),  # no grouping, one split each
-    (6, 2, 16, 3, [50], 9),                # block size 3, partition 9 (3 blocks)
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"decode{i}" for i in range(len(DECODE_CASES))])
-def test_paged_attention_decode(shim_libraries, dtype, case):
-    heads, kv_heads, head_dim, block_size, ctx_lens, partition = case
-    rng = np.random.default_rng(7)
-    paged = make_paged_batch(rng, dtype, [1] * len(ctx_lens), ctx_lens, heads, kv_heads, head_dim, block_size)
-    qkv, k_cache, v_cache, block_tables, context_lens, qsl = paged
-    backend = small_partition_backend(shim_libraries, partition)
-    out = np.zeros((len(ctx_lens), heads * head_dim), dtype)
-    scale = head_dim ** -0.5
-    backend.paged_attention(*paged, scale, out, 1, int(max(ctx_lens)))
-    names = [launch[0].split("<")[0] for launch in backend._launcher.launches]
-    assert names == ["paged_attention_decode_kernel", "paged_attention_merge_kernel"]
-    splits = backend._launcher.launches[0][1][0]
-    assert splits == -(-max(ctx_lens) // backend.decode_partition_size(heads // kv_heads, head_dim, block_size,
-                                                                        np.dtype(dtype).itemsize))
-    ref = paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, qsl, scale, heads)
-    assert_close(out, ref, dtype, "decode attention")
-
-
-def test_paged_attention_decode_grid_sized_for_graphs(shim_libraries):
-    """A grid sized for a longer bound than any sequence (as a captured graph needs) gives the same output."""
-    rng = np.random.default_rng(8)
-    paged = make_paged_batch(rng, np.float32, [1, 1], [20, 7], 4, 2, 16, 4)
-    backend = small_partition_backend(shim_libraries, 8)
-    outs = []
-    for bound in (20, 200):
-        out = np.zeros((2, 64), np.float32)
-        backend.paged_attention_decode(*paged, 0.25, out, bound)
-        outs.append(out)
-    np.testing.assert_array_equal(outs[0], outs[1])
-    assert backend._launcher.launches[-2][1][0] == 25
-
-
-PREFILL_CASES = [
-    # heads, kv_heads, head_dim, block_size, q lens, context lengths
-    (4, 2, 16, 4, [5, 1, 20], [5, 8, 33]),            # fresh prompt, a decode row, chunked prefill
-    (2, 1, 24, 16, [40], [40]),                       # three query tiles, two key tiles
-    (3, 3, 80, 5, [17, 3], [60, 3]),                  # D = 80, block size 5, long past
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=[f"prefill{i}" for i in range(len(PREFILL_CASES))])
-def test_paged_attention_prefill(backend, dtype, case):
-    heads, kv_heads, head_dim, block_size, q_lens, ctx_lens = case
-    rng = np.random.default_rng(9)
-    paged = make_paged_batch(rng, dtype, q_lens, ctx_lens, heads, kv_heads, head_dim, block_size)
-    qkv, k_cache, v_cache, block_tables, context_lens, qsl = paged
-    out = np.zeros((qkv.shape[0], heads * head_dim), dtype)
-    scale = head_dim ** -0.5
-    backend.paged_attention(*paged, scale, out, max(q_lens), max(ctx_lens))
-    assert [launch[0].split("<")[0] for launch in backend._launcher.launches] == ["paged_attention_prefill_kernel"]
-    ref = paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, qsl, scale, heads)
-    assert_close(out, ref, dtype, "prefill attention")
-
-
-def test_prefill_tile_fits_shared_memory():
-    for head_dim in (16, 64, 128, 256):
-        for itemsize in (2, 4):
-            tile, smem = CUDABackend.prefill_kv_tile(head_dim, itemsize)
-            assert tile in (8, 16, 32) and smem <= 48 * 1024
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
