@@ -14,13 +14,14 @@ back is released with the final output.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from rawinfer.core.sequence import FinishReason, Sequence
 from rawinfer.engine.metrics import RequestMetrics
-from rawinfer.engine.stop import StopChecker
+from rawinfer.engine.stop import StopChecker, StopStrings
 from rawinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -48,17 +49,32 @@ class SampleState:
 class OutputRules:
     """The finish rules of one engine (its tokenizer, end-of-sequence ids and context length)."""
 
+    STOP_LISTS_KEPT = 16           # compiled stop lists kept for reuse (the samples of a request, repeated lists)
+
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_model_len: int):
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self._stop_lists: OrderedDict[tuple[str, ...], StopStrings] = OrderedDict()   # least recently used first
+
+    def stop_strings(self, stop: list[str]) -> StopStrings:
+        """The compiled form of a stop list, shared by every sample (and request) that uses the same list."""
+        key = tuple(stop)
+        compiled = self._stop_lists.get(key)
+        if compiled is None:
+            compiled = self._stop_lists[key] = StopStrings(key)
+            if len(self._stop_lists) > self.STOP_LISTS_KEPT:
+                self._stop_lists.popitem(last=False)
+        else:
+            self._stop_lists.move_to_end(key)
+        return compiled
 
     def new_state(self, seq: Sequence, rng: np.random.Generator) -> SampleState:
         st = SampleState(seq, rng)
         if self.tokenizer is not None:
             st.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens],
                                               skip_special_tokens=True)
-            st.stop = StopChecker(seq.params.stop) if seq.params.stop else None
+            st.stop = StopChecker(self.stop_strings(seq.params.stop)) if seq.params.stop else None
         return st
 
     def add_token(self, st: SampleState, token: int, now: float) -> tuple[str, FinishReason | None]:
