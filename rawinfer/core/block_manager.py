@@ -91,6 +91,7 @@ class PrefixCacheStats:
     query_tokens: int = 0       # tokens looked up
     hit_tokens: int = 0         # tokens found cached (whole blocks)
     evicted_blocks: int = 0     # cached blocks reused for new data
+    cached_free_blocks: int = 0     # gauge: free blocks that still hold a cached prefix (a hit takes them back)
 
     @property
     def hit_rate(self) -> float:
@@ -210,6 +211,7 @@ class BlockManager:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        self.stats.cached_free_blocks = 0
 
     # ---- allocation ------------------------------------------------------------------------------
     def num_blocks_needed(self, seq_id_or_None: Hashable | None, num_computed_tokens: int, num_new_tokens: int,
@@ -238,6 +240,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 self._free.remove(block)
+                self.stats.cached_free_blocks -= 1
             block.ref_cnt += 1
             state.blocks.append(block)
             new_ids.append(block_id)
@@ -278,6 +281,7 @@ class BlockManager:
                     self._free.appendleft(block)    # holds nothing reusable: reuse it first
                 else:
                     self._free.append(block)
+                    self.stats.cached_free_blocks += 1
 
     # ---- internals -------------------------------------------------------------------------------
     def _get(self, seq_id: Hashable) -> _SeqBlocks:
@@ -343,6 +347,7 @@ class BlockManager:
             del self._cached[block.block_hash]
             block.block_hash = None
             self.stats.evicted_blocks += 1
+            self.stats.cached_free_blocks -= 1
         block.ref_cnt = 1
         return block
 
@@ -375,5 +380,8 @@ class BlockManager:
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) is block, f"{block!r} has a digest the cache map lacks"
         assert len(self._free) + num_used == nb, f"{len(self._free)} free + {num_used} used != {nb} blocks"
+        cached_free = sum(b.block_hash is not None for b in free_nodes)
+        assert self.stats.cached_free_blocks == cached_free, \
+            f"stats count {self.stats.cached_free_blocks} cached free blocks, the free list holds {cached_free}"
         for digest, block in self._cached.items():
             assert block.block_hash == digest, f"cache map key {digest.hex()[:8]} points at {block!r}"

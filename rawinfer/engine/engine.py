@@ -330,13 +330,21 @@ class LLMEngine:
 
     # ---- gauges -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        bm = self.block_manager
+        """Gauges and counters. A free block may still hold a cached prefix (prefix_cache_free_blocks, part
+        of kv_blocks_free): a hit takes it back, new data evicts it (prefix_cache_evictions)."""
+        bm, pc = self.block_manager, self.block_manager.stats
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
             "kv_blocks_total": bm.num_blocks,
             "kv_usage": bm.usage,
+            "prefix_cache_blocks": bm.num_cached_blocks,
+            "prefix_cache_free_blocks": pc.cached_free_blocks,
+            "prefix_cache_evictions": pc.evicted_blocks,
+            "prefix_cache_hit_tokens": pc.hit_tokens,
+            "prefix_cache_query_tokens": pc.query_tokens,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             **self.stats_tracker.snapshot(),
