@@ -24,8 +24,8 @@ from ml_dtypes import bfloat16  # noqa: E402
 
 from rawinfer.backend.cuda.backend import CUDABackend  # noqa: E402
 from reference_ops import (DTYPE_IDS, DTYPES, add_rmsnorm_ref, argmax_ref, assert_close, copy_blocks_ref,  # noqa: E402
-                           cos_sin_table, embedding_ref, f64, kv_write_ref, linear_ref, rand, rmsnorm_ref,
-                           rope_ref, sample_ref, silu_mul_ref, take_rows_ref)
+                           cos_sin_table, embedding_ref, f64, gelu_tanh_mul_ref, head_rmsnorm_ref, kv_write_ref,
+                           linear_ref, rand, rmsnorm_ref, rope_ref, sample_ref, silu_mul_ref, take_rows_ref)
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +74,17 @@ RESIDUAL_IDS = ["f32", "f16", "bf16", "f16-res32", "bf16-res32"]
 
 
 @pytest.mark.parametrize("dtype,res_dtype", RESIDUAL_CASES, ids=RESIDUAL_IDS)
-def test_embedding(backend, dtype, res_dtype):
+@pytest.mark.parametrize("n,hidden", [(9, 70), (1, 16), (17, 640)])
+def test_embedding(backend, dtype, res_dtype, n, hidden):
     rng = np.random.default_rng(1)
-    table = rand(rng, (50, 70), dtype)
-    ids = rng.integers(0, 50, 9).astype(np.int32)
-    out = np.zeros((9, 70), res_dtype)
+    table = rand(rng, (50, hidden), dtype)
+    ids = rng.integers(0, 50, n).astype(np.int32)
+    out = np.zeros((n, hidden), res_dtype)
     backend.embedding(ids, table, out)
-    np.testing.assert_array_equal(f64(out), f64(embedding_ref(ids, table)))
+    np.testing.assert_array_equal(f64(out), f64(embedding_ref(ids, table)))   # scale 1: the exact rows
+    scale = float(np.sqrt(hidden))   # Gemma's embedding scale
+    backend.embedding(ids, table, out, scale)
+    assert_close(out, embedding_ref(ids, table, scale), res_dtype, "scaled embedding")
 
 
 @pytest.mark.parametrize("dtype,res_dtype", RESIDUAL_CASES, ids=RESIDUAL_IDS)
@@ -124,14 +128,48 @@ def test_rope(backend, dtype, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("shape", [(3, 300), (2, 40)])
-def test_silu_mul(backend, dtype, shape):
+@pytest.mark.parametrize("n,heads,kv_heads,head_dim", [
+    (3, 4, 1, 256),     # Gemma 3 270M: 4 q heads and 1 kv head of 256
+    (1, 2, 2, 16),
+    (17, 6, 2, 64),     # 8 normalised heads: two blocks of 4 warps
+    (3, 5, 1, 128),     # 6 heads: the second block has 2 idle warps
+    (2, 1, 1, 40),      # D not a multiple of the warp
+])
+def test_head_rmsnorm(backend, dtype, n, heads, kv_heads, head_dim):
+    rng = np.random.default_rng(16)
+    qkv = rand(rng, (n, (heads + 2 * kv_heads) * head_dim), dtype, 3.0)
+    q_weight, k_weight = rand(rng, (head_dim,), dtype), rand(rng, (head_dim,), dtype)
+    ref = head_rmsnorm_ref(qkv, q_weight, k_weight, 1e-6, heads, kv_heads)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].copy()
+    backend.head_rmsnorm(qkv, q_weight, k_weight, 1e-6, heads, kv_heads)
+    assert_close(qkv, ref, dtype, "head_rmsnorm")
+    np.testing.assert_array_equal(f64(qkv[:, (heads + kv_heads) * head_dim:]), f64(v_before))
+
+
+def test_head_rmsnorm_checks_shapes(backend):
+    qkv = np.zeros((2, 6 * 16), np.float32)
+    with pytest.raises(ValueError, match="head_rmsnorm: k_weight"):
+        backend.head_rmsnorm(qkv, np.ones(16, np.float32), np.ones(8, np.float32), 1e-6, 4, 1)
+    with pytest.raises(ValueError, match="head_rmsnorm: qkv"):
+        backend.head_rmsnorm(qkv, np.ones(16, np.float32), np.ones(16, np.float32), 1e-6, 2, 1)
+    with pytest.raises(ks.KernelArgumentError, match="dtype"):
+        backend.head_rmsnorm(qkv, np.ones(16, np.float16), np.ones(16, np.float16), 1e-6, 4, 1)
+
+
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(3, 300), (2, 40), (1, 16), (17, 97)])
+def test_gated_activations(backend, op, dtype, shape):
     rng = np.random.default_rng(5)
     n, f = shape
     gate_up = rand(rng, (n, 2 * f), dtype, 3.0)
+    gate_up[0, :6] = [-30.0, -9.0, -0.5, 0.0, 9.0, 30.0]   # both tails and zero
     out = np.zeros((n, f), dtype)
-    backend.silu_mul(gate_up, out)
-    assert_close(out, silu_mul_ref(gate_up), dtype, "silu_mul")
+    getattr(backend, op)(gate_up, out)
+    ref = {"silu_mul": silu_mul_ref, "gelu_tanh_mul": gelu_tanh_mul_ref}[op](gate_up)
+    assert_close(out, ref, dtype, op)
+    with pytest.raises(ValueError, match=f"{op}: out"):
+        getattr(backend, op)(gate_up, np.zeros((n, f + 1), dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -257,6 +295,13 @@ def test_sample_agrees_with_the_cpu_sampler(backend):
                               np.array([p.top_p for p in params]), np.array([p.min_p for p in params]), uniform)
     assert ambiguous.sum() <= 1
     np.testing.assert_array_equal(got[~ambiguous], np.array(want)[~ambiguous])
+
+
+def test_int8_embedding_table_is_refused(backend):
+    from rawinfer.quant import Int8Weight
+    table = Int8Weight(np.zeros((50, 16), np.int8), np.ones(50, np.float32))
+    with pytest.raises(ValueError, match="int8 weight-only models run on the CPU backend"):
+        backend.embedding(np.zeros(2, np.int32), table, np.zeros((2, 16), np.float32))
 
 
 def test_kv_cache_dtype_int8_is_refused_on_cuda(backend):

@@ -50,6 +50,8 @@ from rawinfer.backend.cuda.runtime import (CUDAGraph, CuPyLauncher, cuda_availab
 from rawinfer.backend.cuda.sampling import DeviceSampling
 from rawinfer.quant import Int8Weight
 
+HEAD_RMSNORM_HEADS_PER_BLOCK = 4   # HEADS_PER_BLOCK in cuda/head_rmsnorm.cu: one warp per head
+
 try:
     from ml_dtypes import bfloat16 as _BF16
 except ImportError:  # pragma: no cover
@@ -151,11 +153,15 @@ class CUDABackend(PagedAttention, DeviceSampling, Backend):
         return self.xp.asarray(np.ascontiguousarray(host, dtype=np.int32))
 
     # ---- layer ops ------------------------------------------------------------------------------
-    def embedding(self, ids, table, out) -> None:
+    def embedding(self, ids, table, out, scale: float = 1.0) -> None:
+        """out = table[ids] * scale, the product in float32 (scale 1 copies the rows exactly)."""
+        if isinstance(table, Int8Weight):
+            raise ValueError("int8 weight-only models run on the CPU backend; convert without --quant "
+                             "for --device cuda")
         n, hidden = shapes.embedding(ids, table.shape, out)
         if n:
             self._launch("embedding_kernel", (ks.element_type(table.dtype), ks.element_type(out.dtype)), (n,),
-                         (row_threads(hidden),), 0, out, ids, table, hidden)
+                         (row_threads(hidden),), 0, out, ids, table, hidden, scale)
 
     def rmsnorm(self, x, weight, eps: float, out) -> None:
         n, hidden = shapes.norm("rmsnorm", x, weight, out)
@@ -200,11 +206,27 @@ class CUDABackend(PagedAttention, DeviceSampling, Backend):
             self._launch("rope_kernel", (ks.element_type(qkv.dtype),), (n,), (row_threads(pairs),), 0,
                          qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim)
 
+    def head_rmsnorm(self, qkv, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int) -> None:
+        """One warp per q or k head of a token: grid (T, ceil((H + Hkv) / 4)), 4 warps a block."""
+        n, head_dim = shapes.head_rmsnorm(qkv, q_weight, k_weight, num_heads, num_kv_heads)
+        if n:
+            heads = num_heads + num_kv_heads
+            self._launch("head_rmsnorm_kernel", (ks.element_type(qkv.dtype),),
+                         (n, -(-heads // HEAD_RMSNORM_HEADS_PER_BLOCK)), (32 * HEAD_RMSNORM_HEADS_PER_BLOCK,), 0,
+                         qkv, q_weight, k_weight, num_heads, num_kv_heads, head_dim, eps)
+
     def silu_mul(self, gate_up, out) -> None:
-        n, ffn = shapes.silu_mul(gate_up, out)
+        self._gated_activation("silu_mul", gate_up, out)
+
+    def gelu_tanh_mul(self, gate_up, out) -> None:
+        self._gated_activation("gelu_tanh_mul", gate_up, out)
+
+    def _gated_activation(self, op: str, gate_up, out) -> None:
+        """out[T, F] = act(gate_up[:, :F]) * gate_up[:, F:] with the kernel <op>_kernel of silu_mul.cu."""
+        n, ffn = shapes.silu_mul(gate_up, out, op=op)
         if n:
             threads = min(256, round_up(ffn, 32))
-            self._launch("silu_mul_kernel", (ks.element_type(out.dtype),), (n, -(-ffn // threads)), (threads,), 0,
+            self._launch(f"{op}_kernel", (ks.element_type(out.dtype),), (n, -(-ffn // threads)), (threads,), 0,
                          out, gate_up, ffn)
 
     def kv_write(self, qkv, k_cache, v_cache, slot_mapping, num_heads: int) -> None:

@@ -119,14 +119,18 @@ def _with_residual(name: str, source: str, params: str) -> KernelSpec:
 
 
 SPECS: dict[str, KernelSpec] = {s.name: s for s in (
-    _with_residual("embedding_kernel", "embedding.cu", "R* out, const int* ids, const T* table, int hidden"),
+    _with_residual("embedding_kernel", "embedding.cu", "R* out, const int* ids, const T* table, int hidden, float scale"),
     _with_residual("rmsnorm_kernel", "rmsnorm.cu", "T* out, const R* x, const T* weight, int hidden, float eps"),
     _with_residual("add_rmsnorm_kernel", "rmsnorm.cu",
                    "T* out, R* residual, const T* x, const T* weight, int hidden, float eps"),
     _each_float("rope_kernel", "rope.cu",
                 "T* qkv, const int* positions, const float* cos_sin, int num_heads, int num_kv_heads, "
                 "int head_dim"),
+    _each_float("head_rmsnorm_kernel", "head_rmsnorm.cu",
+                "T* qkv, const T* q_weight, const T* k_weight, int num_heads, int num_kv_heads, int head_dim, "
+                "float eps"),
     _each_float("silu_mul_kernel", "silu_mul.cu", "T* out, const T* gate_up, int ffn"),
+    _each_float("gelu_tanh_mul_kernel", "silu_mul.cu", "T* out, const T* gate_up, int ffn"),
     _each_float("kv_write_kernel", "kv_write.cu",
                 "T* k_cache, T* v_cache, const T* qkv, const int* slot_mapping, int num_heads, "
                 "int num_kv_heads, int head_dim, int block_size"),
