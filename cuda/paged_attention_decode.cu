@@ -13,10 +13,16 @@
 //   part_sum          [B, H, S]             float  sum_t exp(s_t - m)
 //   out               [T, H * D]            T
 //
+// Sliding window: window W > 0 means the query (at position ctx - 1) sees positions [first, ctx) with
+// first = max(0, ctx - W); W = 0 means first = 0 (full causal attention).  The splits start at first,
+// not at 0: positions before the window are never read, nor are their block table entries, which may
+// be stale (the scheduler may free blocks that slid out of the window).
+//
 // paged_attention_decode_kernel
-//   grid (S, Hkv, B), block (128, 1, 1).  Block (s, h, b) covers positions [s * P, min((s+1) * P, ctx))
-//   of sequence b for KV head h and ALL G = H / Hkv query heads that share it: each K/V row is fetched
-//   from memory once per step, not G times.  S = ceil(max_context_len / P) is a host-side bound; blocks
+//   grid (S, Hkv, B), block (128, 1, 1).  Block (s, h, b) covers positions
+//   [first + s * P, min(first + (s+1) * P, ctx)) of sequence b for KV head h and ALL G = H / Hkv query
+//   heads that share it: each K/V row is fetched from memory once per step, not G times.
+//   S = ceil(min(max_context_len, W) / P) (W = 0: ceil(max_context_len / P)) is a host-side bound; blocks
 //   past a sequence's context return at once, so the grid may be sized for the longest context the
 //   engine allows (what a captured CUDA graph needs).
 //   Dynamic shared memory, floats:  q_s [G, D] | p_s [G, P] | red_s [NG, GC, D]
@@ -31,7 +37,10 @@
 //
 // paged_attention_merge_kernel
 //   grid (H, B), block (threads, 1, 1): out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s over the
-//   splits that hold positions of the sequence (M = max_s m_s).
+//   splits that hold positions of the sequence, s < ceil((ctx - first) / P) (M = max_s m_s).
+//   NOTE: because the splits start at the window's first position, every split the merge reads holds at
+//   least one position (a finite m_s, l_s >= 1); the splits past it returned without writing and are
+//   not read.
 //
 // Requirements checked by the host: D * sizeof(T) a multiple of 16 and D <= 256, H a multiple of Hkv,
 // P a multiple of BS, all pointers 16-byte aligned.
@@ -46,14 +55,15 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_attention_decode_kernel(
     const T* __restrict__ qkv, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens,
     const int* __restrict__ query_start_loc, float scale, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, int max_blocks_per_seq, int partition_size, int num_splits) {
+    int block_size, int max_blocks_per_seq, int partition_size, int num_splits, int window) {
   constexpr int VEC = VecOf<T>::N;
   constexpr int GC = DECODE_HEADS_PER_PASS;
   const int split = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int seq = blockIdx.z;
   const int ctx = context_lens[seq];
-  const int start = split * partition_size;
+  const int first = window > 0 ? imax(0, ctx - window) : 0;  // the query's first visible position
+  const int start = first + split * partition_size;
   if (start >= ctx) return;  // the whole block leaves together: no barrier is skipped by some threads
   const int n = imin(partition_size, ctx - start);
 
@@ -176,10 +186,13 @@ template <typename T>
 __global__ void __launch_bounds__(1024) paged_attention_merge_kernel(
     T* __restrict__ out, const float* __restrict__ part_out, const float* __restrict__ part_max,
     const float* __restrict__ part_sum, const int* __restrict__ context_lens,
-    const int* __restrict__ query_start_loc, int num_heads, int head_dim, int partition_size, int num_splits) {
+    const int* __restrict__ query_start_loc, int num_heads, int head_dim, int partition_size, int num_splits,
+    int window) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
-  const int used = imin(ceil_div(context_lens[seq], partition_size), num_splits);
+  const int ctx = context_lens[seq];
+  const int first = window > 0 ? imax(0, ctx - window) : 0;
+  const int used = imin(ceil_div(ctx - first, partition_size), num_splits);
   const long long stat = (static_cast<long long>(seq) * num_heads + head) * num_splits;
   float m = neg_inf();
   for (int s = 0; s < used; ++s) m = fmaxf(m, part_max[stat + s]);

@@ -16,8 +16,8 @@
 //   h / (H / Hkv)); blocks past the sequence's q_len return at once.  Thread layout: 16 rows x 8 lanes;
 //   the 8 lanes of a row are consecutive lanes of one warp, so row-wise reductions are 3 xor-shuffles.
 //   It walks key tiles of BK = kv_tile positions (32, 16 or 8, chosen by the host to fit 48 KiB)
-//   from position 0 up to the last position its rows may see (causal), gathering each tile's rows
-//   through the block table into shared memory:
+//   from the first position any of its rows may see up to the last one (causal), gathering each tile's
+//   rows through the block table into shared memory:
 //
 //     q_s [16, D+1] float (pre-scaled)  k_s [BK, D + pad] T   v_s [BK, D + pad] T   p_s [16, BK] float
 //
@@ -26,6 +26,13 @@
 //   shuffle max, and each lane keeps D/8 output accumulators (dims c, c+8, ...) in registers:
 //   acc = acc * alpha + sum_k p_k v_k.  The row sum l is kept per lane and summed once at the end.
 //   The pad of one 32-bit word per K/V row keeps the 8 lanes' reads of 8 different rows in 8 banks.
+//
+// Sliding window: window W > 0 means the query at position p sees keys p - W + 1 ... p only (W = 0: all
+// keys up to p).  The block's first row sees the earliest keys, so its walk starts at
+// kv_begin = max(0, past + row0 - W + 1): positions before it are visible to no row of the block and
+// are never read, nor are their block table entries, which may be stale (the scheduler may free blocks
+// that slid out of the window of the chunk's first query).  Inside the walk each row masks the keys
+// before its own window like the keys after its position.
 //
 // NOTE: plain float FMAs, no tensor cores: simple and exact enough for every D <= 256.
 // Requirements checked by the host: D <= 256, H a multiple of Hkv, kv_tile in {8, 16, 32}.
@@ -42,7 +49,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS, 1) paged_attention_prefill_ke
     T* __restrict__ out, const T* __restrict__ qkv, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ context_lens,
     const int* __restrict__ query_start_loc, float scale, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, int max_blocks_per_seq, int kv_tile) {
+    int block_size, int max_blocks_per_seq, int kv_tile, int window) {
   constexpr int DIMS_PER_LANE = PREFILL_MAX_D / PREFILL_LANES;       // 32 accumulators at most
   constexpr int KEYS_PER_LANE = PREFILL_MAX_TILE / PREFILL_LANES;    // 4 scores at most
   const int head = blockIdx.y;
@@ -62,7 +69,9 @@ __global__ void __launch_bounds__(PREFILL_THREADS, 1) paged_attention_prefill_ke
   const int c = tid % PREFILL_LANES;
   const bool row_active = row0 + r < q_len;
   const int q_pos = past + row0 + r;
-  const int kv_end = past + imin(row0 + PREFILL_ROWS, q_len);  // keys [0, kv_end) are visible to some row
+  const int q_lo = window > 0 ? q_pos - window + 1 : 0;  // the row's first visible key
+  const int kv_begin = window > 0 ? imax(0, past + row0 - window + 1) : 0;
+  const int kv_end = past + imin(row0 + PREFILL_ROWS, q_len);  // keys [kv_begin, kv_end) are visible to some row
   const long long row_len = static_cast<long long>(num_heads + 2 * num_kv_heads) * D;
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
   const long long tile_stride = static_cast<long long>(block_size) * D;
@@ -91,7 +100,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS, 1) paged_attention_prefill_ke
   float m_run = neg_inf();
   float l_lane = 0.0f;  // this lane's share of the row's sum of exp
 
-  for (int k0 = 0; k0 < kv_end; k0 += BK) {
+  for (int k0 = kv_begin; k0 < kv_end; k0 += BK) {
     __syncthreads();  // the previous tile is no longer read (and, the first time, q_s is written)
     for (int i = tid; i < BK * D; i += PREFILL_THREADS) {
       const int j = i / D;
@@ -116,7 +125,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS, 1) paged_attention_prefill_ke
     for (int jj = 0; jj < KEYS_PER_LANE; ++jj) {
       s[jj] = neg_inf();
       const int j = c + PREFILL_LANES * jj;
-      if (j < BK && row_active && k0 + j <= q_pos) {
+      if (j < BK && row_active && k0 + j <= q_pos && k0 + j >= q_lo) {
         const float* q = q_s + r * q_stride;
         const T* k = k_s + j * kv_stride;
         float dot = 0.0f;

@@ -4,8 +4,11 @@ Backend.paged_attention (base.py) checks the shapes and sends a pure decode batc
 `paged_attention_decode`, anything else to `paged_attention_prefill`; the kernels' own comments
 (cuda/paged_attention_decode.cu, cuda/paged_attention_prefill.cu) give their layouts and shared memory.
 
-Decode splits each sequence's context into partitions of whole KV blocks (split-K, one thread block per
-split, KV head and sequence) and merges the splits in a second kernel.  The partial results live in a
+Decode splits each sequence's context into partitions of P positions, P a whole number of KV blocks
+(split-K, one thread block per split, KV head and sequence), and merges the splits in a second kernel.
+On a sliding-window layer (window W > 0) the partitions cover the window only, from its first position:
+the positions before it are never read, and the grid needs ceil(min(bound, W) / P) splits.  Both
+kernels take the window as an argument (0: full causal attention).  The partial results live in a
 float32 scratch buffer: a private, growing one by default, or a carve of the memory pool bound with
 `bind_attention_workspace` (sized by `attention_workspace_bytes`), so that a decode step allocates nothing
 and can be captured in a CUDA graph.
@@ -90,10 +93,13 @@ class PagedAttention(KernelLaunches):
         return self._workspace
 
     def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                               scale: float, out, max_context_len: int) -> None:
-        """Grid (S, Hkv, B), S = ceil(max_context_len / P): max_context_len is a bound, not the batch's
-        longest context, so a captured graph may fix it at the longest context the engine allows."""
+                               scale: float, out, max_context_len: int, window: int = 0) -> None:
+        """Grid (S, Hkv, B), S = ceil(min(max_context_len, window) / P) (window 0: ceil(max_context_len / P)):
+        max_context_len is a bound, not the batch's longest context, so a captured graph may fix it at the
+        longest context the engine allows.  The splits start at each sequence's window, so a sliding layer
+        needs only the splits its window spans."""
         op = "paged_attention_decode"
+        window = _check_window(op, window)
         batch, num_heads, num_kv_heads, block_size, head_dim = self._attention_sizes(
             op, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, out)
         itemsize = np.dtype(k_cache.dtype).itemsize
@@ -107,7 +113,7 @@ class PagedAttention(KernelLaunches):
             return
         group = num_heads // num_kv_heads
         partition = self.decode_partition_size(group, head_dim, block_size, itemsize)
-        splits = -(-max_context_len // partition)
+        splits = -(-(min(max_context_len, window) if window else max_context_len) // partition)
         stats = batch * num_heads * splits
         scratch = self._scratch(stats * (head_dim + 2))
         part_out = scratch[:stats * head_dim]                          # [B, H, S, D]
@@ -118,10 +124,10 @@ class PagedAttention(KernelLaunches):
                      self._decode_smem(group, head_dim, partition, itemsize),
                      part_out, part_max, part_sum, qkv, k_cache, v_cache, block_tables, context_lens,
                      query_start_loc, scale, num_heads, num_kv_heads, head_dim, block_size,
-                     block_tables.shape[1], partition, splits)
+                     block_tables.shape[1], partition, splits, window)
         self._launch("paged_attention_merge_kernel", targs, (num_heads, batch), (min(1024, round_up(head_dim, 32)),),
                      0, out, part_out, part_max, part_sum, context_lens, query_start_loc, num_heads, head_dim,
-                     partition, splits)
+                     partition, splits, window)
 
     # ---- prefill: query tiles x key tiles -----------------------------------------------------------
     @staticmethod
@@ -137,8 +143,9 @@ class PagedAttention(KernelLaunches):
         raise ValueError(f"paged_attention_prefill: head_dim {head_dim} does not fit in shared memory")
 
     def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                scale: float, out, max_query_len: int) -> None:
+                                scale: float, out, max_query_len: int, window: int = 0) -> None:
         """Grid (ceil(max_query_len / 16), H, B): one block per 16 query rows of one head and sequence."""
+        window = _check_window("paged_attention_prefill", window)
         batch, num_heads, num_kv_heads, block_size, head_dim = self._attention_sizes(
             "paged_attention_prefill", qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, out)
         if batch == 0 or max_query_len < 1:
@@ -147,4 +154,11 @@ class PagedAttention(KernelLaunches):
         self._launch("paged_attention_prefill_kernel", (ks.element_type(qkv.dtype),),
                      (-(-max_query_len // PREFILL_ROWS), num_heads, batch), (PREFILL_THREADS,), smem,
                      out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, num_heads,
-                     num_kv_heads, head_dim, block_size, block_tables.shape[1], tile)
+                     num_kv_heads, head_dim, block_size, block_tables.shape[1], tile, window)
+
+
+def _check_window(op: str, window) -> int:
+    """The sliding window as the kernels take it: W >= 1 tokens, or 0 for full causal attention."""
+    if int(window) != window or window < 0:
+        raise ValueError(f"{op}: window must be 0 (full attention) or a positive number of tokens, got {window!r}")
+    return int(window)

@@ -138,15 +138,15 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                 "float* part_out, float* part_max, float* part_sum, const T* qkv, const T* k_cache, "
                 "const T* v_cache, const int* block_tables, const int* context_lens, "
                 "const int* query_start_loc, float scale, int num_heads, int num_kv_heads, int head_dim, "
-                "int block_size, int max_blocks_per_seq, int partition_size, int num_splits"),
+                "int block_size, int max_blocks_per_seq, int partition_size, int num_splits, int window"),
     _each_float("paged_attention_merge_kernel", "paged_attention_decode.cu",
                 "T* out, const float* part_out, const float* part_max, const float* part_sum, "
                 "const int* context_lens, const int* query_start_loc, int num_heads, int head_dim, "
-                "int partition_size, int num_splits"),
+                "int partition_size, int num_splits, int window"),
     _each_float("paged_attention_prefill_kernel", "paged_attention_prefill.cu",
                 "T* out, const T* qkv, const T* k_cache, const T* v_cache, const int* block_tables, "
                 "const int* context_lens, const int* query_start_loc, float scale, int num_heads, "
-                "int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int kv_tile"),
+                "int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int kv_tile, int window"),
     _each_float("argmax_kernel", "sampling.cu", "int* out_ids, const T* logits, int vocab"),
     _each_float("sample_kernel", "sampling.cu",
                 "int* out_ids, const T* logits, const float* temperature, const int* top_k, "
