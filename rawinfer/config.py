@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 VERSION = "0.1.0"                                   # rawinfer's version (pyproject.toml says the same)
@@ -61,6 +62,31 @@ class ModelFormatError(ValueError):
     """A converted model folder is missing, corrupt, or of an unknown format version."""
 
 
+def _has_type(value: Any, annotation: str) -> bool:
+    """Whether a value has the type its field's annotation names ('int', 'float | None', 'tuple[int, ...]',
+    'RopeConfig'); NumPy scalars count as numbers, bools never do."""
+    if " | " in annotation or annotation.startswith("tuple["):
+        inner = annotation[len("tuple["):].split(",")[0] if annotation.startswith("tuple[") else None
+        return (isinstance(value, (tuple, list)) and all(_has_type(v, inner) for v in value) if inner else
+                any(value is None if a == "None" else _has_type(value, a) for a in annotation.split(" | ")))
+    if annotation in ("int", "float"):
+        kind = numbers.Integral if annotation == "int" else numbers.Real
+        return isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+    return type(value).__name__ == annotation or (annotation == "str" and isinstance(value, str))
+
+
+def _check_fields(config: Any, ranges: dict[str, tuple[Any, str]]) -> None:
+    """ModelFormatError naming the first field of the wrong type or outside its range (field -> (predicate,
+    what it must be)): config.json is data from disk, nothing in it is trusted."""
+    kinds = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+    for f in fields(config):
+        value, (ok, what) = getattr(config, f.name), ranges.get(f.name, (None, None))
+        if _has_type(value, f.type) and (ok is None or ok(value)):
+            continue
+        raise ModelFormatError(f"{f.name}={value!r} is invalid: it must be "
+                               f"{what or kinds.get(f.type, 'of type ' + f.type)}; re-convert the model")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -71,6 +97,10 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self):
+        positive = (lambda v: v > 0, "a positive number")
+        _check_fields(self, {"theta": positive, "factor": positive, "low_freq_factor": positive,
+                             "high_freq_factor": positive,
+                             "original_max_position_embeddings": (lambda v: v >= 1, "a positive integer")})
         if self.type not in ("default", "llama3"):
             raise ModelFormatError(f"unsupported RoPE type {self.type!r}: rawinfer supports 'default' and 'llama3'")
 
@@ -100,11 +130,25 @@ class ModelConfig:
     source: str = ""
 
     def __post_init__(self):
+        self._check_values()
         if self.num_heads % self.num_kv_heads:
             raise ModelFormatError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.dtype not in DTYPES:
             raise ModelFormatError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
+
+    def _check_values(self) -> None:
+        """Every field's type; sizes positive, token ids inside the vocabulary, a positive norm epsilon."""
+        V = self.vocab_size if _has_type(self.vocab_size, "int") else 0
+        size = (lambda v: v >= 1, "a positive integer")
+        token = (lambda v: v is None or 0 <= v < V, f"null or a token id below vocab_size {V}")
+        _check_fields(self, {**{k: size for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                                  "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings")},
+                             "rms_norm_eps": (lambda v: v > 0, "a positive number"),
+                             "bos_token_id": token, "pad_token_id": token,
+                             "eos_token_ids": (lambda v: all(0 <= t < V for t in v),
+                                               f"a list of token ids below vocab_size {V}"),
+                             "rope": (None, "a map of RoPE settings")})
 
     # Derived sizes, named with the shape letters of docs/architecture.md.
     @property
@@ -133,6 +177,9 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ModelFormatError(f"{where} must hold a JSON object of model settings, not a JSON "
+                                   f"{type(d).__name__}; re-convert the model")
         if d.get("format") != FORMAT_NAME:
             raise ModelFormatError(
                 f"{where} is not a rawinfer model config (no \"format\": \"rawinfer\"); "
@@ -150,11 +197,15 @@ class ModelConfig:
                 f"{where} has quant {d['quant']!r}, which this rawinfer does not read ({', '.join(QUANT_TYPES)}); "
                 "re-convert the model (`rawinfer convert SRC DST --quant ...`) or upgrade rawinfer")
         try:
-            d["rope"] = RopeConfig(**d.get("rope", {}))
-            d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+            if isinstance(d.get("rope", {}), dict):         # else the field check names it
+                d["rope"] = RopeConfig(**d.get("rope", {}))
+            if isinstance(d.get("eos_token_ids", ()), list):
+                d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
             return cls(**d)
         except TypeError as e:
             raise ModelFormatError(f"{where} has unexpected or missing keys ({e}); re-convert the model") from e
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{where}: {e}") from None
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "ModelConfig":
@@ -170,6 +221,9 @@ class ModelConfig:
         try:
             with open(path, encoding="utf-8") as f:
                 d = json.load(f)
+        except UnicodeDecodeError as e:
+            raise ModelFormatError(f"cannot read {path}: it is not UTF-8 text ({e.reason} at byte {e.start}); "
+                                   "re-convert the model") from None
         except (OSError, json.JSONDecodeError) as e:
             raise ModelFormatError(f"cannot read {path}: {e}; re-convert the model") from e
         return cls.from_json(d, where=path)

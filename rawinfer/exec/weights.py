@@ -86,6 +86,10 @@ def load_weights(cfg: ModelConfig, model_dir: str, views: dict, upload) -> None:
     missing = sorted(set(shapes) - set(header))
     if missing:
         raise ModelFormatError(f"{path} lacks tensor(s) {', '.join(missing[:5])}; re-convert the model")
+    extra = sorted(set(header) - set(shapes))
+    if extra:       # e.g. num_layers lowered in config.json: the other layers would be ignored silently
+        raise ModelFormatError(f"{path} holds tensor(s) {', '.join(extra[:5])} that config.json does not describe "
+                               f"(it says {cfg.num_layers} layers); the two disagree: re-convert the model")
     for name, shape in shapes.items():
         tag = header[name].get("dtype")
         want = _SAFETENSORS_TAGS[quant_parts[name].name] if name in quant_parts else None
@@ -104,11 +108,28 @@ def load_weights(cfg: ModelConfig, model_dir: str, views: dict, upload) -> None:
     try:
         with safe_open(path, framework="numpy") as f:
             for name in shapes:
-                upload(views[name], f.get_tensor(name))
+                host = f.get_tensor(name)
+                check_finite(path, name, host)
+                upload(views[name], host)
     except ModelFormatError:
         raise
     except Exception as e:  # safetensors raises its own error types on truncation/corruption
         raise ModelFormatError(f"cannot read {path} ({e}); the file is corrupt or truncated: re-convert the model") from e
+
+
+def check_finite(path: str, name: str, host: np.ndarray) -> None:
+    """ModelFormatError if a floating-point tensor holds a NaN or an infinity (a damaged file that would
+    otherwise run and print token 0 or changed text). One float32 sum per tensor (NaN and Inf propagate
+    through it); only a sum that overflowed or is not finite pays for the elementwise check."""
+    if host.dtype.kind not in "fV" or host.size == 0:     # integer parts of quantized weights cannot be
+        return                                           # non-finite ("V": bfloat16 without ml_dtypes)
+    values = host.astype(np.float32) if host.dtype.kind == "V" else host
+    if np.isfinite(values.sum(dtype=np.float32)):
+        return
+    bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+    if bad:
+        raise ModelFormatError(f"{path}: tensor {name} holds {bad} NaN or Inf value(s); the file is damaged: "
+                               "re-convert the model")
 
 
 def init_random_weights(cfg: ModelConfig, views: dict, upload, seed: int = 0, std: float = 0.02) -> None:
