@@ -4,8 +4,9 @@ A converted model folder (written by `rawinfer convert`) holds config.json in ra
 version FORMAT_VERSION. Its keys:
 
     format            "rawinfer"
-    format_version    1
-    architecture      "llama" | "mistral" | "qwen2"
+    format_version    2 (1: the same without the keys marked v2, which then take their defaults)
+    architecture      "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3"   (informational: the keys
+                      below describe the model; the forward pass reads them, not the name)
     vocab_size        V
     hidden_size       C
     intermediate_size F
@@ -20,6 +21,14 @@ version FORMAT_VERSION. Its keys:
                        "original_max_position_embeddings"}   (the last four for llama3 only)
     tie_word_embeddings  bool   (no lm_head tensor; the embedding table is reused)
     qkv_bias          bool
+    hidden_act        "silu" | "gelu_tanh"   (v2: the MLP's gate activation, SwiGLU or GeGLU)
+    qk_norm           bool   (v2: RMSNorm over every q and k head before RoPE: Qwen3, Gemma 3)
+    sandwich_norms    bool   (v2: RMSNorm on the attention and MLP outputs before their residual adds)
+    embed_scale       float  (v2: the embeddings are multiplied by it: Gemma's sqrt(hidden_size))
+    attn_scale        float | null   (v2: the softmax scale; null: head_dim ** -0.5)
+    sliding_window    int | null     (v2: W: a sliding layer's query sees itself and W - 1 tokens back)
+    layer_types       ["full" | "sliding", ...]   (v2: one per layer; [] means every layer full)
+    rope_local        null | rope    (v2: the RoPE of sliding layers where it differs from `rope`)
     dtype             "float32" | "bfloat16" | "float16"   (storage dtype of model.safetensors)
     quant             null | "int8" | "q4"   (rawinfer/quant.py)
     bos_token_id      int | null
@@ -43,8 +52,10 @@ from typing import Any
 VERSION = "0.1.0"                                   # rawinfer's version (pyproject.toml says the same)
 DEFAULT_MODEL = "weights/smollm2-135m-instruct"   # where tools/fetch_default_model.sh converts SmolLM2
 FORMAT_NAME = "rawinfer"
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -128,9 +139,26 @@ class ModelConfig:
     add_bos_token: bool = False
     chat_template: str | None = None
     source: str = ""
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    attn_scale: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local: RopeConfig | None = None
 
     def __post_init__(self):
         self._check_values()
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ModelFormatError(f"hidden_act {self.hidden_act!r} is not one rawinfer runs "
+                                   f"({', '.join(HIDDEN_ACTS)}); re-convert the model or upgrade rawinfer")
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or any(t not in LAYER_TYPES for t in self.layer_types)):
+            raise ModelFormatError(f"layer_types must list one of {', '.join(LAYER_TYPES)} for each of the "
+                                   f"{self.num_layers} layers; re-convert the model")
+        if "sliding" in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+            raise ModelFormatError("sliding layers need a sliding_window of at least 1 token; re-convert the model")
         if self.num_heads % self.num_kv_heads:
             raise ModelFormatError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -163,16 +191,34 @@ class ModelConfig:
     def qkv_size(self) -> int:  # (H + 2*Hkv)*D
         return self.q_size + 2 * self.kv_size
 
+    @property
+    def scale(self) -> float:   # the attention softmax scale
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def layer_window(self, i: int) -> int:   # layer i's sliding window in tokens, 0: full attention
+        return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding" else 0
+
+    def layer_rope(self, i: int) -> RopeConfig:   # rope_local for sliding layers where it is given
+        return self.rope_local if self.rope_local is not None and self.layer_window(i) else self.rope
+
+    @property
+    def kv_window(self) -> int:
+        """The window every layer shares (older KV blocks can be given back), 0 if any layer is full."""
+        windowed = bool(self.layer_types) and all(t == "sliding" for t in self.layer_types)
+        return self.sliding_window if windowed else 0
+
     def num_params(self) -> int:
         C, F, V = self.hidden_size, self.intermediate_size, self.vocab_size
         per_layer = self.qkv_size * C + C * self.q_size + 2 * F * C + F * C + 2 * C
         if self.qkv_bias:
             per_layer += self.qkv_size
+        per_layer += 2 * self.head_dim * self.qk_norm + 2 * C * self.sandwich_norms
         return V * C * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + C
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_types"] = list(self.layer_types)
         return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **d}
 
     @classmethod
@@ -201,6 +247,9 @@ class ModelConfig:
                 d["rope"] = RopeConfig(**d.get("rope", {}))
             if isinstance(d.get("eos_token_ids", ()), list):
                 d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+            d["layer_types"] = tuple(d.get("layer_types", ()))
+            if d.get("rope_local") is not None:
+                d["rope_local"] = RopeConfig(**d["rope_local"])
             return cls(**d)
         except TypeError as e:
             raise ModelFormatError(f"{where} has unexpected or missing keys ({e}); re-convert the model") from e

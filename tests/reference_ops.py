@@ -29,9 +29,9 @@ def f64(a):
 
 
 # ---- layer ops ------------------------------------------------------------------------------------
-def embedding_ref(ids, table):
-    """table [V, C] rows at ids [T]: [T, C] in the table's dtype."""
-    return table[ids]
+def embedding_ref(ids, table, scale=1.0):
+    """table [V, C] rows at ids [T], times scale: [T, C] (the table's dtype when scale is 1, else float64)."""
+    return table[ids] if scale == 1.0 else f64(table[ids]) * scale
 
 
 def rmsnorm_ref(x, weight, eps):
@@ -68,6 +68,25 @@ def rope_ref(qkv, positions, cos_sin, num_heads, num_kv_heads):
     return out
 
 
+def head_rmsnorm_ref(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads):
+    """qkv [T, (H + 2Hkv) D] with every q head RMS-normalised with q_weight [D] and every k head with
+    k_weight [D] (v heads unchanged), float64."""
+    d = q_weight.shape[0]
+    out = f64(qkv).copy()
+    for h in range(num_heads + num_kv_heads):
+        w = f64(q_weight if h < num_heads else k_weight)
+        x = out[:, h * d:(h + 1) * d]
+        out[:, h * d:(h + 1) * d] = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+    return out
+
+
+def gelu_tanh_mul_ref(gate_up):
+    """gate_up [T, 2F] (gate | up) -> gelu(gate) * up [T, F] with the tanh approximation, float64."""
+    f = gate_up.shape[1] // 2
+    g, u = f64(gate_up[:, :f]), f64(gate_up[:, f:])
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3))) * u
+
+
 def silu_mul_ref(gate_up):
     """gate_up [T, 2F] (gate | up) -> silu(gate) * up [T, F], float64."""
     f = gate_up.shape[1] // 2
@@ -89,10 +108,12 @@ def kv_write_ref(qkv, k_cache, v_cache, slot_mapping, num_heads):
     return k_cache, v_cache
 
 
-def paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, num_heads):
+def paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, num_heads,
+                        window=0):
     """Causal grouped-query attention [T, H * D], float64. Sequence b owns the query rows
     query_start_loc[b]:query_start_loc[b + 1] of qkv, the last of its context_lens[b] positions; its
-    K/V rows are read from the float caches [NB, Hkv, BS, D] through block_tables [B, max blocks]."""
+    K/V rows are read from the float caches [NB, Hkv, BS, D] through block_tables [B, max blocks].
+    window W > 0: a query at position p sees the keys at p - W + 1 .. p only."""
     _, hkv, bs, d = k_cache.shape
     group = num_heads // hkv
     out = np.zeros((qkv.shape[0], num_heads * d))
@@ -104,6 +125,8 @@ def paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, query
         values = f64(v_cache[blocks, :, rows, :])
         q_pos = ctx - (q1 - q0) + np.arange(q1 - q0)
         visible = pos[None, :] <= q_pos[:, None]
+        if window:
+            visible &= pos[None, :] > q_pos[:, None] - window
         for h in range(num_heads):
             q = f64(qkv[q0:q1, h * d:(h + 1) * d])
             s = np.where(visible, q @ keys[:, h // group].T * scale, -np.inf)

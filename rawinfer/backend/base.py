@@ -71,18 +71,27 @@ class FlatBatch:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer's tensors as the ops take them: float arrays, or quant.Int8Weight /
-    quant.Q4Weight for a quantized model's matrices."""
+    """One decoder layer's tensors as the ops take them (float arrays, or quant.Int8Weight /
+    quant.Q4Weight for a quantized model's matrices) and its attention settings. The optional
+    tensors are None where the model's family has no such op (config.py's v2 keys)."""
 
     input_norm: Any            # [C]
     qkv_proj: Any              # [(H + 2Hkv) * D, C]
     qkv_bias: Any              # [(H + 2Hkv) * D], or None
     o_proj: Any                # [C, H * D]
-    post_attn_norm: Any        # [C]
+    post_attn_norm: Any        # [C]   the norm before the MLP
     gate_up_proj: Any          # [2F, C]
     down_proj: Any             # [C, F]
+    q_norm: Any = None         # [D]   per-head RMSNorm of q and k before RoPE (qk_norm)
+    k_norm: Any = None         # [D]
+    attn_out_norm: Any = None  # [C]   RMSNorm of the attention and MLP outputs before their residual
+    mlp_out_norm: Any = None   # [C]   adds (sandwich_norms)
+    cos_sin: Any = None        # [P, D] float32: this layer's RoPE table (Backend.rope)
+    window: int = 0            # sliding window in tokens (0: full attention)
 
     MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    TENSORS = ("input_norm", "qkv_proj", "qkv_bias", "o_proj", "post_attn_norm", "gate_up_proj", "down_proj",
+               "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
 
 @dataclass(frozen=True)
@@ -156,8 +165,9 @@ class Backend(ABC):
 
     # ---- layer ops ----------------------------------------------------------------------------
     @abstractmethod
-    def embedding(self, ids, table, out) -> None:
-        """out[T, C] = table[V, C][ids[T]] (out is the float32 residual stream; the table may be fp16/bf16)."""
+    def embedding(self, ids, table, out, scale: float = 1.0) -> None:
+        """out[T, C] = table[V, C][ids[T]] * scale (out is the float32 residual stream; the table may be
+        fp16/bf16, or a quant.Int8Weight)."""
 
     @abstractmethod
     def rmsnorm(self, x, weight, eps: float, out) -> None:
@@ -179,6 +189,16 @@ class Backend(ABC):
         element i pairs with i + D/2).  cos_sin[P, D] float32 holds cos in [:, :D/2] and sin in [:, D/2:]
         for every position < P; positions[T] int32."""
 
+    def head_rmsnorm(self, qkv, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int) -> None:
+        """In place on qkv[T, (H+2Hkv)*D]: every q head x = x / sqrt(mean(x^2) + eps) * q_weight[D], every
+        k head the same with k_weight[D]; v heads unchanged (Qwen3's and Gemma 3's q/k norm, before RoPE)."""
+        raise NotImplementedError(f"the {self.name} backend has no per-head RMSNorm (models with qk_norm)")
+
+    def gelu_tanh_mul(self, gate_up, out) -> None:
+        """out[T, F] = gelu_tanh(gate_up[:, :F]) * gate_up[:, F:] (GeGLU; gelu with the tanh approximation:
+        0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))))."""
+        raise NotImplementedError(f"the {self.name} backend has no GeGLU (models with hidden_act gelu_tanh)")
+
     @abstractmethod
     def silu_mul(self, gate_up, out) -> None:
         """out[T, F] = silu(gate_up[:, :F]) * gate_up[:, F:]   (gate_up is [T, 2F])."""
@@ -195,30 +215,31 @@ class Backend(ABC):
         slot_mapping[T] (slot = block * BS + row)."""
 
     def paged_attention(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                        scale: float, out, max_query_len: int, max_context_len: int) -> None:
+                        scale: float, out, max_query_len: int, max_context_len: int, window: int = 0) -> None:
         """Causal grouped-query attention of every query in the flat batch against its sequence's
         cached K/V, read only through block_tables.  Query head h uses KV head h // (H // Hkv).
         out[T, H*D].  max_query_len / max_context_len are host-side bounds for launch sizing.
 
         A pure decode batch (one query per sequence, row b = sequence b) takes paged_attention_decode,
-        anything else (prefill, chunked prefill, mixed batches) paged_attention_prefill."""
+        anything else (prefill, chunked prefill, mixed batches) paged_attention_prefill. window W > 0 (a
+        sliding-window layer): a query at position p attends to positions p - W + 1 .. p only."""
         T, B, _, _, _ = shapes.attention("paged_attention", qkv, k_cache, v_cache, block_tables, context_lens,
                                          query_start_loc, out)
         if max_query_len == 1 and T == B:
             self.paged_attention_decode(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                                        out, max_context_len)
+                                        out, max_context_len, window)
         else:
             self.paged_attention_prefill(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                                         out, max_query_len)
+                                         out, max_query_len, window)
 
     @abstractmethod
     def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                               scale: float, out, max_context_len: int) -> None:
+                               scale: float, out, max_context_len: int, window: int = 0) -> None:
         """paged_attention of a pure decode batch: T = B, row b is sequence b's one new token."""
 
     @abstractmethod
     def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                scale: float, out, max_query_len: int) -> None:
+                                scale: float, out, max_query_len: int, window: int = 0) -> None:
         """paged_attention of any batch (sequences with several queries each: prefill chunks)."""
 
     @abstractmethod
@@ -247,7 +268,9 @@ class Backend(ABC):
                        num_heads: int, num_kv_heads: int) -> None:
         """Optional: every decoder layer (the same ops as exec/model.py's per-op path, in the same order,
         over the rows [:T] of `acts`) in one call, for small decode batches where per-op dispatch costs
-        more than the work. Only called for the batches fused_limits(plan) admits."""
+        more than the work. Only called for the batches fused_limits(plan) admits, and only for models of
+        the Llama layer shape (no qk_norm, sandwich norms or GeGLU; one RoPE table, cos_sin; each layer's
+        window is LayerWeights.window)."""
         raise NotImplementedError
 
     # ---- capabilities beyond the ops (see Capabilities) ----------------------------------------

@@ -62,13 +62,13 @@ def linear_silu_mul(x: Any, w_shape: tuple[int, int], out: Any) -> tuple[int, in
     return T, K, N // 2
 
 
-def silu_mul(gate_up: Any, out: Any) -> tuple[int, int]:
-    """out[T, F] = silu(gate_up[:, :F]) * gate_up[:, F:] -> (T, F)."""
+def silu_mul(gate_up: Any, out: Any, op: str = "silu_mul") -> tuple[int, int]:
+    """out[T, F] = act(gate_up[:, :F]) * gate_up[:, F:] (silu_mul, gelu_tanh_mul) -> (T, F)."""
     if len(gate_up.shape) != 2 or gate_up.shape[1] % 2:
-        raise shape_error("silu_mul", "gate_up", gate_up.shape, "(T, 2F)")
+        raise shape_error(op, "gate_up", gate_up.shape, "(T, 2F)")
     T, F = gate_up.shape[0], gate_up.shape[1] // 2
     if _shape(out) != (T, F):
-        raise shape_error("silu_mul", "out", out.shape, f"(T, F) = ({T}, {F}) for gate_up {_shape(gate_up)}")
+        raise shape_error(op, "out", out.shape, f"(T, F) = ({T}, {F}) for gate_up {_shape(gate_up)}")
     return T, F
 
 
@@ -83,6 +83,16 @@ def rope(qkv: Any, positions: Any, cos_sin: Any, num_heads: int, num_kv_heads: i
     if len(cos_sin.shape) != 2 or cos_sin.shape[1] != D:
         raise shape_error("rope", "cos_sin", cos_sin.shape, f"(P, D) with D = {D}")
     return T, D
+
+
+def head_rmsnorm(qkv: Any, q_weight: Any, k_weight: Any, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """qkv[T, (H + 2Hkv) * D] with q_weight[D], k_weight[D] -> (T, D)."""
+    D = q_weight.shape[0] if len(q_weight.shape) == 1 else 0
+    if D == 0 or _shape(k_weight) != (D,):
+        raise shape_error("head_rmsnorm", "k_weight", k_weight.shape, f"like q_weight, ({D},)")
+    if len(qkv.shape) != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D:
+        raise shape_error("head_rmsnorm", "qkv", qkv.shape, f"(T, (H + 2 Hkv) * D) = (T, {(num_heads + 2 * num_kv_heads) * D})")
+    return qkv.shape[0], D
 
 
 def caches(op: str, k_cache: Any, v_cache: Any) -> tuple[int, int, int, int]:

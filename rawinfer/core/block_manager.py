@@ -29,6 +29,13 @@ from position num_computed_tokens; if that position falls inside a partially fil
 allocate_slots swaps in a fresh block and reports (src, dst) for the model runner to copy in every layer
 before the forward pass.
 
+Sliding window. In a model whose every layer attends through a window of W tokens, a query at position
+p reads positions p - W + 1 .. p only, and later queries read less far back. release_before(seq_id, pos)
+gives back the sequence's blocks that hold only positions before pos while it runs (vLLM's
+sliding-window manager does the same), so a long generation holds about W / BS blocks, not length / BS.
+Their table entries become DROPPED (physical id 0, never read: the attention kernels start at the
+window); the table keeps its length, so logical block i stays entry i.
+
 NOTE: fork only after the step that computed the parent's tokens has run, and pass cached_block_ids to
 allocate_slots straight from find_cached_prefix: find takes no references, so an allocation in between
 may evict those blocks (allocate_slots then raises ValueError rather than hand out overwritten blocks).
@@ -36,43 +43,13 @@ may evict those blocks (allocate_slots then raises ValueError rather than hand o
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from rawinfer.core.block_hashes import BlockHashes
 from rawinfer.core.free_list import FreeBlockQueue, KVBlock
 
-ROOT_HASH: bytes = hashlib.sha256(b"rawinfer prefix-cache root").digest()
-
-
-def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """Digest of one full block: sha256 over the parent's digest and the token ids as little-endian int32."""
-    # NOTE: fixed-width int32 bytes keep the encoding unambiguous; out-of-range ids raise OverflowError.
-    return hashlib.sha256(parent_hash + np.asarray(token_ids, dtype="<i4").tobytes()).digest()
-
-
-class BlockHashes:
-    """The prefix-cache digests of one token sequence's full blocks, each computed once.
-
-    Block i's digest chains over block i-1's and a sequence only ever appends tokens, so the digests of
-    its full blocks never change: a sequence keeps one BlockHashes (Sequence.block_hashes) from its first
-    prefix-cache lookup through every block registration, preemption included."""
-
-    __slots__ = ("digests",)
-
-    def __init__(self, digests: Sequence[bytes] = ()):
-        self.digests: list[bytes] = list(digests)
-
-    def upto(self, token_ids: Sequence[int], num_blocks: int, block_size: int) -> list[bytes]:
-        """The digest list, extended to at least num_blocks full blocks of token_ids."""
-        d = self.digests
-        parent = d[-1] if d else ROOT_HASH
-        for i in range(len(d), num_blocks):
-            parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
-            d.append(parent)
-        return d
+DROPPED = KVBlock(0)     # the table entry of a block a sliding-window sequence gave back (never read)
 
 
 @dataclass(frozen=True)
@@ -104,6 +81,7 @@ class _SeqBlocks:
 
     blocks: list[KVBlock] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    num_dropped: int = 0        # leading entries given back by release_before (DROPPED)
 
 
 class BlockManager:
@@ -197,6 +175,8 @@ class BlockManager:
         for i in range(state.num_hashed_blocks, num_full):
             digest = digests[i]
             block = state.blocks[i]
+            if block is DROPPED:
+                continue
             if block.block_hash is None:
                 if digest not in self._cached:
                     block.block_hash = digest
@@ -266,22 +246,40 @@ class BlockManager:
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"cannot fork into sequence {child_id!r}: it already has blocks; pick a new id")
-        for block in parent.blocks:
+        for block in parent.blocks[parent.num_dropped:]:
             block.ref_cnt += 1
-        self._seqs[child_id] = _SeqBlocks(list(parent.blocks), parent.num_hashed_blocks)
+        self._seqs[child_id] = _SeqBlocks(list(parent.blocks), parent.num_hashed_blocks, parent.num_dropped)
 
     def free(self, seq_id: Hashable) -> None:
         """Release every block of seq_id, tail first, and forget the sequence."""
         state = self._get(seq_id)
         del self._seqs[seq_id]
-        for block in reversed(state.blocks):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self._free.appendleft(block)    # holds nothing reusable: reuse it first
-                else:
-                    self._free.append(block)
-                    self.stats.cached_free_blocks += 1
+        for block in reversed(state.blocks[state.num_dropped:]):
+            self._release(block)
+
+    def release_before(self, seq_id: Hashable, pos: int) -> int:
+        """Give back seq_id's blocks that hold only positions < pos (a sliding-window sequence whose next
+        queries start at pos or later); returns how many. Their entries become DROPPED."""
+        state = self._get(seq_id)
+        end = min(max(0, pos) // self.block_size, len(state.blocks))
+        released = 0
+        for i in range(state.num_dropped, end):
+            self._release(state.blocks[i])
+            state.blocks[i] = DROPPED
+            released += 1
+        state.num_dropped = max(state.num_dropped, end)
+        return released
+
+    def _release(self, block: KVBlock) -> None:
+        """Drop one reference to block; at zero it goes to the free list (to its head if it holds no
+        cached prefix: reuse it first)."""
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            if block.block_hash is None:
+                self._free.appendleft(block)
+            else:
+                self._free.append(block)
+                self.stats.cached_free_blocks += 1
 
     # ---- internals -------------------------------------------------------------------------------
     def _get(self, seq_id: Hashable) -> _SeqBlocks:
@@ -360,11 +358,16 @@ class BlockManager:
         assert len(set(free_ids)) == len(free_ids), f"a block is on the free list twice: {free_ids}"
         owners = [0] * nb
         for seq_id, state in self._seqs.items():
-            ids = [b.block_id for b in state.blocks]
+            assert all(b is DROPPED for b in state.blocks[:state.num_dropped]) and \
+                all(b is not DROPPED for b in state.blocks[state.num_dropped:]), \
+                f"sequence {seq_id!r}: given-back entries must be exactly its first {state.num_dropped}"
+            ids = [b.block_id for b in state.blocks[state.num_dropped:]]
             assert len(set(ids)) == len(ids), f"sequence {seq_id!r} holds a block twice: {ids}"
-            assert state.num_hashed_blocks <= len(ids), \
-                f"sequence {seq_id!r} hashed {state.num_hashed_blocks} blocks but has {len(ids)}"
+            assert state.num_hashed_blocks <= len(state.blocks), \
+                f"sequence {seq_id!r} hashed {state.num_hashed_blocks} blocks but has {len(state.blocks)}"
             for i, block in enumerate(state.blocks):
+                if i < state.num_dropped:
+                    continue
                 assert self.blocks[block.block_id] is block, f"sequence {seq_id!r} holds a foreign {block!r}"
                 assert block.block_hash is None or i < state.num_hashed_blocks, \
                     f"sequence {seq_id!r}: block {i} ({block!r}) is registered past its hashed, full blocks"

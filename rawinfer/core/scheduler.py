@@ -26,15 +26,20 @@ import bisect
 import time
 
 from rawinfer.config import EngineConfig
-from rawinfer.core.block_manager import BlockHashes, BlockManager
+from rawinfer.core.block_hashes import BlockHashes
+from rawinfer.core.block_manager import BlockManager
 from rawinfer.core.sequence import FinishReason, Sequence
 from rawinfer.core.step_plan import PlanLayout, ScheduledBatch, ScheduledSeq, build_step_plan
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, block_manager: BlockManager, layout: PlanLayout | None = None):
+    def __init__(self, ecfg: EngineConfig, block_manager: BlockManager, layout: PlanLayout | None = None,
+                 sliding_window: int = 0):
+        """sliding_window W > 0: every layer of the model attends through a window of W tokens, so a running
+        sequence's blocks wholly before its next query's window go back to the pool after each step."""
         self.ecfg = ecfg
         self.bm = block_manager
+        self.sliding_window = sliding_window
         self.layout = layout or PlanLayout(block_manager.block_size)
         if self.layout.block_size != block_manager.block_size:
             raise ValueError(f"the plan layout's block size {self.layout.block_size} differs from the block "
@@ -175,6 +180,8 @@ class Scheduler:
             seq.num_computed_tokens += s.num_new_tokens
             if self.ecfg.enable_prefix_caching and not seq.is_scoring and seq.num_computed_tokens // bs > before // bs:
                 self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
+            if self.sliding_window:   # the next query, at num_computed_tokens, reads W - 1 positions back
+                self.bm.release_before(seq.seq_id, seq.num_computed_tokens - self.sliding_window + 1)
 
     # ---- checks -------------------------------------------------------------------------------
     def check_invariants(self) -> None:

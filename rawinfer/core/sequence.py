@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from rawinfer.core.block_manager import BlockHashes
+from rawinfer.core.block_hashes import BlockHashes
 from rawinfer.sampling import SamplingParams
 
 

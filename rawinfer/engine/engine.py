@@ -36,7 +36,7 @@ from rawinfer.engine.sampler import Sampler, make_generator, sample_row
 from rawinfer.engine.warmup import warm_up
 from rawinfer.exec.graphs import DecodeGraphs
 from rawinfer.exec.memory import MemoryPool
-from rawinfer.exec.model import LlamaModel
+from rawinfer.exec.model import DecoderModel
 from rawinfer.exec.runner import ModelRunner, StepOutput
 from rawinfer.sampling import SamplingParams
 
@@ -101,7 +101,7 @@ class LLMEngine:
             extra = DecodeGraphs.workspace_request(ecfg, max_blocks_per_seq(cfg, ecfg))
         self.pool = MemoryPool(cfg, ecfg, self.backend, padding_block=graphs, extra_workspace=extra)
         log.info("%s backend; %s", self.backend.name, self.pool.describe())
-        self.model = LlamaModel(cfg, self.pool)
+        self.model = DecoderModel(cfg, self.pool)
         self.runner = ModelRunner(self.model, graphs=graphs)
         self.sampler = Sampler(self.backend)
         self.tokenizer = None
@@ -117,7 +117,8 @@ class LLMEngine:
             raise RuntimeError(f"reset_state with {len(self._requests)} request(s) in flight; abort them first")
         ecfg = self.config
         self.block_manager = BlockManager(self.pool.kv.num_blocks, ecfg.block_size, ecfg.enable_prefix_caching)
-        self.scheduler = Scheduler(ecfg, self.block_manager, self.runner.plan_layout)
+        self.scheduler = Scheduler(ecfg, self.block_manager, self.runner.plan_layout,
+                                   sliding_window=self.model_config.kv_window)
         self._requests: dict[str, list[SampleState]] = {}
         self._scores: dict[str, np.ndarray] = {}           # scoring sequence id -> host logits [T, V]
         self._pending: list[RequestOutput] = []            # outputs of steps that score() ran for others

@@ -34,7 +34,7 @@ import numpy as np
 from rawinfer.backend.base import FlatBatch
 from rawinfer.config import EngineConfig
 from rawinfer.core.step_plan import StepPlan
-from rawinfer.exec.model import LlamaModel
+from rawinfer.exec.model import DecoderModel
 
 REGION = "decode_inputs"     # the workspace region of the graphs' inputs
 
@@ -128,7 +128,7 @@ class DecodeGraphs:
         """The workspace region the graphs need, for MemoryPool(extra_workspace=...)."""
         return {REGION: ((decode_input_words(max_graph_batch(ecfg), max_blocks),), np.int32)}
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: DecoderModel):
         pool = model.pool
         if pool.kv.padding_block is None:
             raise ValueError("decode graphs need the pool's padding block: build the pool with padding_block=True")

@@ -89,6 +89,37 @@ def kv_region_bytes(ecfg: EngineConfig, fixed_bytes: int, free_device_bytes: int
                                   f"{free_device_bytes / mib:.0f} MiB free")
 
 
+def available_host_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def alloc_arena(backend, nbytes: int, kv_bytes: int, kv_sizing: str):
+    """backend.alloc_arena(nbytes), or a ValueError of one sentence when the machine lacks the memory.
+    On the CPU the size is checked first: the KV region is mapped in right after, and a mapping larger
+    than the free memory would be granted and then end in swapping or the out-of-memory killer."""
+    gib = 1024**3
+    what = (f"the memory pool needs {nbytes / gib:.1f} GiB (of it {kv_bytes / gib:.1f} GiB of KV cache, sized by "
+            f"{kv_sizing})")
+    fix = "give a smaller --kv-cache-memory" + ("" if kv_sizing == "--kv-cache-memory" else " (e.g. 512MiB)")
+    if not backend.capabilities.on_gpu:
+        free = available_host_memory()
+        if free is not None and nbytes > free:
+            raise ValueError(f"{what} but this machine has {free / gib:.1f} GiB of memory available; {fix}")
+    try:
+        return backend.alloc_arena(nbytes)
+    except MemoryError:                 # numpy's _ArrayMemoryError, CuPy's OutOfMemoryError
+        where = "the GPU" if backend.capabilities.on_gpu else "this machine"
+        raise ValueError(f"{what} but {where} could not allocate it; {fix}") from None
+
+
 @dataclass
 class Workspace:
     """Activation buffers for up to T = max_num_batched_tokens rows and S logits rows."""
@@ -143,12 +174,18 @@ class MemoryPool:
         self.max_tokens, self.logits_rows = T, S
 
         # ---- plan every region: (name, shape, dtype) -----------------------------------------
-        self._weight_plan = weight_plan(cfg, wdt)
-        self._weight_plan.append(("rope_cos_sin", (cfg.max_position_embeddings, cfg.head_dim), np.float32))
         C, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
         MB = max_blocks_per_seq(cfg, ecfg)
         self.max_blocks_per_seq = MB
         self.max_context_len = MB * ecfg.block_size   # the longest context any step may have
+        # RoPE tables (cos | sin) for every position a step may reach: the model's, and the sliding
+        # layers' own where their RoPE differs (Gemma 3)
+        self._rope_rows = min(cfg.max_position_embeddings, self.max_context_len)
+        self._ropes = {"rope_cos_sin": cfg.rope}
+        if cfg.rope_local is not None:
+            self._ropes["rope_cos_sin_local"] = cfg.rope_local
+        self._weight_plan = weight_plan(cfg, wdt)
+        self._weight_plan += [(name, (self._rope_rows, cfg.head_dim), np.float32) for name in self._ropes]
         act_plan = [("hidden", (T, C), adt), ("residual", (T, C), np.float32), ("normed", (T, C), adt),
                     ("qkv", (T, cfg.qkv_size), adt), ("attn", (T, cfg.q_size), adt),
                     ("gate_up", (T, 2 * F), adt), ("act", (T, F), adt)]
@@ -184,7 +221,7 @@ class MemoryPool:
         self.total_bytes = weight_bytes + ws_bytes + self.kv_bytes
 
         # ---- allocate once and carve --------------------------------------------------------
-        self.arena = backend.alloc_arena(self.total_bytes)
+        self.arena = alloc_arena(backend, self.total_bytes, self.kv_bytes, self.kv_sizing)
         self._offset = 0
         self.weights: dict[str, Any] = {name: self._carve(shape, dt) for name, shape, dt in self._weight_plan}
         acts = Activations(**{name: self._carve(shape, dt) for name, shape, dt in act_plan})
@@ -201,7 +238,8 @@ class MemoryPool:
             self.kv.k.append(self._carve(kv_shape, kdt))
             self.kv.v.append(self._carve(kv_shape, kdt))
         assert self._offset == self.total_bytes
-        backend.upload(self.weights["rope_cos_sin"], W.rope_cos_sin(cfg))
+        for name, rope in self._ropes.items():
+            backend.upload(self.weights[name], W.rope_cos_sin(cfg, rope, self._rope_rows))
 
     def _carve(self, shape, dtype):
         view = self.backend.carve(self.arena, self._offset, shape, dtype)

@@ -1,17 +1,22 @@
-"""The Llama-family forward pass (Llama, Mistral, Qwen2) written against the backend op interface.
+"""The decoder forward pass, written against the backend op interface, for every family the config
+describes (Llama, Mistral, Qwen2, Qwen3, Gemma 3): a family is a set of ModelConfig keys, not a copy of
+this file.
 
 One call runs every layer over a flat batch of T tokens from B sequences (prefill chunks and decode
 tokens mixed), writes their K/V into the paged cache, and returns logits for the rows that need them:
 
-    ids[T] -> embedding -> residual[T, C] (float32)
+    ids[T] -> embedding (* embed_scale) -> residual[T, C] (float32)
     per layer:  x = rmsnorm(residual)              (fused with the residual add from layer 2 on)
                 qkv = x @ Wqkv^T (+ b)             [T, (H+2Hkv)*D]
-                rope(q, k); kv_write(k, v)         into k_cache/v_cache[NB, Hkv, BS, D]
-                a = paged_attention(q, cache)      [T, H*D]
+                head_rmsnorm(q, k)                 (qk_norm: Qwen3, Gemma 3)
+                rope(q, k) with the layer's table; kv_write(k, v) into k_cache/v_cache[NB, Hkv, BS, D]
+                a = paged_attention(q, cache)      [T, H*D], the layer's sliding window if it has one
                 h = a @ Wo^T                       [T, C]
+                h = rmsnorm(h)                     (sandwich_norms: Gemma 3)
                 x = add_rmsnorm(h, residual)
                 gu = x @ Wgate_up^T                [T, 2F]
-                h = (silu(g) * u) @ Wdown^T        [T, C]
+                h = (act(g) * u) @ Wdown^T         [T, C]  act: silu (SwiGLU) or gelu_tanh (GeGLU)
+                h = rmsnorm(h)                     (sandwich_norms)
     final add_rmsnorm; rows at logits_indices -> lm_head -> logits[S, V]
 """
 
@@ -19,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 
 from rawinfer.backend.base import FlatBatch, LayerWeights
 from rawinfer.config import ModelConfig
@@ -27,26 +31,34 @@ from rawinfer.exec.memory import MemoryPool
 from rawinfer.quant import Int8Weight, quantized_weight
 
 
-class LlamaModel:
+class DecoderModel:
     def __init__(self, cfg: ModelConfig, pool: MemoryPool):
         self.cfg, self.pool, self.backend = cfg, pool, pool.backend
-        self.scale = 1.0 / float(np.sqrt(cfg.head_dim))
+        self.scale = cfg.scale
         w = pool.weights
 
         def weight(name):   # a float matrix, or an Int8Weight / Q4Weight for a quantized model's matrices
             return quantized_weight(w, name)
 
-        self.layers = [LayerWeights(**{k: weight(f"layers.{i}.{k}") for k in LayerWeights.__dataclass_fields__})
-                       for i in range(cfg.num_layers)]
+        self.cos_sin = w["rope_cos_sin"]
+        self.layers = []
+        for i in range(cfg.num_layers):
+            tensors = {k: weight(f"layers.{i}.{k}") for k in LayerWeights.TENSORS if f"layers.{i}.{k}" in w}
+            local = cfg.rope_local is not None and cfg.layer_window(i)
+            self.layers.append(LayerWeights(**{"qkv_bias": None, **tensors}, window=cfg.layer_window(i),
+                                            cos_sin=w["rope_cos_sin_local"] if local else self.cos_sin))
         self.embed = weight("embed_tokens")
         self.lm_head = self.embed if cfg.tie_word_embeddings else weight("lm_head")
         self.acts = pool.workspace.acts
         self.scratch = pool.workspace.dequant if cfg.quant else None
-        self.fused_max_tokens = self.backend.fused_max_tokens(cfg.quant)
+        # the fused decode path (Backend.decoder_layers) runs the Llama layer: per-window attention, but
+        # none of the other family ops
+        llama_shaped = (cfg.hidden_act == "silu" and not cfg.qk_norm and not cfg.sandwich_norms
+                        and cfg.rope_local is None)
+        self.fused_max_tokens = self.backend.fused_max_tokens(cfg.quant) if llama_shaped else 0
         self.fused_plan = None            # built by weights_loaded()
         self.fused_decode_max = 0         # pure decode batches up to this many tokens take the fused path too
         self.final_norm = w["final_norm"]
-        self.cos_sin = w["rope_cos_sin"]
 
     def weights_loaded(self) -> None:
         """Called once the pool holds the weights: the backend may repack int8 matrices for its GEMMs
@@ -73,7 +85,7 @@ class LlamaModel:
             raise ValueError(f"batch of {T} tokens exceeds the workspace ({self.pool.max_tokens} tokens)")
         eps = cfg.rms_norm_eps
         res, x = a.residual[:T], a.normed[:T]
-        be.embedding(batch.token_ids, self.embed, res)   # the residual stream starts as the embeddings
+        be.embedding(batch.token_ids, self.embed, res, cfg.embed_scale)   # the residual stream starts here
         fused = T <= self.fused_max_tokens or (batch.max_query_len == 1 and T <= self.fused_decode_max)
         if fused and self.fused_plan is not None:         # decode batches: one call for all layers
             be.decoder_layers(self.fused_plan, a, T, batch, self.cos_sin, eps, self.scale, cfg.num_heads,
@@ -95,14 +107,25 @@ class LlamaModel:
         else:
             be.add_rmsnorm(h, res, L.input_norm, eps, x)
         be.linear(x, L.qkv_proj, qkv, bias=L.qkv_bias, scratch=self.scratch)
-        be.rope(qkv, batch.positions, self.cos_sin, cfg.num_heads, cfg.num_kv_heads)
+        if L.q_norm is not None:
+            be.head_rmsnorm(qkv, L.q_norm, L.k_norm, eps, cfg.num_heads, cfg.num_kv_heads)
+        be.rope(qkv, batch.positions, L.cos_sin, cfg.num_heads, cfg.num_kv_heads)
         be.kv_write(qkv, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
         be.paged_attention(qkv, kv.k[i], kv.v[i], batch.block_tables, batch.context_lens,
-                           batch.query_start_loc, self.scale, attn, batch.max_query_len, batch.max_context_len)
+                           batch.query_start_loc, self.scale, attn, batch.max_query_len, batch.max_context_len,
+                           L.window)
         be.linear(attn, L.o_proj, h, scratch=self.scratch)
+        if L.attn_out_norm is not None:
+            be.rmsnorm(h, L.attn_out_norm, eps, h)
         be.add_rmsnorm(h, res, L.post_attn_norm, eps, x)
-        be.linear_silu_mul(x, L.gate_up_proj, gu, act, scratch=self.scratch)
+        if cfg.hidden_act == "gelu_tanh":
+            be.linear(x, L.gate_up_proj, gu, scratch=self.scratch)
+            be.gelu_tanh_mul(gu, act)
+        else:
+            be.linear_silu_mul(x, L.gate_up_proj, gu, act, scratch=self.scratch)
         be.linear(act, L.down_proj, h, scratch=self.scratch)
+        if L.mlp_out_norm is not None:
+            be.rmsnorm(h, L.mlp_out_norm, eps, h)
 
     def compute_logits(self, indices):
         """LM head over rows `indices` [S] of the last forward_hidden -> logits view [S, V] float32."""

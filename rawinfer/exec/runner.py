@@ -21,7 +21,7 @@ import numpy as np
 from rawinfer.backend.base import FlatBatch
 from rawinfer.core.step_plan import PlanLayout, StepPlan
 from rawinfer.exec.graphs import DecodeGraphs
-from rawinfer.exec.model import LlamaModel
+from rawinfer.exec.model import DecoderModel
 
 
 @dataclass
@@ -31,7 +31,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, graphs: bool = False):
+    def __init__(self, model: DecoderModel, graphs: bool = False):
         """graphs: replay pure decode steps as captured graphs (the pool must have its padding block
         and the DecodeGraphs workspace region)."""
         self.model = model

@@ -4,7 +4,10 @@ A converted folder's model.safetensors holds, per `weight_shapes` (the converter
 
     embed_tokens [V, C], final_norm [C], lm_head [V, C] (unless tied to the embedding),
     layers.{i}.input_norm [C], qkv_proj [(H+2Hkv)*D, C], qkv_bias [(H+2Hkv)*D] (Qwen2),
-              o_proj [C, H*D], post_attn_norm [C], gate_up_proj [2F, C], down_proj [C, F]
+              q_norm [D], k_norm [D] (qk_norm: Qwen3, Gemma 3),
+              o_proj [C, H*D], attn_out_norm [C] (sandwich_norms: Gemma 3),
+              post_attn_norm [C] (the norm before the MLP), gate_up_proj [2F, C], down_proj [C, F],
+              mlp_out_norm [C] (sandwich_norms)
 
 A quantized model stores each matrix as its parts (rawinfer/quant.py: stored_parts).
 """
@@ -33,10 +36,17 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "qkv_proj"] = (cfg.qkv_size, C)
         if cfg.qkv_bias:
             shapes[p + "qkv_bias"] = (cfg.qkv_size,)
+        if cfg.qk_norm:
+            shapes[p + "q_norm"] = (cfg.head_dim,)
+            shapes[p + "k_norm"] = (cfg.head_dim,)
         shapes[p + "o_proj"] = (C, cfg.q_size)
+        if cfg.sandwich_norms:
+            shapes[p + "attn_out_norm"] = (C,)
         shapes[p + "post_attn_norm"] = (C,)
         shapes[p + "gate_up_proj"] = (2 * F, C)
         shapes[p + "down_proj"] = (C, F)
+        if cfg.sandwich_norms:
+            shapes[p + "mlp_out_norm"] = (C,)
     return shapes
 
 
@@ -148,10 +158,10 @@ def init_random_weights(cfg: ModelConfig, views: dict, upload, seed: int = 0, st
             upload(views[part], value)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """[D/2] float64 inverse frequencies, with llama3 scaling when the config asks for it."""
+def rope_inv_freq(cfg: ModelConfig, rope=None) -> np.ndarray:
+    """[D/2] float64 inverse frequencies of `rope` (default cfg.rope), with llama3 scaling when it asks."""
     D = cfg.head_dim
-    r = cfg.rope
+    r = rope or cfg.rope
     inv = 1.0 / (r.theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
     if r.type == "llama3":
         old = r.original_max_position_embeddings
@@ -166,9 +176,10 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv
 
 
-def rope_cos_sin(cfg: ModelConfig) -> np.ndarray:
-    """[P, D] float32: cos(p * inv_freq) in the first D/2 columns, sin in the last D/2."""
-    inv = rope_inv_freq(cfg).astype(np.float32)
-    pos = np.arange(cfg.max_position_embeddings, dtype=np.float32)
+def rope_cos_sin(cfg: ModelConfig, rope=None, rows: int | None = None) -> np.ndarray:
+    """[P, D] float32: cos(p * inv_freq) in the first D/2 columns, sin in the last D/2 (of `rope`,
+    default cfg.rope), for positions p < P = rows (default max_position_embeddings)."""
+    inv = rope_inv_freq(cfg, rope).astype(np.float32)
+    pos = np.arange(cfg.max_position_embeddings if rows is None else rows, dtype=np.float32)
     freqs = np.outer(pos, inv)  # float32, as transformers computes it
     return np.concatenate([np.cos(freqs), np.sin(freqs)], axis=1).astype(np.float32)

@@ -12,6 +12,7 @@ from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.backend import ATTN_QUERY_TILE, CPUBackend
 from rawinfer.exec.memory import kv_cache_shape
+from paged_cases import float_cache, paged_case, tile_scales
 from reference_ops import (add_rmsnorm_ref, copy_blocks_ref, cos_sin_table, embedding_ref, kv_write_ref, linear_ref,
                            paged_attention_ref, quantize_rows_ref, rmsnorm_ref, rope_ref, silu_mul_ref, take_rows_ref)
 
@@ -137,12 +138,6 @@ def test_embedding_and_take_rows():
         be.embedding(np.array([50], np.int32), table, out[:1])
 
 
-def tile_scales(cache, blk, h, BS):
-    """The float32 row scales of an int8 cache's (block, kv head) tile (kv_cache_shape in rawinfer/exec/memory.py)."""
-    D = cache.shape[3]
-    return cache[blk, h].reshape(-1)[BS * D:BS * D + 4 * BS].view(np.float32)
-
-
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16, np.int8])
 def test_kv_write_and_copy_blocks(kv_dtype):
     H, Hkv, D, BS, NB, T = 4, 2, 8, 4, 6, 7
@@ -179,63 +174,6 @@ def test_kv_write_and_copy_blocks(kv_dtype):
     np.testing.assert_array_equal(vc[2], vc[5])
 
 
-def _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, shuffle_seed, value_seed=None, kv_dtype=np.float32):
-    """Random per-sequence K/V written into a pool (of kv_dtype) through (shuffled) block tables:
-    paged_attention's inputs (qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc)."""
-    rng = np.random.default_rng(shuffle_seed)
-    vrng = np.random.default_rng(value_seed) if value_seed is not None else RNG
-    B = len(q_lens)
-    nblocks = [-(-c // BS) for c in ctx_lens]
-    NB = sum(nblocks) + 3
-    perm = rng.permutation(NB).astype(np.int32)
-    if kv_dtype == np.int8:                               # garbage rows and scales everywhere else
-        shape = kv_cache_shape(NB, Hkv, BS, D, np.int8)
-        kc, vc = (vrng.integers(-128, 128, shape).astype(np.int8) for _ in range(2))
-        for c in (kc, vc):
-            for blk in range(NB):
-                for h in range(Hkv):
-                    tile_scales(c, blk, h, BS)[:] = vrng.random(BS, np.float32)
-    else:
-        kc = rand(NB, Hkv, BS, D, rng=vrng)   # garbage everywhere a sequence does not own
-        vc = rand(NB, Hkv, BS, D, rng=vrng)
-    MB = max(nblocks)
-    tables = np.full((B, MB), 0, np.int32)
-    used = 0
-    for b, c in enumerate(ctx_lens):
-        tab = perm[used:used + nblocks[b]]
-        used += nblocks[b]
-        tables[b, :len(tab)] = tab
-        k, v = rand(c, Hkv, D, rng=vrng), rand(c, Hkv, D, rng=vrng)
-        if kv_dtype == np.int8:
-            (kq, ks), (vq, vs) = quantize_rows_ref(k), quantize_rows_ref(v)
-            for p in range(c):
-                kc[tab[p // BS], :, p % BS], vc[tab[p // BS], :, p % BS] = kq[p], vq[p]
-                for h in range(Hkv):
-                    tile_scales(kc, tab[p // BS], h, BS)[p % BS] = ks[p, h]
-                    tile_scales(vc, tab[p // BS], h, BS)[p % BS] = vs[p, h]
-        else:
-            for p in range(c):
-                kc[tab[p // BS], :, p % BS] = k[p]
-                vc[tab[p // BS], :, p % BS] = v[p]
-    T = sum(q_lens)
-    qkv = rand(T, (H + 2 * Hkv) * D, rng=vrng)
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    kc, vc = kc.astype(kv_dtype), vc.astype(kv_dtype)
-    return qkv, kc, vc, tables, np.asarray(ctx_lens, np.int32), qsl
-
-
-def float_cache(cache, BS):
-    """The K (or V) values a cache holds, as float [NB, Hkv, BS, D] for paged_attention_ref: an int8
-    cache's rows times their float32 scales (the tile layout of kv_cache_shape in rawinfer/exec/memory.py), any other
-    cache as it is."""
-    if cache.dtype != np.int8:
-        return cache
-    NB, Hkv, _, D = cache.shape
-    tiles = cache.reshape(NB, Hkv, -1)
-    scales = np.ascontiguousarray(tiles[..., BS * D:BS * D + 4 * BS]).view(np.float32)   # [NB, Hkv, BS]
-    return tiles[..., :BS * D].reshape(NB, Hkv, BS, D).astype(np.float32) * scales[..., None]
-
-
 @pytest.mark.parametrize("q_lens,ctx_lens,H,Hkv,D,BS", [
     ([1], [1], 2, 1, 8, 16),                             # first decode token
     ([5, 1, 1], [5, 40, 17], 4, 2, 16, 16),              # a prefill mixed with decodes
@@ -252,7 +190,7 @@ def test_paged_attention(q_lens, ctx_lens, H, Hkv, D, BS, blas, kv_dtype, monkey
     if blas and not be.blas_on_numba_pool:
         pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
     monkeypatch.setattr(be, "blas_on_numba_pool", blas)
-    qkv, kc, vc, tables, ctx, qsl = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 7, kv_dtype=kv_dtype)
+    qkv, kc, vc, tables, ctx, qsl = paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 7, kv_dtype=kv_dtype)
     T = qkv.shape[0]
     out = np.empty((T, H * D), np.float32)
     scale = D ** -0.5
@@ -267,7 +205,7 @@ def test_each_sequence_takes_its_own_attention_kernel(kv_dtype):
     """In a mixed batch (a decode row, a short prefill chunk, a long one), every sequence gets the bits
     it gets alone: its own query count picks its kernel, never the rest of the batch's."""
     q_lens, ctx_lens, H, Hkv, D, BS = [1, 5, 40, 1], [30, 9, 57, 17], 9, 3, 64, 16
-    qkv, kc, vc, tables, ctx, qsl = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3, kv_dtype=kv_dtype)
+    qkv, kc, vc, tables, ctx, qsl = paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3, kv_dtype=kv_dtype)
     scale = D ** -0.5
     out = np.empty((qkv.shape[0], H * D), np.float32)
     be.paged_attention(qkv, kc, vc, tables, ctx, qsl, scale, out, max(q_lens), max(ctx_lens))
@@ -297,14 +235,14 @@ def test_decode_attention_kernels(ctx_lens, H, Hkv, D, BS, kernel, kv_dtype):
     if kernel == "avx2" and not cpu_llvm.available():
         pytest.skip("this CPU has no AVX2 + FMA")
     q_lens = [1] * len(ctx_lens)
-    qkv, kc, vc, tables, ctx, qsl = _paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3, kv_dtype=kv_dtype)
+    qkv, kc, vc, tables, ctx, qsl = paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 3, kv_dtype=kv_dtype)
     scale = D ** -0.5
     ref = paged_attention_ref(qkv, float_cache(kc, BS), float_cache(vc, BS), tables, ctx, qsl, scale, H)
     if kv_dtype == np.float16:
         kc, vc = kc.view(np.uint16), vc.view(np.uint16)
     assert A.decode_attention_avx2_fits(kc) == cpu_llvm.available()
     out = np.full((len(ctx_lens), H * D), np.nan, np.float32)
-    fn(len(ctx_lens) * Hkv, qkv, kc, vc, tables, ctx, np.float32(scale), H, out)
+    fn(len(ctx_lens) * Hkv, qkv, kc, vc, tables, ctx, np.float32(scale), H, 0, out)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
 
 
@@ -322,7 +260,7 @@ def test_paged_attention_block_table_layout_does_not_matter():
     args = ([9, 1], [30, 33], 4, 2, 16, 4)
     outs = []
     for seed in (1, 2):   # same K/V/Q values, different block permutation
-        qkv, kc, vc, tables, ctx, qsl = _paged_case(*args, shuffle_seed=seed, value_seed=99)
+        qkv, kc, vc, tables, ctx, qsl = paged_case(*args, shuffle_seed=seed, value_seed=99)
         out = np.empty((qkv.shape[0], 4 * 16), np.float32)
         be.paged_attention(qkv, kc, vc, tables, ctx, qsl, 0.25, out, 9, 33)
         outs.append(out)

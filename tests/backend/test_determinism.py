@@ -71,7 +71,7 @@ def _blas_cases(rng):
 
     def attention():
         out = np.zeros((qkv.shape[0], H * D), np.float32)
-        cpu_blas.prefill_attention(qkv, kc, vc, tables, ctx, qsl, seqs, q0, q1, np.float32(D ** -0.5), H, out, 2)
+        cpu_blas.prefill_attention(qkv, kc, vc, tables, ctx, qsl, seqs, q0, q1, np.float32(D ** -0.5), H, 0, out, 2)
         return out
     return {"matmul_nt": matmul, "quant_matmul_nt": q4_tiles, "prefill_attention": attention}
 

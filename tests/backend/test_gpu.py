@@ -1,17 +1,13 @@
-"""GPU suite (marker `gpu`): every CUDA kernel on the device against its NumPy reference, the cuBLAS
-GEMM convention, the pool's bf16 round trip and its sizing from free memory, CUDA graph replay (of
-a hand-written step and of the model runner's decode graphs), the device sampler's batch-invariant
-seeds, the refusal of int8 models, and the whole model on the GPU: the tiny checkpoints against their
-reference logits and the CUDA backend against the CPU backend on a randomly initialised model of
-about 250 million parameters.
+"""GPU suite (marker `gpu`), the kernels: every CUDA kernel on the device against its NumPy reference
+(the layer ops, the Gemma 3 / Qwen3 ops: scaled embedding, per-head RMSNorm, GeGLU, and sliding-window
+attention), the cuBLAS GEMM convention, the pool's bf16 round trip, and the replay of a hand-written
+step captured as a CUDA graph.  The whole model on the GPU is test_gpu_model.py.
 
 Skipped, module-wide, wherever no usable GPU is present (see rawinfer.backend.cuda.runtime.cuda_status).
-tools/gpu_check.sh runs it on a GPU machine:  python -m pytest -m gpu tests/backend/test_gpu.py
+tools/gpu_check.sh runs it on a GPU machine:  python -m pytest -m gpu tests/backend/test_gpu*.py
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
@@ -24,11 +20,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable
 from ml_dtypes import bfloat16  # noqa: E402
 
 from reference_ops import (DTYPE_IDS, DTYPES, add_rmsnorm_ref, argmax_ref, assert_close, copy_blocks_ref,  # noqa: E402
-                           cos_sin_table, embedding_ref, f64, kv_write_ref, linear_ref, make_paged_batch,
-                           paged_attention_ref, rand, rmsnorm_ref, rope_ref, sample_ref, silu_mul_ref,
-                           take_rows_ref)
+                           cos_sin_table, embedding_ref, f64, gelu_tanh_mul_ref, head_rmsnorm_ref, kv_write_ref,
+                           linear_ref, make_paged_batch, paged_attention_ref, rand, rmsnorm_ref, rope_ref,
+                           sample_ref, silu_mul_ref, take_rows_ref)
 
-from conftest import DATA  # noqa: E402
+
 RESIDUAL_CASES = [(np.float32, np.float32), (np.float16, np.float16), (bfloat16, bfloat16),
                   (np.float16, np.float32), (bfloat16, np.float32)]
 RESIDUAL_IDS = ["f32", "f16", "bf16", "f16-res32", "bf16-res32"]
@@ -59,8 +55,11 @@ def test_embedding(gpu, dtype, res_dtype):
     table = rand(rng, (8000, 4096), dtype)
     ids = rng.integers(0, 8000, 37).astype(np.int32)
     out = gpu.empty((37, 4096), res_dtype)
-    gpu.embedding(dev(gpu, ids), dev(gpu, table), out)
+    d_ids, d_table = dev(gpu, ids), dev(gpu, table)
+    gpu.embedding(d_ids, d_table, out)
     np.testing.assert_array_equal(f64(host(gpu, out)), f64(embedding_ref(ids, table)))
+    gpu.embedding(d_ids, d_table, out, 64.0)        # Gemma's sqrt(hidden)
+    assert_close(host(gpu, out), embedding_ref(ids, table, 64.0), res_dtype, "scaled embedding")
 
 
 @pytest.mark.parametrize("dtype,res_dtype", RESIDUAL_CASES, ids=RESIDUAL_IDS)
@@ -80,6 +79,25 @@ def test_rmsnorm_and_add_rmsnorm(gpu, dtype, res_dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n,heads,kv_heads,head_dim", [
+    (100, 32, 8, 128),      # Qwen3-8B-like
+    (37, 4, 1, 256),        # Gemma 3 270M
+    (1, 16, 8, 128),
+    (3, 5, 1, 64),
+])
+def test_head_rmsnorm(gpu, dtype, n, heads, kv_heads, head_dim):
+    rng = np.random.default_rng(15)
+    qkv = rand(rng, (n, (heads + 2 * kv_heads) * head_dim), dtype, 3.0)
+    q_weight, k_weight = rand(rng, (head_dim,), dtype), rand(rng, (head_dim,), dtype)
+    d = dev(gpu, qkv)
+    gpu.head_rmsnorm(d, dev(gpu, q_weight), dev(gpu, k_weight), 1e-6, heads, kv_heads)
+    got = host(gpu, d)
+    assert_close(got, head_rmsnorm_ref(qkv, q_weight, k_weight, 1e-6, heads, kv_heads), dtype, "head_rmsnorm")
+    v = slice((heads + kv_heads) * head_dim, None)
+    np.testing.assert_array_equal(f64(got[:, v]), f64(qkv[:, v]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (14, 2, 64), (8, 8, 256)])
 def test_rope(gpu, dtype, heads, kv_heads, head_dim):
     rng = np.random.default_rng(3)
@@ -92,13 +110,16 @@ def test_rope(gpu, dtype, heads, kv_heads, head_dim):
     assert_close(host(gpu, d), ref, dtype, "rope")
 
 
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_silu_mul(gpu, dtype):
+def test_gated_activations(gpu, op, dtype):
     rng = np.random.default_rng(4)
     gate_up = rand(rng, (33, 2 * 14336), dtype, 3.0)
+    gate_up[0, :6] = [-30.0, -9.0, -0.5, 0.0, 9.0, 30.0]   # both tails and zero
     out = gpu.empty((33, 14336), dtype)
-    gpu.silu_mul(dev(gpu, gate_up), out)
-    assert_close(host(gpu, out), silu_mul_ref(gate_up), dtype, "silu_mul")
+    getattr(gpu, op)(dev(gpu, gate_up), out)
+    ref = {"silu_mul": silu_mul_ref, "gelu_tanh_mul": gelu_tanh_mul_ref}[op](gate_up)
+    assert_close(host(gpu, out), ref, dtype, op)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -115,15 +136,23 @@ def test_kv_write(gpu, dtype):
     np.testing.assert_array_equal(f64(host(gpu, dv)), f64(ref_v))
 
 
-def _attention(gpu, dtype, q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, max_context_len=None, seed=6):
+def _attention(gpu, dtype, q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, max_context_len=None, seed=6,
+               window=0):
+    """paged_attention against its reference.  With a window, every block wholly before the window of its
+    sequence's first query is then filled with NaN: the scheduler may have freed it, so the kernels must
+    not read it, and one read would make the output NaN."""
     rng = np.random.default_rng(seed)
     paged = make_paged_batch(rng, dtype, q_lens, ctx_lens, heads, kv_heads, head_dim, block_size)
-    qkv, k_cache, v_cache, block_tables, context_lens, qsl = paged
-    out = gpu.empty((qkv.shape[0], heads * head_dim), dtype)
     scale = head_dim ** -0.5
+    ref = paged_attention_ref(*paged, scale, heads, window=window)
+    _, k_cache, v_cache, block_tables, context_lens, _ = paged
+    for b, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        first = max(0, ctx - q_len - window + 1) if window else 0
+        k_cache[block_tables[b, :first // block_size]] = np.nan
+        v_cache[block_tables[b, :first // block_size]] = np.nan
+    out = gpu.empty((paged[0].shape[0], heads * head_dim), dtype)
     gpu.paged_attention(*[dev(gpu, a) for a in paged], scale, out, max(q_lens),
-                        max_context_len or max(ctx_lens))
-    ref = paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, qsl, scale, heads)
+                        max_context_len or max(ctx_lens), window)
     assert_close(host(gpu, out), ref, dtype, "attention")
 
 
@@ -154,6 +183,26 @@ def test_paged_attention_decode_fixed_bound(gpu):
 def test_paged_attention_prefill(gpu, dtype, case):
     heads, kv_heads, head_dim, block_size, q_lens, ctx = case
     _attention(gpu, dtype, q_lens, ctx, heads, kv_heads, head_dim, block_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", [
+    # heads, kv_heads, head_dim, block_size, q lens, context lengths, window
+    (4, 1, 256, 16, [1, 1, 1, 1], [1, 100, 513, 4097], 512),          # Gemma 3 270M's local layers, decode
+    (4, 1, 256, 16, [300, 17, 1], [300, 2000, 700], 512),            # the same in prefill chunks
+    (32, 8, 128, 32, [1, 1, 1], [4096, 4097, 9000], 4096),           # Mistral-7B-v0.1's window, decode
+    (32, 8, 128, 32, [100, 513], [5000, 513], 4096),                 # and prefill, past longer than the window
+    (16, 8, 128, 16, [1, 1, 37], [5, 40, 60], 24),                   # Qwen3-like heads, a small window
+    (8, 2, 64, 16, [1, 1, 20], [1, 33, 33], 1),                      # W = 1: each query sees itself
+], ids=["gemma-decode", "gemma-prefill", "mistral-decode", "mistral-prefill", "w24", "w1"])
+def test_paged_attention_window(gpu, dtype, case):
+    heads, kv_heads, head_dim, block_size, q_lens, ctx, window = case
+    _attention(gpu, dtype, q_lens, ctx, heads, kv_heads, head_dim, block_size, window=window)
+
+
+def test_paged_attention_window_fixed_bound(gpu):
+    """A windowed decode step with the grid sized for the model length (what a captured graph uses)."""
+    _attention(gpu, np.float16, [1, 1, 1], [700, 33, 5000], 4, 1, 256, 16, max_context_len=32768, window=512)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -264,203 +313,3 @@ def block_tables_host_slot(paged, b, bs):
     block_tables, context_lens = paged[3], paged[4]
     pos = int(context_lens[b]) - 1
     return int(block_tables[b, pos // bs]) * bs + pos % bs
-
-
-# ---- the whole model ------------------------------------------------------------------------------
-def _convert(tmp_path_factory, name, dtype):
-    try:
-        from rawinfer.convert import convert
-    except ImportError as e:
-        pytest.fail(f"rawinfer.convert cannot be imported on this machine ({e}); its gguf/tqdm imports must be "
-                    "lazy so that safetensors checkpoints convert without them")
-    dst = str(tmp_path_factory.mktemp("gpu-models") / f"{name}-{dtype}")
-    convert(os.path.join(DATA, name), dst, dtype=dtype, progress=False)
-    return dst
-
-
-def _engine(path, device, **kw):
-    from rawinfer import LLMEngine
-    from rawinfer.config import EngineConfig
-    opts = dict(device=device, kv_cache_memory=64 * 1024**2, max_num_batched_tokens=256, max_num_seqs=16)
-    opts.update(kw)
-    return LLMEngine(path, EngineConfig(**opts))
-
-
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tiny_checkpoints_match_reference_logits(tmp_path_factory, name, dtype):
-    """Teacher-forced logits at all 150 positions, as one prefill and as prefill + 129 decode steps."""
-    engine = _engine(_convert(tmp_path_factory, name, dtype), "cuda")
-    ref = np.load(os.path.join(DATA, name, "reference.npz"))
-    ids, want = ref["seq_ids"].tolist(), ref["seq_logits"]
-    for sizes in (150, [21] + [1] * 129):
-        got = engine.score(ids, sizes)
-        err = np.abs(got - want).max()
-        if dtype == "float32":
-            assert err < 1e-3, f"{name} {sizes if isinstance(sizes, int) else 'decode'}: max |err| {err}"
-        else:  # bf16 weights and activations: compare what bf16 can promise
-            assert err < 0.1 * np.abs(want).max(), err
-            top2 = np.sort(want, -1)[:, -2:]
-            sure = top2[:, 1] - top2[:, 0] > 0.1
-            assert (got.argmax(-1) == want.argmax(-1))[sure].all()
-
-
-def test_tiny_greedy_generation_matches_reference(tmp_path_factory):
-    from rawinfer import SamplingParams
-    engine = _engine(_convert(tmp_path_factory, "tiny-llama", "float32"), "cuda")
-    ref = np.load(os.path.join(DATA, "tiny-llama", "reference.npz"))
-    engine.add_request("r", ref["prompt_ids"].tolist(), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    tokens = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-    ties = np.nonzero(ref["step_margin"] < 1e-3)[0]
-    upto = int(ties[0]) if len(ties) else 40
-    assert tokens[:upto] == ref["greedy_ids"][:upto].tolist()
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_graphs_replay_equals_eager(tmp_path_factory, dtype, staggered_generation):
-    """The runner's decode graphs: a replay gives the bits of an eager run of the same padded batch,
-    and graph-decoded tokens are what eager decoding (on teacher-forced logits) calls best."""
-    path = _convert(tmp_path_factory, "tiny-llama", dtype)
-    graphed = _engine(path, "cuda", max_num_seqs=8)
-    runner = graphed.runner
-    assert runner.graphs is not None and graphed.pool.kv.padding_block is not None
-    checked = []
-    real_run = runner.graphs.run
-
-    def spy(plan):
-        logits = real_run(plan)
-        bucket = plan.graph_bucket
-        if bucket > plan.num_seqs and not checked:       # a step with padding rows
-            got = graphed.backend.to_host(logits).copy()
-            want = graphed.backend.to_host(graphed.model.forward(runner.graphs.flat_batch(bucket))[:len(logits)])
-            np.testing.assert_array_equal(got, want)
-            checked.append(bucket)
-        return logits
-
-    runner.graphs.run = spy
-    rng = np.random.default_rng(14)
-    prompts = {f"r{i}": rng.integers(3, 512, n).tolist() for i, n in enumerate([3, 40, 17, 5, 90])}
-    generated = staggered_generation(graphed, prompts, 12)
-    assert checked and set(runner.graphs.captured) >= {1, 2, 4, 8}
-    eager = _engine(path, "cuda", max_num_seqs=8, use_cuda_graphs=False)
-    assert eager.runner.graphs is None
-    noise = 1e-4 if dtype == "float32" else 0.05
-    for rid, prompt in prompts.items():
-        logits = eager.score(prompt + generated[rid])[len(prompt) - 1:-1]
-        chosen = logits[np.arange(12), generated[rid]]
-        assert np.all(chosen >= logits.max(-1) - noise * max(1.0, np.abs(logits).max())), rid
-
-
-def test_seeded_sampling_is_batch_invariant_on_the_device_sampler(tmp_path_factory):
-    from rawinfer import SamplingParams
-    engine = _engine(_convert(tmp_path_factory, "tiny-llama", "float32"), "cuda")
-    p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, seed=7, ignore_eos=True)
-
-    def run(prompts):
-        out = {}
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"s{len(prompts)}-{i}", prompt, p)
-        while engine.has_unfinished():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return [out[f"s{len(prompts)}-{i}"] for i in range(len(prompts))]
-
-    alone = run([[1, 2, 3, 4]])[0]
-    batched = run([[1, 2, 3, 4], [9, 9, 9], [100] * 30])
-    assert batched[0] == alone and len(alone) == 16
-    assert len(set(alone)) > 1
-
-
-def test_pool_is_sized_from_free_device_memory(tmp_path_factory):
-    import gc
-    from rawinfer import LLMEngine
-    from rawinfer.config import EngineConfig
-    path = _convert(tmp_path_factory, "tiny-llama", "float32")
-    gc.collect()
-    import cupy
-    cupy.get_default_memory_pool().free_all_blocks()
-    free_before = cupy.cuda.runtime.memGetInfo()[0]
-    engine = LLMEngine(path, EngineConfig(device="cuda", gpu_memory_utilization=0.2, max_num_batched_tokens=256,
-                                          max_num_seqs=16))
-    pool = engine.pool
-    assert pool.kv_bytes == pool.total_bytes - pool.weight_bytes - pool.workspace_bytes
-    assert 0.15 * free_before < pool.total_bytes <= 0.2 * free_before
-    assert "gpu_memory_utilization" in pool.describe()
-    assert pool.workspace.attention is not None
-    del engine, pool
-    gc.collect()
-
-
-def test_int8_models_are_refused_at_start(tmp_path_factory):
-    from rawinfer import LLMEngine
-    from rawinfer.config import EngineConfig
-    from rawinfer.convert import convert
-    dst = str(tmp_path_factory.mktemp("gpu-models") / "tiny-int8")
-    convert(os.path.join(DATA, "tiny-llama"), dst, quant="int8", progress=False)
-    with pytest.raises(ValueError, match="int8 weight-only models run on the CPU backend"):
-        LLMEngine(dst, EngineConfig(device="cuda", kv_cache_memory=64 * 1024**2))
-
-
-def _random_model_config(dtype):
-    from rawinfer.config import ModelConfig, RopeConfig
-    # about 250M parameters: 12 layers of C = 1024, F = 4096, 16 heads of 64, 4 KV heads, V = 32000
-    return ModelConfig(architecture="llama", vocab_size=32000, hidden_size=1024, intermediate_size=4096,
-                       num_layers=12, num_heads=16, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5,
-                       max_position_embeddings=4096, dtype=dtype,
-                       rope=RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
-                                       high_freq_factor=4.0, original_max_position_embeddings=1024))
-
-
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def gpu_and_cpu_engines(request):
-    """The same random model on both backends; the CPU copy gets the GPU's (possibly bf16) weights."""
-    from rawinfer import LLMEngine
-    from rawinfer.config import EngineConfig
-    common = dict(kv_cache_memory=256 * 1024**2, max_num_batched_tokens=512, max_num_seqs=16)
-    gpu_engine = LLMEngine.random(_random_model_config(request.param), EngineConfig(device="cuda", **common), seed=3)
-    cpu_engine = LLMEngine.random(_random_model_config("float32"), EngineConfig(device="cpu", **common), seed=3)
-    for name, view in gpu_engine.pool.weights.items():
-        cpu_engine.backend.upload(cpu_engine.pool.weights[name],
-                                  gpu_engine.backend.to_host(view).astype(np.float32))
-    return gpu_engine, cpu_engine, request.param
-
-
-def test_random_model_cuda_matches_cpu_logits(gpu_and_cpu_engines):
-    gpu_engine, cpu_engine, dtype = gpu_and_cpu_engines
-    ids = np.random.default_rng(12).integers(0, 32000, 300).tolist()
-    for sizes in (300, [100, 77] + [1] * 23 + [100]):   # prefill, chunked prefill, decode steps, a chunk again
-        got, want = gpu_engine.score(ids, sizes), cpu_engine.score(ids, sizes)
-        scale = np.abs(want).max()
-        if dtype == "float32":
-            np.testing.assert_allclose(got, want, atol=2e-4 * scale, rtol=0)
-        else:
-            assert np.abs(got - want).max() < 0.1 * scale
-            assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.999
-
-
-def test_random_model_cuda_generation_is_a_cpu_argmax(gpu_and_cpu_engines):
-    """Continuous batching on the GPU (staggered prompts, decode and prefill mixed): every greedy token
-    it picks is, on the CPU backend's teacher-forced logits, within noise of the best one."""
-    from rawinfer import SamplingParams
-    gpu_engine, cpu_engine, dtype = gpu_and_cpu_engines
-    rng = np.random.default_rng(13)
-    prompts = {f"r{i}": rng.integers(0, 32000, n).tolist() for i, n in enumerate([5, 130, 17, 64, 1, 300])}
-    generated = {rid: [] for rid in prompts}
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    pending = list(prompts.items())
-    while pending or gpu_engine.has_unfinished():
-        if pending:
-            rid, prompt = pending.pop(0)
-            gpu_engine.add_request(rid, prompt, params)
-        for out in gpu_engine.step():
-            generated[out.request_id] += out.new_token_ids
-    noise = 1e-3 if dtype == "float32" else 0.15
-    for rid, prompt in prompts.items():
-        assert len(generated[rid]) == 24
-        seq = prompt + generated[rid]
-        logits = cpu_engine.score(seq)[len(prompt) - 1:-1]
-        chosen = logits[np.arange(24), generated[rid]]
-        assert np.all(chosen >= logits.max(-1) - noise * max(1.0, np.abs(logits).max())), rid

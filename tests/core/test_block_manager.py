@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from rawinfer.core import block_manager
-from rawinfer.core.block_manager import ROOT_HASH, Allocation, BlockHashes, BlockManager, hash_block_tokens
+from rawinfer.core import block_hashes
+from rawinfer.core.block_hashes import ROOT_HASH, BlockHashes, hash_block_tokens
+from rawinfer.core.block_manager import Allocation, BlockManager
 
 
 def snapshot(bm: BlockManager, seq_ids) -> tuple:
@@ -208,8 +209,8 @@ def test_each_block_is_hashed_once_through_the_sequences_memo(monkeypatch):
     """A sequence's digests, kept in its BlockHashes, serve the lookup, the registrations as blocks fill
     and a later lookup after preemption: every full block is hashed exactly once."""
     calls = []
-    real = block_manager.hash_block_tokens
-    monkeypatch.setattr(block_manager, "hash_block_tokens", lambda p, t: (calls.append(tuple(t)), real(p, t))[1])
+    real = block_hashes.hash_block_tokens
+    monkeypatch.setattr(block_hashes, "hash_block_tokens", lambda p, t: (calls.append(tuple(t)), real(p, t))[1])
     bm = BlockManager(num_blocks=16, block_size=4)
     tokens, hashes = list(range(10)), BlockHashes()
     assert bm.find_cached_prefix(tokens, hashes) == [] and len(calls) == 2       # blocks 0 and 1

@@ -39,6 +39,13 @@ def attention_work_item(w, num_kv_heads, work_seq, work_q0, work_q1, query_start
 
 
 @nb.njit(inline="always")
+def window_start(pos, window):
+    """The first key position a query at `pos` sees: pos - window + 1 for a sliding-window layer
+    (window > 0), else 0."""
+    return max(0, pos - window + 1) if window > 0 else 0
+
+
+@nb.njit(inline="always")
 def softmax_numerators(row, n):
     """row[:n] <- exp(row[:n] - max(row[:n])) in place; returns 1 / their sum (the normalizer)."""
     m = np.float32(-np.inf)
@@ -102,14 +109,16 @@ kv_axpy_rows32 = _by_cache_dtype(cpu_llvm.axpy_rows32, "llvm.axpy_rows32 for thi
 
 
 def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                           work_seq, work_q0, work_q1, scale, num_heads, out):
+                           work_seq, work_q0, work_q1, scale, num_heads, window, out):
     """Flash-style attention on the CPU. One work item = (query tile of one sequence, kv head).
 
     The item walks its sequence's KV blocks through the block table; each block's BS x D tiles of K
     and V are read once for every query of the tile and every query head of the kv head's group.
     Per (query, head) it keeps a running max m, denominator l and accumulator acc[D] (online softmax):
-    scores of the visible keys of a block (causal: key position <= query position), then one rescale
-    of acc by exp(m_old - m_new) per block instead of per key.
+    scores of the visible keys of a block (causal: key position <= query position; window W > 0: and
+    > query position - W), then one rescale of acc by exp(m_old - m_new) per block instead of per key.
+    Blocks wholly before the tile's first window are not read (a sliding-window sequence may have
+    returned them to the pool).
     """
     Hkv, BS, D = kv_dims(k_cache)
     G = num_heads // Hkv
@@ -128,17 +137,20 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
         sc = np.empty(BS, np.float32)
         ktile = np.empty((BS, D), np.float32)            # float16 caches: the block's tiles converted
         vtile = np.empty((BS, D), np.float32)
-        for page in range(last_pos // BS + 1):
+        for page in range(window_start(tile_first, window) // BS, last_pos // BS + 1):
             kb = kv_tile(k_cache, k_table, block_tables[b, page], kvh, ktile)     # [BS, D]
             vb = kv_tile(v_cache, v_table, block_tables[b, page], kvh, vtile)
             j0 = page * BS
             nk = min(BS, last_pos + 1 - j0)
             for i in range(max(0, j0 - tile_first), nq):
                 nvis = min(nk, tile_first + i - j0 + 1)
+                r0 = max(0, window_start(tile_first + i, window) - j0)
+                if r0 >= nvis:
+                    continue                             # the block is wholly before this query's window
                 for g in range(G):
                     qi = q[i, g]
                     mx = np.float32(-np.inf)
-                    for r in range(nvis):
+                    for r in range(r0, nvis):
                         s = np.float32(0.0)
                         for d in range(D):
                             s += qi[d] * kb[r, d]
@@ -152,7 +164,7 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
                     li = l[i, g] * corr
                     # NOTE: exp inside the key loop: over a block's <= BS scores, a separate
                     # (vectorized) exp pass costs more than it saves
-                    for r in range(nvis):
+                    for r in range(r0, nvis):
                         p = fast_exp(sc[r] - m_new)
                         li += p
                         for d in range(D):
@@ -193,12 +205,13 @@ def write_heads(o, inv, t, kvh, out):
             dst[d] = src[d] * inv[g]
 
 
-def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, out):
+def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, window, out):
     """Attention of one new token per sequence (a pure decode batch: row b of qkv is sequence b's token).
 
     One work item = (sequence, kv head), in two passes over the sequence's blocks instead of an online
     softmax: all scores of the item's G query heads into a [G, context] buffer, one exact softmax per
     head (its exps vectorize over the whole row), then P @ V with each V row read once for all G heads.
+    window W > 0: only the last W positions, from the block that holds the first of them.
     """
     Hkv, BS, D = kv_dims(k_cache)
     G = num_heads // Hkv
@@ -208,35 +221,37 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
         b = w // Hkv
         kvh = w % Hkv
         n = context_lens[b]
+        lo = window_start(n - 1, window)                 # scores s[g, j - lo] of positions lo .. n-1
         q = np.empty((G, D), np.float32)
         query_heads_into(qkv, b, kvh, scale, q)
-        s = np.empty((G, n), np.float32)
+        s = np.empty((G, n - lo), np.float32)
         tile = np.empty((BS, D), np.float32)             # float16 caches: a block's tile converted
-        for page in range((n + BS - 1) // BS):
+        for page in range(lo // BS, (n + BS - 1) // BS):
             kb = kv_tile(k_cache, k_table, block_tables[b, page], kvh, tile)     # [BS, D]
             j0 = page * BS
-            for r in range(min(BS, n - j0)):
+            for r in range(max(0, lo - j0), min(BS, n - j0)):
                 for g in range(G):
                     acc = np.float32(0.0)
                     for d in range(D):
                         acc += q[g, d] * kb[r, d]
-                    s[g, j0 + r] = acc
+                    s[g, j0 + r - lo] = acc
         inv = np.empty(G, np.float32)
         for g in range(G):
-            inv[g] = softmax_numerators(s[g], n)
+            inv[g] = softmax_numerators(s[g], n - lo)
         o = np.zeros((G, D), np.float32)
-        for page in range((n + BS - 1) // BS):
+        for page in range(lo // BS, (n + BS - 1) // BS):
             vb = kv_tile(v_cache, v_table, block_tables[b, page], kvh, tile)
             j0 = page * BS
-            for r in range(min(BS, n - j0)):
+            for r in range(max(0, lo - j0), min(BS, n - j0)):
                 for g in range(G):
-                    p = s[g, j0 + r]
+                    p = s[g, j0 + r - lo]
                     for d in range(D):
                         o[g, d] += p * vb[r, d]
         write_heads(o, inv, b, kvh, out)
 
 
-def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, out):
+def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, window,
+                                  out):
     """The same two passes as _decode_attention_kernel with the inner loops as AVX2 blocks (llvm.py):
     scores 4 rows of a K block at a time for up to 3 query heads at once (dot_rows4), P @ V 32 dims at
     a time with the outputs in registers across a V block's rows (axpy_rows32), each K and V row loaded
@@ -245,7 +260,8 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
     prefetched while a K block is scored, and the next work item's first two K blocks at its start.
     Needs BS % 4 == 0, D % 32 == 0 (decode_attention_avx2_fits); the 4-row groups may read a block's
     rows past the context, which exist and whose scores are never used. int8 caches: the row scales
-    are applied inside the blocks, once per row (to the 4 scores, to the weights p)."""
+    are applied inside the blocks, once per row (to the 4 scores, to the weights p). window W > 0: the
+    blocks from the one holding position n - W on; that block's rows before it get weight 0."""
     Hkv, BS, D = kv_dims(k_cache)
     G = num_heads // Hkv
     B = context_lens.shape[0]
@@ -258,17 +274,20 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
         kvh = w % Hkv
         if w + 1 < B * Hkv:                              # the next item's first two K blocks
             b1, h1 = (w + 1) // Hkv, (w + 1) % Hkv
-            for page in range(min(2, (context_lens[b1] + BS - 1) // BS)):
+            p1 = window_start(context_lens[b1] - 1, window) // BS
+            for page in range(p1, min(p1 + 2, (context_lens[b1] + BS - 1) // BS)):
                 prefetch(k0 + tile_offset(block_tables, b1, page, h1, Hkv, tbytes), tbytes)
         n = context_lens[b]
+        lo = window_start(n - 1, window)
+        p0 = lo // BS                                    # s[g, (page - p0) * BS + r]: row r of a page
         pages = (n + BS - 1) // BS
-        width = pages * BS
+        width = (pages - p0) * BS
         q = np.empty((G, D), np.float32)
         query_heads_into(qkv, b, kvh, scale, q)
         s = np.empty((G, width), np.float32)
         o = np.zeros((G, D), np.float32)
         qa, sa, oa = np.int64(q.ctypes.data), np.int64(s.ctypes.data), np.int64(o.ctypes.data)
-        for page in range(pages):
+        for page in range(p0, pages):
             tile = tile_offset(block_tables, b, page, kvh, Hkv, tbytes)
             if page + 2 < pages:
                 prefetch(k0 + tile_offset(block_tables, b, page + 2, kvh, Hkv, tbytes), tbytes)
@@ -277,17 +296,19 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
             for g0 in range(0, G, HM):
                 for r0 in range(0, rows, 4):
                     kv_dot_rows4(k_cache, G - g0, qa + g0 * D * 4, D, k0 + tile + r0 * D * isz, D, D // 8,
-                                 sa + (g0 * width + page * BS + r0) * 4, width,
+                                 sa + (g0 * width + (page - p0) * BS + r0) * 4, width,
                                  k0 + tile + BS * D + r0 * 4)     # int8: the rows' scales (else unused)
+        skip = lo - p0 * BS                              # rows of the first page before the window
         inv = np.empty(G, np.float32)
         for g in range(G):
-            inv[g] = softmax_numerators(s[g], n)
-        for page in range(pages):
+            inv[g] = softmax_numerators(s[g, skip:], n - lo)
+            s[g, :skip] = np.float32(0.0)
+        for page in range(p0, pages):
             tile = tile_offset(block_tables, b, page, kvh, Hkv, tbytes)
             rows = min(BS, n - page * BS)
             for g0 in range(0, G, HM):
                 for d0 in range(0, D, 32):
-                    kv_axpy_rows32(v_cache, G - g0, sa + (g0 * width + page * BS) * 4, width,
+                    kv_axpy_rows32(v_cache, G - g0, sa + (g0 * width + (page - p0) * BS) * 4, width,
                                    v0 + tile + d0 * isz, rows, D, oa + (g0 * D + d0) * 4, D, v0 + tile + BS * D)
         keep_alive(q)                                    # q and s are read through qa and sa up to here
         keep_alive(s)

@@ -17,6 +17,7 @@ from rawinfer.backend.cpu import memory as cpu_memory
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
 from rawinfer.backend.cpu.fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel
 from rawinfer.backend.cpu.products import INT8_GEMV_MAX_ROWS, QuantizedProducts, check_array
+from rawinfer.backend.cpu import variants as V
 from rawinfer.backend.cpu.threads import ThreadGovernor, configure_spin
 from rawinfer.quant import Int8Weight, Q4Weight
 
@@ -111,7 +112,7 @@ class CPUBackend(QuantizedProducts):
         return np.asarray(x)
 
     # ---- layer ops ---------------------------------------------------------------------------
-    def embedding(self, ids, table, out) -> None:
+    def embedding(self, ids, table, out, scale=1.0) -> None:
         shapes.embedding(ids, table.shape, out)
         check_array("ids", ids, np.int32)
         check_array("out", out)
@@ -121,6 +122,8 @@ class CPUBackend(QuantizedProducts):
             K.int8_embedding_kernel(ids, table.q, table.scale, out)
         else:
             K.take_rows_kernel(table, ids, out)
+        if scale != 1.0:
+            out *= np.float32(scale)
 
     def rmsnorm(self, x, weight, eps, out) -> None:
         shapes.norm("rmsnorm", x, weight, out)
@@ -159,6 +162,17 @@ class CPUBackend(QuantizedProducts):
             raise ValueError(f"position out of range [0, {cos_sin.shape[0]}): the model's context is exceeded")
         K.rope_kernel(qkv.shape[0], qkv, positions, cos_sin, num_heads, num_kv_heads, D)
 
+    def head_rmsnorm(self, qkv, q_weight, k_weight, eps, num_heads, num_kv_heads) -> None:
+        shapes.head_rmsnorm(qkv, q_weight, k_weight, num_heads, num_kv_heads)
+        check_array("qkv", qkv, np.float32)
+        V.head_rmsnorm_kernel(qkv.shape[0], qkv, q_weight, k_weight, np.float32(eps), num_heads, num_kv_heads)
+
+    def gelu_tanh_mul(self, gate_up, out) -> None:
+        shapes.silu_mul(gate_up, out, op="gelu_tanh_mul")
+        check_array("gate_up", gate_up)
+        check_array("out", out)
+        V.gelu_tanh_mul_kernel(gate_up.shape[0], gate_up, out)
+
     def silu_mul(self, gate_up, out) -> None:
         shapes.silu_mul(gate_up, out)
         check_array("gate_up", gate_up)
@@ -172,15 +186,15 @@ class CPUBackend(QuantizedProducts):
         K.kv_write_kernel(qkv.shape[0], qkv, _kv(k_cache), _kv(v_cache), slot_mapping, num_heads)
 
     def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                               scale, out, max_context_len) -> None:
+                               scale, out, max_context_len, window=0) -> None:
         B, H, Hkv = self._attention_args("paged_attention_decode", qkv, k_cache, v_cache, block_tables,
                                          context_lens, query_start_loc, out)
         k_cache, v_cache = _kv(k_cache), _kv(v_cache)
         kernel = A.decode_attention_avx2_kernel if A.decode_attention_avx2_fits(k_cache) else A.decode_attention_kernel
-        kernel(B * Hkv, qkv, k_cache, v_cache, block_tables, context_lens, np.float32(scale), H, out)
+        kernel(B * Hkv, qkv, k_cache, v_cache, block_tables, context_lens, np.float32(scale), H, int(window), out)
 
     def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                scale, out, max_query_len) -> None:
+                                scale, out, max_query_len, window=0) -> None:
         _, H, Hkv = self._attention_args("paged_attention_prefill", qkv, k_cache, v_cache, block_tables,
                                          context_lens, query_start_loc, out)
         k_cache, v_cache = _kv(k_cache), _kv(v_cache)
@@ -193,19 +207,19 @@ class CPUBackend(QuantizedProducts):
         long = q_lens >= ATTN_BLAS_MIN_QUERY if self.blas_on_numba_pool else np.zeros_like(one)
         if one.any():
             self._decode_rows(np.flatnonzero(one), qkv, k_cache, v_cache, block_tables, context_lens,
-                              query_start_loc, scale, H, Hkv, out)
+                              query_start_loc, scale, H, Hkv, window, out)
         if long.any():
             seqs, q0, q1 = _items_of(long, query_start_loc, ATTN_BLAS_QUERY_TILE)
             cpu_blas.prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs,
-                                       q0, q1, np.float32(scale), H, out, self.max_threads)
+                                       q0, q1, np.float32(scale), H, int(window), out, self.max_threads)
         if (short := ~(one | long)).any():
             seqs, q0, q1 = _items_of(short, query_start_loc, ATTN_QUERY_TILE)   # [W] each
             A.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
-                                     query_start_loc, seqs, q0, q1, np.float32(scale), H, out)
+                                     query_start_loc, seqs, q0, q1, np.float32(scale), H, int(window), out)
 
     @staticmethod
     def _decode_rows(seqs, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, H, Hkv,
-                     out) -> None:
+                     window, out) -> None:
         """Attention of the one-query sequences `seqs` of a mixed batch through the decode kernel, on
         gathered rows (the kernel takes row b as sequence b)."""
         rows = query_start_loc[seqs]
@@ -213,7 +227,7 @@ class CPUBackend(QuantizedProducts):
         kernel = A.decode_attention_avx2_kernel if A.decode_attention_avx2_fits(k_cache) else A.decode_attention_kernel
         kernel(len(seqs) * Hkv, np.ascontiguousarray(qkv[rows]), k_cache, v_cache,
                np.ascontiguousarray(block_tables[seqs]), np.ascontiguousarray(context_lens[seqs]), np.float32(scale),
-               H, o)
+               H, int(window), o)
         out[rows] = o
 
     @staticmethod
@@ -256,6 +270,7 @@ class CPUBackend(QuantizedProducts):
         plan["b_qkvs"] = typed([L.qkv_bias if L.qkv_bias is not None else NO_BIAS for L in layers])
         plan["k_caches"], plan["v_caches"] = typed([_kv(c) for c in k_caches]), typed([_kv(c) for c in v_caches])
         plan["avx2_attention"] = A.decode_attention_avx2_fits(plan["k_caches"][0])
+        plan["windows"] = np.array([L.window for L in layers], np.int64)
         plan["max_k"] = max(getattr(L, name).shape[1] for L in layers for _, name in mats)
         return plan
 
@@ -281,7 +296,7 @@ class CPUBackend(QuantizedProducts):
                 p["in_norms"], p["p_qkvs"], p["s_qkvs"], p["b_qkvs"], p["p_os"], p["s_os"], p["post_norms"],
                 p["p_gus"], p["s_gus"], p["p_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
                 batch.block_tables, batch.context_lens, p["k_caches"], p["v_caches"], cos_sin, np.float32(eps),
-                np.float32(scale), num_heads, num_kv_heads, qx, qs, p["avx2_attention"])
+                np.float32(scale), num_heads, num_kv_heads, qx, qs, p["avx2_attention"], p["windows"])
             return
         decoder_stack_kernel(
             acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],
@@ -289,7 +304,7 @@ class CPUBackend(QuantizedProducts):
             p["in_norms"], p["w_qkvs"], p["s_qkvs"], p["b_qkvs"], p["w_os"], p["s_os"], p["post_norms"],
             p["w_gus"], p["s_gus"], p["w_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
             batch.block_tables, batch.context_lens, batch.query_start_loc, p["k_caches"], p["v_caches"],
-            cos_sin, np.float32(eps), np.float32(scale), num_heads, num_kv_heads, ATTN_QUERY_TILE)
+            cos_sin, np.float32(eps), np.float32(scale), num_heads, num_kv_heads, ATTN_QUERY_TILE, p["windows"])
 
     def copy_blocks(self, k_caches, v_caches, pairs) -> None:
         if not pairs:

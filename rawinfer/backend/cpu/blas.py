@@ -39,7 +39,8 @@ import numpy as np
 from numba import types
 
 # inlined into the kernels below: see the cache NOTE in fused.py
-from rawinfer.backend.cpu.attention import attention_work_item, query_heads_into, softmax_numerators, write_heads
+from rawinfer.backend.cpu.attention import (attention_work_item, query_heads_into, softmax_numerators, window_start,
+                                            write_heads)
 from rawinfer.backend.cpu.kernels import kv_dims, kv_row_into, kv_scale_table
 from rawinfer.backend.cpu.q4 import dequantize_tile
 
@@ -154,12 +155,13 @@ def quant_matmul_nt(x, a, b, out, scratch, tile_rows, parts):
 
 @nb.njit(parallel=True, cache=True, fastmath={"reassoc", "contract", "arcp", "nsz"})
 def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, work_seq, work_q0,
-                      work_q1, scale, num_heads, out, parts):
+                      work_q1, scale, num_heads, window, out, parts):
     """Causal paged attention with the two matrix products on BLAS, for batches with long query runs
     (prefill chunks). One work item = (query tile of one sequence, kv head):
         K, V of the visible positions gathered from the item's blocks into [n, D] buffers
         S = Q K^T          [G * tile, n]   (the G query heads sharing the kv head stacked as rows)
-        P = softmax(S)     per row, keys after the query's position masked out
+        P = softmax(S)     per row, keys after the query's position (and, window W > 0, at or
+                           before its position - W) masked out
         O = P V / sum(P)   [G * tile, D]
     Items are dealt to threads round-robin: later tiles see more keys, and contiguous halves would
     leave one thread with most of the work."""
@@ -173,13 +175,14 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
         for w in range(p, W, parts):
             b, kvh, q0, nq, first = attention_work_item(w, Hkv, work_seq, work_q0, work_q1, query_start_loc,
                                                         context_lens)
-            n = first + nq                                # keys visible to the tile's last query
+            lo = window_start(first, window)              # keys lo .. lo + n - 1: those any query sees
+            n = first + nq - lo
             kc = np.empty((n, D), np.float32)
             vc = np.empty((n, D), np.float32)
             for j in range(n):
-                blk = block_tables[b, j // BS]
-                kv_row_into(k_cache, k_table, blk, kvh, j % BS, kc[j])
-                kv_row_into(v_cache, v_table, blk, kvh, j % BS, vc[j])
+                blk = block_tables[b, (lo + j) // BS]
+                kv_row_into(k_cache, k_table, blk, kvh, (lo + j) % BS, kc[j])
+                kv_row_into(v_cache, v_table, blk, kvh, (lo + j) % BS, vc[j])
             q = np.empty((G * nq, D), np.float32)            # row g * nq + i: head g of query i
             for i in range(nq):
                 query_heads_into(qkv, q0 + i, kvh, scale, q.reshape((G, nq, D))[:, i])
@@ -188,9 +191,13 @@ def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_s
                    n)
             inv = np.empty(G * nq, np.float32)
             for row in range(G * nq):
-                visible = first + row % nq + 1           # causal: keys up to the query's position
-                inv[row] = softmax_numerators(s[row], visible)
-                for j in range(visible, n):
+                pos = first + row % nq
+                a = window_start(pos, window) - lo        # the query's keys: columns a .. e - 1
+                e = pos + 1 - lo
+                inv[row] = softmax_numerators(s[row, a:], e - a)
+                for j in range(a):
+                    s[row, j] = zero
+                for j in range(e, n):
                     s[row, j] = zero
             o = np.empty((G * nq, D), np.float32)
             _sgemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, G * nq, D, n, one, s.ctypes, n, vc.ctypes, D, zero, o.ctypes,

@@ -77,7 +77,7 @@ _work_items = A.attention_work_items
 def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
                          in_norm, w_qkv, s_qkv, b_qkv, w_o, s_o, post_norm, w_gu, s_gu, w_down, s_down,
                          positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                         seqs, q0, q1, k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads):
+                         seqs, q0, q1, k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads, window):
     # Shapes as in rawinfer/backend/base.py; w_* are int8 rows with per-row scales s_* (or q4 nibbles
     # with their block scales: weight_matvec), b_qkv is the QKV bias (empty when the model has none).
     if first:
@@ -91,7 +91,7 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
     _rope(qkv, positions, cos_sin, num_heads, num_kv_heads, cos_sin.shape[1])
     _kv_write(qkv, k_cache, v_cache, slot_mapping, num_heads)
     _attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs, q0, q1,
-               scale, num_heads, attn)
+               scale, num_heads, window, attn)
     _matmul(attn, w_o, s_o, h)
     _add_rmsnorm(h, res, post_norm, eps, x)
     _matmul_silu(x, w_gu, s_gu, act)               # silu(gate) * up (gu: unused workspace here)
@@ -102,15 +102,16 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
 def decoder_stack_kernel(h, res, x, qkv, attn, gu, act,
                          in_norms, w_qkvs, s_qkvs, b_qkvs, w_os, s_os, post_norms, w_gus, s_gus, w_downs,
                          s_downs, positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                         k_caches, v_caches, cos_sin, eps, scale, num_heads, num_kv_heads, query_tile):
-    # Every layer in one call: the per-layer tensors come as typed lists of L arrays each.
+                         k_caches, v_caches, cos_sin, eps, scale, num_heads, num_kv_heads, query_tile, windows):
+    # Every layer in one call: the per-layer tensors come as typed lists of L arrays each, the layers'
+    # sliding windows as windows[L] (0: full attention).
     seqs, q0, q1 = _work_items(query_start_loc, query_tile)
     for i in range(len(in_norms)):
         decoder_layer_kernel(i == 0, h, res, x, qkv, attn, gu, act,
                              in_norms[i], w_qkvs[i], s_qkvs[i], b_qkvs[i], w_os[i], s_os[i], post_norms[i],
                              w_gus[i], s_gus[i], w_downs[i], s_downs[i], positions, slot_mapping,
                              block_tables, context_lens, query_start_loc, seqs, q0, q1,
-                             k_caches[i], v_caches[i], cos_sin, eps, scale, num_heads, num_kv_heads)
+                             k_caches[i], v_caches[i], cos_sin, eps, scale, num_heads, num_kv_heads, windows[i])
 
 
 # ---- batched decode (int8 models with packed weights, any number of sequences) ------------------------
@@ -131,7 +132,7 @@ _int8_matmul_silu = cpu_qgemm.int8_matmul_silu
 def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
                                  in_norms, p_qkvs, s_qkvs, b_qkvs, p_os, s_os, post_norms, p_gus, s_gus, p_downs,
                                  s_downs, positions, slot_mapping, block_tables, context_lens, k_caches, v_caches,
-                                 cos_sin, eps, scale, num_heads, num_kv_heads, xbuf, sbuf, avx2_attention):
+                                 cos_sin, eps, scale, num_heads, num_kv_heads, xbuf, sbuf, avx2_attention, windows):
     # Every layer of a pure decode batch (row b = sequence b's new token) in one call: the per-op path's
     # kernels in its order (the serial builds of the elementwise ops for a few rows, where waking the
     # pool costs more than the work), the matrix products on the integer GEMM (p_* = packed weights).
@@ -159,9 +160,10 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
             _kv_write_p(qkv, k_caches[i], v_caches[i], slot_mapping, num_heads)
         if avx2_attention:
             _decode_attention_avx2(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads,
-                                   attn)
+                                   windows[i], attn)
         else:
-            _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, attn)
+            _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, windows[i],
+                              attn)
         _int8_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf)
         if small:
             _add_rmsnorm(h, res, post_norms[i], eps, x)
