@@ -1,50 +1,169 @@
-"""The option groups every command shares (engine, sampling, the prompt) and CLIError, the one-line user error.
+"""The option groups every command shares (engine, sampling, the prompt), the parser they live in, and
+CLIError, the one-line user error.
 
 A leaf of the front-end layer: it imports only the shared vocabulary (config, sampling), so the command
 modules in cli/ and the benchmarks in bench/ can both use it without importing each other.
+
+Conventions every command follows: each flag has help text that states its default once (the parser
+adds none of its own); sizes and counts are checked by the argparse `type` functions below, so a bad
+value is one line naming the flag; -q / -v work before or after the subcommand (`common` is a parent
+of every subcommand's parser).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rawinfer.config import DEFAULT_MODEL, EngineConfig, parse_size
 from rawinfer.sampling import SamplingParams
 
+# Exit statuses of the `rawinfer` command (main.py; listed in `rawinfer --help`).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
 
 class CLIError(Exception):
-    """A user error reported as one line, exit status 2."""
+    """A user error reported as one line; `code` is the exit status (EXIT_USAGE for bad input or usage,
+    EXIT_FAILED for a run that went wrong: no server, an aborted or failed request)."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, `rawinfer: error: ...`, exit status 2 (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"rawinfer: error: {message} (see `{self.prog} --help`)\n")
+
+
+def common_flags() -> argparse.ArgumentParser:
+    """-q / -v, accepted after any subcommand as well as before it."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                   help="only warnings and errors on stderr: no progress bars, no summary line")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="debug logging, and a traceback on errors")
+    return p
+
+
+COMMON = common_flags()
+
+
+def add_command(sub, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand's parser, with -q / -v."""
+    return sub.add_parser(name, help=help, description=description or help, parents=[COMMON])
+
+
+# ---- argparse types: one sentence per bad value ---------------------------------------------------------
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 0 or more") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a positive number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction in (0, 1]") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def size(text: str) -> int:
+    """A memory size such as 2GiB, 512MiB or 1500000000 (bytes)."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cpu_threads(text: str) -> int:
+    value = positive_int(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"{value} threads is more than the {cores} CPU cores of this machine; "
+                                         f"give at most {cores}, or leave it out to use them all")
+    return value
+
+
+# ---- the engine ------------------------------------------------------------------------------------------
+
+def add_model_arg(p: argparse.ArgumentParser, group=None) -> None:
+    (group or p).add_argument(
+        "--model", default=None, metavar="MODEL",
+        help="a converted model folder, a Hugging Face model folder or a .gguf file (the last two are converted "
+             "once into the user cache), or a model name from `rawinfer models` "
+             f"(default: {DEFAULT_MODEL}, fetched by `rawinfer fetch smollm2-135m-instruct`)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     g = p.add_argument_group("engine")
     if model:
-        g.add_argument("--model", default=DEFAULT_MODEL, help="converted model folder (default: %(default)s)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default: auto)")
-    g.add_argument("--kv-cache-memory", default=None,
+        add_model_arg(p, g)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to run; auto takes CUDA when CuPy finds a GPU (default: auto)")
+    g.add_argument("--kv-cache-memory", default=None, type=size, metavar="SIZE",
                    help="memory for KV blocks, e.g. 2GiB (default: 1GiB on the CPU; on CUDA what "
                         "--gpu-memory-utilization of the free GPU memory leaves after weights and workspace)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "int8"],
-                   help="element type of the KV cache (default: auto = the model's dtype on CUDA; on the CPU "
-                        "int8 for int8 models, float32 for float models; int8: CPU only, a float32 scale per "
-                        "token and kv head)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    g.add_argument("--max-num-seqs", type=int, default=128, help="sequences in one step at most")
-    g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--threads", type=int, default=None,
+                   help="element type of the KV cache: auto = the model's dtype on CUDA; on the CPU int8 for "
+                        "int8 models, float16 for q4 models, float32 for float models; int8 is CPU only, with a "
+                        "float32 scale per token and kv head (default: auto)")
+    g.add_argument("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block (default: 16)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, metavar="N",
+                   help="token budget of one step; also sizes the activation workspace (default: 2048)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=128, metavar="N",
+                   help="sequences in one step at most (default: 128)")
+    g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
+                   help="cap on prompt + output tokens (default: the model's context length)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn prefix caching off (default: on, identical prompt prefixes share KV blocks)")
+    g.add_argument("--threads", type=cpu_threads, default=None, metavar="N",
                    help="CPU threads (default: all cores, fewer while other processes keep cores busy)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="CUDA: share of free device memory")
-    g.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run decode steps eagerly")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
+                   help="CUDA: share of the free device memory for the pool (default: 0.9)")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: run decode steps eagerly (default: replay them as CUDA graphs)")
 
 
 def engine_config_from_args(args) -> EngineConfig:
-    try:
-        kv = None if args.kv_cache_memory is None else parse_size(args.kv_cache_memory)
-    except ValueError as e:
-        raise CLIError(f"--kv-cache-memory: {e}") from None
+    kv = args.kv_cache_memory
+    if isinstance(kv, str):                  # set by a caller that skipped the parser
+        try:
+            kv = parse_size(kv)
+        except ValueError as e:
+            raise CLIError(f"--kv-cache-memory: {e}") from None
     cfg = EngineConfig(block_size=args.block_size, kv_cache_memory=kv, kv_cache_dtype=args.kv_cache_dtype,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
@@ -53,21 +172,34 @@ def engine_config_from_args(args) -> EngineConfig:
                        use_cuda_graphs=not args.no_cuda_graphs)
     try:
         return cfg.validate()
-    except ValueError as e:
-        raise CLIError(str(e).replace("engine option ", "--").replace("_", "-", 0)) from None
+    except ValueError as e:              # "engine option block_size=0 is invalid" -> "--block-size=0 is invalid"
+        msg = str(e)
+        name = msg.removeprefix("engine option ").partition("=")[0]
+        raise CLIError(msg.replace(f"engine option {name}", "--" + name.replace("_", "-"))) from None
 
+
+# ---- sampling --------------------------------------------------------------------------------------------
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    g.add_argument("--max-tokens", type=positive_int, default=max_tokens, metavar="N",
+                   help=f"tokens to generate at most (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="randomness of sampling; 0 picks the most likely token, greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample from the smallest set of tokens whose probability reaches P (default: 1, off)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample from the K most likely tokens (default: 0, off)")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens less likely than P times the most likely one (default: 0, off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="above 1 discourages tokens already in the prompt or output (default: 1, off)")
+    g.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="seed of the sampler: the same seed gives the same output (default: none, a fresh draw)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT, which is left out (repeatable; default: none)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-sequence up to --max-tokens (default: stop there)")
 
 
 def sampling_params_from_args(args) -> SamplingParams:
@@ -89,3 +221,7 @@ def read_prompt(args) -> str:
     if not text.strip():
         raise CLIError("the prompt on stdin is empty")
     return text
+
+
+def is_quiet(args) -> bool:
+    return bool(getattr(args, "quiet", False))

@@ -141,9 +141,20 @@ def weight_bytes_per_param(cfg: ModelConfig, be) -> float:
     return stored / params
 
 
-def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
+def report(engine, prompt_len: int, batches: list[int], context: int, progress: bool = False) -> dict:
+    """Ceilings, then prefill and each decode batch timed; with progress, a bar of these phases on stderr."""
+    from tqdm import tqdm
+    bar = tqdm(total=2 + len(batches), desc="roofline", unit="phase", leave=False, disable=None if progress else True)
+    try:
+        return _report(engine, prompt_len, batches, context, bar)
+    finally:
+        bar.close()
+
+
+def _report(engine, prompt_len: int, batches: list[int], context: int, bar) -> dict:
     cfg = engine.model_config
     be = engine.backend
+    bar.set_postfix_str("machine ceilings")
     if be.name == "cuda":
         import cupy
         ceil = measure_ceilings(cupy, cupy.cuda.runtime.deviceSynchronize, copy_mib=1024, gemm_n=8192)
@@ -158,11 +169,16 @@ def report(engine, prompt_len: int, batches: list[int], context: int) -> dict:
     k0 = engine.pool.kv.k[0]                         # bytes per cached element (int8: with its row scales)
     kv_item = k0.nbytes / (k0.shape[0] * cfg.num_kv_heads * engine.pool.kv.block_size * cfg.head_dim)
     rows = []
+    bar.update(1)
+    bar.set_postfix_str(f"prefill of {prompt_len} tokens")
     t = time_prefill(engine, prompt_len)
+    bar.update(1)
     f, b = phase_counts(cfg, prompt_len, 1, prompt_len * (prompt_len + 1) // 2, prompt_len, bpp, kv_item)
     rows.append(("prefill", 1, prompt_len, t, f, b))
     for B in batches:
+        bar.set_postfix_str(f"decode of {B} sequences")
         t = time_decode(engine, B, context)
+        bar.update(1)
         f, b = phase_counts(cfg, B, B, B * (context + 1), B * (context + 1), bpp, kv_item)
         rows.append(("decode", B, B, t, f, b))
     ridge = compute_peak / ceil["copy_GBps"]

@@ -69,7 +69,7 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return [float(x) for x in np.cumsum(gaps) - gaps[0]]       # the first request leaves at once
 
 
-async def _one(client, rec: RequestRecord, prompt: list[int], delay: float, t0: float) -> None:
+async def _one(client, rec: RequestRecord, prompt: list[int], delay: float, t0: float, bar) -> None:
     from rawinfer.frontends.server.client import ClientError
     await asyncio.sleep(max(0.0, t0 + delay - time.monotonic()))
     rec.sent = time.monotonic() - t0
@@ -87,6 +87,7 @@ async def _one(client, rec: RequestRecord, prompt: list[int], delay: float, t0: 
     except ClientError as e:
         rec.error = str(e)
         rec.finished = time.monotonic() - t0
+    bar.update(1)
 
 
 async def _poll_stats(client, t0: float, interval: float, samples: list[dict], stop: asyncio.Event) -> None:
@@ -105,7 +106,11 @@ async def _poll_stats(client, t0: float, interval: float, samples: list[dict], s
             pass
 
 
-async def run_load(args) -> dict:
+async def run_load(args, progress: bool = False) -> dict:
+    """Send the workload of the options of `rawinfer bench serve`; with progress, a bar of finished
+    requests on stderr (when it is a terminal)."""
+    from tqdm import tqdm
+
     from rawinfer.frontends.server.client import AsyncClient
     client = AsyncClient(args.addr, server_key=args.server_key, timeout_s=args.timeout)
     stats_client = AsyncClient(args.addr, server_key=args.server_key, timeout_s=args.timeout)
@@ -121,7 +126,9 @@ async def run_load(args) -> dict:
         stop = asyncio.Event()
         t0 = time.monotonic()
         poller = asyncio.create_task(_poll_stats(stats_client, t0, args.stats_interval, samples, stop))
-        await asyncio.gather(*(_one(client, r, p, d, t0) for r, p, d in zip(records, wl.prompts, delays)))
+        with tqdm(total=len(records), desc="requests", unit="req", leave=False,
+                  disable=None if progress else True) as bar:
+            await asyncio.gather(*(_one(client, r, p, d, t0, bar) for r, p, d in zip(records, wl.prompts, delays)))
         duration = time.monotonic() - t0
         stop.set()
         await poller
@@ -175,33 +182,3 @@ def print_report(r: dict, file=sys.stdout) -> None:
     print(f"total tokens/s:          {r['total_tokens_per_s']:.1f}", file=file)
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "end-to-end")):
         print(f"{name + ' (ms):':<25}{_ms(r[key])}", file=file)
-
-
-def plot(r: dict, path: str) -> None:
-    """Four panels: TTFT and ITL distributions, output tokens/s and KV utilisation over time."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    ok = [x for x in r["requests"] if x["ttft"] is not None and x["error"] is None]
-    ttft = [x["ttft"] * 1000 for x in ok]
-    itl = [(b - a) * 1000 for x in ok for a, b in zip(x["message_times"], x["message_times"][1:])]
-    tl, stats = r["timeline"], r["timeline"]["stats"]
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
-    ax[0, 0].hist(ttft or [0], bins=30, color="tab:blue")
-    ax[0, 0].set(title="TTFT", xlabel="ms", ylabel="requests")
-    ax[0, 1].hist(itl or [0], bins=50, color="tab:orange")
-    ax[0, 1].set(title="inter-token latency", xlabel="ms", ylabel="gaps")
-    ax[1, 0].plot(tl["t"], tl["output_tokens_per_s"], drawstyle="steps-post", label="client (binned)")
-    ax[1, 0].plot([s["t"] for s in stats], [s["server_tokens_per_s"] or 0 for s in stats], label="server (recent)")
-    ax[1, 0].set(title="output tokens/s", xlabel="s since start", ylabel="tokens/s")
-    ax[1, 0].legend()
-    ax[1, 1].plot([s["t"] for s in stats], [100 * (s["kv_usage"] or 0) for s in stats], color="tab:green")
-    peak = max([100 * (s["kv_usage"] or 0) for s in stats] or [0])
-    ax[1, 1].set(title="KV-cache utilisation", xlabel="s since start", ylabel="% of blocks",
-                 ylim=(0, min(100, max(1.0, 1.2 * peak))))
-    c = r["config"]
-    fig.suptitle(f"rawinfer bench serve: {c.get('model')}, {c['num_requests']} requests at "
-                 f"{c['request_rate']:g} req/s, in {c['input_len']} / out {c['output_len']} tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -35,8 +35,10 @@ def make_workload(num_requests: int, input_len: int, output_len: int, range_rati
     return Workload(prompts, lengths(output_len))
 
 
-def run_offline(engine, wl: Workload) -> dict:
-    """Submit everything at once, step until done; returns the benchmark's numbers."""
+def run_offline(engine, wl: Workload, progress: bool = False, desc: str = "requests") -> dict:
+    """Submit everything at once, step until done; returns the benchmark's numbers. With progress, a bar
+    of finished requests on stderr (when it is a terminal)."""
+    from tqdm import tqdm
     base_preempt = engine.scheduler.num_preemptions
     bm = engine.block_manager
     q0, h0 = bm.stats.query_tokens, bm.stats.hit_tokens
@@ -45,11 +47,13 @@ def run_offline(engine, wl: Workload) -> dict:
         engine.add_request(f"bench-{t0}-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     finals = []
     peak_kv = 0.0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals.append(out.metrics)
-        peak_kv = max(peak_kv, bm.usage)
+    with tqdm(total=len(wl.prompts), desc=desc, unit="req", leave=False, disable=None if progress else True) as bar:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals.append(out.metrics)
+                    bar.update(1)
+            peak_kv = max(peak_kv, bm.usage)
     elapsed = time.monotonic() - t0
     n_out = sum(m.generated_tokens for m in finals)
     n_in = sum(m.prompt_tokens for m in finals)
@@ -86,7 +90,7 @@ def print_report(r: dict, file=sys.stdout) -> None:
     print(f"preemptions:         {r['preemptions']}", file=file)
 
 
-def run(engine, args) -> dict:
+def run(engine, args, progress: bool = False) -> dict:
     """The benchmark for the options of `rawinfer bench throughput` (a warm-up, optionally one request
     alone, then the batch), printing as it goes; returns the numbers without the config."""
     V = engine.model_config.vocab_size
@@ -96,14 +100,15 @@ def run(engine, args) -> dict:
         run_offline(engine, make_workload(2, 16, 4, 0.0, V, args.seed + 1))
     result = {}
     if args.compare_single:
-        single = run_offline(engine, make_workload(1, args.input_len, args.output_len, 0.0, V, args.seed + 2))
+        single = run_offline(engine, make_workload(1, args.input_len, args.output_len, 0.0, V, args.seed + 2),
+                             progress, "single stream")
         # the single stream's decode rate (1 / mean ITL), not its output tokens/s: those include its
         # prefill and would flatter the ratio
         single["decode_tokens_per_s"] = 1000.0 / single["itl_ms"]["mean"]
         result["single_stream"] = single
         print(f"single stream:       {single['decode_tokens_per_s']:.1f} decode tokens/s "
               f"(ITL {_fmt(single['itl_ms'])}; {single['output_tokens_per_s']:.1f} output tokens/s with its prefill)")
-    r = run_offline(engine, wl)
+    r = run_offline(engine, wl, progress, "batch")
     result.update(r)
     print_report(r)
     if args.compare_single:

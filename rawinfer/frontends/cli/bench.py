@@ -1,76 +1,145 @@
 """`rawinfer bench throughput | serve | roofline`: their options, and running them with results to files.
 
 The measuring lives in frontends/bench/ (which imports nothing from cli/); this module builds the engine
-or reads the server's address from the options, calls it, and writes the JSON (and figure) it asks for.
+or reaches the server from the options, calls it, and writes the JSON (and figure) it makes into
+--output-dir (default: the user cache's bench/ folder, outside any checkout), one file per run named by
+the benchmark and the time, unless --json / --figure name a file.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
+import os
 import sys
+import time
 
-from rawinfer.frontends.options import CLIError, add_engine_args, engine_config_from_args
+from rawinfer.frontends.cli.connect import ping_server
+from rawinfer.frontends.cli.models import open_engine
+from rawinfer.frontends.options import (EXIT_FAILED, CLIError, add_command, add_engine_args, is_quiet,
+                                        nonnegative_int, positive_float, positive_int)
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
 
+def default_output_dir() -> str:
+    from rawinfer.config import EngineConfig
+    return os.path.join(EngineConfig().cache_dir or os.path.expanduser("~/.cache/rawinfer"), "bench")
+
+
+def _range_ratio(text: str) -> float:
+    import argparse
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}")
+    return value
+
+
+def _add_output(p, figure: bool = False) -> None:
+    g = p.add_argument_group("results")
+    g.add_argument("--output-dir", default=None, metavar="DIR",
+                   help="folder for the result files, named by the benchmark and the time "
+                        "(default: bench/ in the user cache, ~/.cache/rawinfer/bench or $RAWINFER_CACHE/bench)")
+    g.add_argument("--json", default=None, metavar="PATH", help="write the JSON result here instead (default: none)")
+    if figure:
+        g.add_argument("--figure", default=None, metavar="PATH",
+                       help="write the PNG figure here instead; '' for no figure (default: none)")
+
+
+def _add_workload(p, num_requests: int) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-requests", type=positive_int, default=num_requests, metavar="N",
+                   help=f"requests to send (default: {num_requests})")
+    g.add_argument("--input-len", type=positive_int, default=128, metavar="N",
+                   help="prompt tokens per request, random ids (default: 128)")
+    g.add_argument("--output-len", type=positive_int, default=128, metavar="N",
+                   help="tokens to generate per request, end-of-sequence ignored (default: 128)")
+    g.add_argument("--range-ratio", type=_range_ratio, default=0.0, metavar="R",
+                   help="draw lengths uniformly in len*(1-R) .. len*(1+R) (default: 0, fixed lengths)")
+    g.add_argument("--seed", type=nonnegative_int, default=0, metavar="N",
+                   help="seed of the random prompts and lengths (default: 0)")
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline")
+    p = add_command(sub, "bench", "benchmarks: throughput, serve, roofline")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
 
-    t = bsub.add_parser("throughput", help="offline: N requests submitted at once",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    t.add_argument("--num-requests", type=int, default=64)
-    t.add_argument("--input-len", type=int, default=128)
-    t.add_argument("--output-len", type=int, default=128)
-    t.add_argument("--range-ratio", type=float, default=0.0, help="random lengths in len*(1±r); 0 = fixed")
-    t.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix common to every prompt")
-    t.add_argument("--seed", type=int, default=0)
+    t = add_command(bsub, "throughput", "offline: N requests submitted at once to a local engine")
+    _add_workload(t, 64)
+    t.add_argument("--shared-prefix", type=nonnegative_int, default=0, metavar="N",
+                   help="tokens of a prefix common to every prompt (default: 0)")
     t.add_argument("--compare-single", action="store_true",
-                   help="first measure one request alone and report the batched/single ratio")
-    t.add_argument("--no-warmup", dest="warmup", action="store_false")
-    t.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+                   help="first measure one request alone and report the batched/single ratio (default: off)")
+    t.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="measure from the first request (default: two short requests run first, unmeasured)")
+    _add_output(t)
     add_engine_args(t)
     t.set_defaults(func=cmd_throughput)
 
-    s = bsub.add_parser("serve", help="online: Poisson load against a running `rawinfer serve`",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    s.add_argument("--addr", default=DEFAULT_ADDR, help="server endpoint")
-    s.add_argument("--server-key", default=None, metavar="FILE", help="server public key (CurveZMQ)")
-    s.add_argument("--num-requests", type=int, default=200)
-    s.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson), or inf")
-    s.add_argument("--input-len", type=int, default=128, help="prompt tokens (random ids)")
-    s.add_argument("--output-len", type=int, default=128, help="tokens to generate (EOS ignored)")
-    s.add_argument("--range-ratio", type=float, default=0.0, help="random lengths in len*(1±r); 0 = fixed")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--stats-interval", type=float, default=0.25, help="seconds between `stats` polls")
-    s.add_argument("--timeout", type=float, default=120.0, help="per-request silence limit in seconds")
-    s.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the short warm-up request")
-    s.add_argument("--json", default="bench-serve.json", metavar="PATH", help="result file")
-    s.add_argument("--figure", default="bench-serve.png", metavar="PATH", help="PNG figure ('' for none)")
+    s = add_command(bsub, "serve", "online: Poisson load against a running `rawinfer serve`")
+    s.add_argument("--addr", default=DEFAULT_ADDR, metavar="ENDPOINT", help=f"server endpoint (default: {DEFAULT_ADDR})")
+    s.add_argument("--server-key", default=None, metavar="FILE",
+                   help="the server's public key when it uses CurveZMQ (default: none)")
+    _add_workload(s, 200)
+    s.add_argument("--request-rate", type=positive_float, default=float("inf"), metavar="RATE",
+                   help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
+    s.add_argument("--stats-interval", type=positive_float, default=0.25, metavar="SECONDS",
+                   help="seconds between polls of the server's stats (default: 0.25)")
+    s.add_argument("--timeout", type=positive_float, default=120.0, metavar="SECONDS",
+                   help="a request fails when the server stays silent this long (default: 120)")
+    s.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="measure from the first request (default: one short request runs first, unmeasured)")
+    _add_output(s, figure=True)
     s.set_defaults(func=cmd_serve_bench)
 
-    r = bsub.add_parser("roofline", help="machine ceilings vs achieved prefill/decode FLOP/s and bytes/s")
-    r.add_argument("--prompt-len", type=int, default=500, help="prefill length (default 500)")
-    r.add_argument("--batch", type=int, action="append", default=None,
-                   help="decode batch size (repeatable; default 1 and 64)")
-    r.add_argument("--context", type=int, default=128, help="cached tokens per decoding sequence (default 128)")
-    r.add_argument("--json", default=None, metavar="PATH")
+    r = add_command(bsub, "roofline", "machine ceilings vs achieved prefill/decode FLOP/s and bytes/s")
+    r.add_argument("--prompt-len", type=positive_int, default=500, metavar="N",
+                   help="prefill length in tokens (default: 500)")
+    r.add_argument("--batch", type=positive_int, action="append", default=None, metavar="B",
+                   help="decode batch size, repeatable (default: 1 and 64)")
+    r.add_argument("--context", type=positive_int, default=128, metavar="N",
+                   help="cached tokens per decoding sequence (default: 128)")
+    _add_output(r)
     add_engine_args(r)
     r.set_defaults(func=cmd_roofline)
 
 
+def _output_path(args, kind: str, ext: str, given: str | None) -> str:
+    """--json / --figure when given, else a fresh file in --output-dir."""
+    if given:
+        folder = os.path.dirname(os.path.abspath(given))
+        path = given
+    else:
+        folder = args.output_dir or default_output_dir()
+        path = os.path.join(folder, f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.{ext}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"cannot create the output folder {folder!r} ({e.strerror}); give a writable --output-dir")
+    return path
+
+
+def _write_json(args, kind: str, result: dict) -> str:
+    path = _output_path(args, kind, "json", args.json)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+    return path
+
+
+def _config(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "func"}
+
+
 def cmd_throughput(args) -> int:
-    from rawinfer.engine.engine import LLMEngine
     from rawinfer.frontends.bench import throughput
-    engine = LLMEngine(args.model, engine_config_from_args(args))
-    result = {"config": {k: v for k, v in vars(args).items() if k != "func"}}
-    result.update(throughput.run(engine, args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+    _output_path(args, "throughput", "json", args.json)          # a bad folder fails before the run
+    engine = open_engine(args)
+    result = {"config": _config(args)}
+    result.update(throughput.run(engine, args, progress=not is_quiet(args)))
+    _write_json(args, "throughput", result)
     return 0
 
 
@@ -78,34 +147,36 @@ def cmd_serve_bench(args) -> int:
     import asyncio
 
     from rawinfer.frontends.bench import serve
-    if args.num_requests < 1:
-        raise CLIError("--num-requests must be at least 1")
-    if not args.request_rate > 0:
-        raise CLIError("--request-rate must be positive (or inf to send everything at once)")
-    r = asyncio.run(serve.run_load(args))
+    _output_path(args, "serve", "json", args.json)
+    ping_server(args.addr, args.server_key)
+    r = asyncio.run(serve.run_load(args, progress=not is_quiet(args)))
     serve.print_report(r)
-    with open(args.json, "w") as f:      # JSON has no infinity: an unbounded rate is written as "inf"
-        rate = "inf" if math.isinf(args.request_rate) else args.request_rate
-        json.dump({**r, "config": {**r["config"], "request_rate": rate}}, f, indent=1)
-    print(f"wrote {args.json}")
-    if args.figure:
+    rate = "inf" if math.isinf(args.request_rate) else args.request_rate   # JSON has no infinity
+    path = _write_json(args, "serve", {**r, "config": {**r["config"], "request_rate": rate}})
+    if args.figure != "":
+        fig = args.figure or os.path.splitext(path)[0] + ".png"
         try:
-            serve.plot(r, args.figure)
-            print(f"wrote {args.figure}")
+            from rawinfer.frontends.bench import figure
+            figure.plot(r, _output_path(args, "serve", "png", fig))
+            print(f"wrote {fig}")
         except ImportError:
             print("rawinfer: no figure: install matplotlib (pip install matplotlib) to get one", file=sys.stderr)
-    return 0 if r["completed"] else 1
+    if r["failed"]:
+        raise CLIError(f"{r['failed']} of {r['failed'] + r['completed']} requests failed; first error: "
+                       f"{(r['errors'] or ['unknown'])[0]}", EXIT_FAILED)
+    return 0
 
 
 def cmd_roofline(args) -> int:
-    from rawinfer.engine.engine import LLMEngine
     from rawinfer.frontends.bench import roofline
     if not args.batch:
         args.batch = [1, 64]
-    engine = LLMEngine(args.model, engine_config_from_args(args))
-    r = roofline.report(engine, args.prompt_len, args.batch, args.context)
+    if max(args.batch) > args.max_num_seqs:
+        raise CLIError(f"--batch {max(args.batch)} is more than --max-num-seqs {args.max_num_seqs}: a decode step "
+                       "cannot hold it; raise --max-num-seqs or lower --batch")
+    _output_path(args, "roofline", "json", args.json)
+    engine = open_engine(args)
+    r = roofline.report(engine, args.prompt_len, args.batch, args.context, progress=not is_quiet(args))
     roofline.print_report(r)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
+    _write_json(args, "roofline", r)
     return 0

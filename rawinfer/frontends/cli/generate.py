@@ -3,36 +3,56 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 
+from rawinfer.frontends.cli.models import open_engine
 from rawinfer.frontends.cli.stream import engine_events, print_stream
-from rawinfer.frontends.options import (add_engine_args, add_sampling_args, engine_config_from_args, read_prompt,
-                                        sampling_params_from_args)
+from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args, is_quiet,
+                                        read_prompt, sampling_params_from_args)
 
 log = logging.getLogger("rawinfer")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text for one prompt, streaming")
+    p = add_command(sub, "generate", "generate text for one prompt, streaming")
     p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when absent)")
-    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--system", default=None, help="system message for the chat template")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt as it is (default: wrapped in the model's chat template when it has one)")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="system message for the chat template (default: the template's own, if any)")
+    p.add_argument("--token-ids", action="store_true",
+                   help="the prompt is token ids separated by commas or spaces, and the output is printed as ids "
+                        "too (for models without a tokenizer)")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
 
+def parse_token_ids(text: str) -> list[int]:
+    parts = [p for p in re.split(r"[\s,]+", text.strip()) if p]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise CLIError("--token-ids: the prompt must be non-negative integers separated by commas or spaces")
+    return [int(p) for p in parts]
+
+
 def cmd_generate(args) -> int:
-    from rawinfer.engine.engine import LLMEngine
     from rawinfer.engine.tokenizer import chat_messages, has_chat_template, render_chat
     params = sampling_params_from_args(args)
     prompt = read_prompt(args)
-    engine = LLMEngine(args.model, engine_config_from_args(args))
-    if not args.raw and has_chat_template(engine.tokenizer):   # rendered as the server renders `messages`
+    ids = parse_token_ids(prompt) if args.token_ids else None
+    engine = open_engine(args)
+    if ids is None and engine.tokenizer is None:
+        raise CLIError(f"the model in {engine.model_dir} has no tokenizer, so it cannot read text: give the prompt "
+                       "as token ids with --token-ids, or convert it from a source that has tokenizer files")
+    if ids is not None:
+        prompt = ids
+    elif not args.raw and has_chat_template(engine.tokenizer):   # rendered as the server renders `messages`
         prompt = render_chat(engine.tokenizer, chat_messages(prompt, args.system))
-    ids = engine.add_request("generate", prompt, params)
+    prompt_ids = engine.add_request("generate", prompt, params)
     t0 = time.monotonic()
-    print_stream(engine_events(engine, ids), args.json)
+    print_stream(engine_events(engine, prompt_ids), args.json, quiet=is_quiet(args),
+                 show_ids=args.token_ids or engine.tokenizer is None)
     log.debug("total %.2f s", time.monotonic() - t0)
     return 0

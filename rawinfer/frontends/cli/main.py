@@ -1,25 +1,37 @@
-"""The `rawinfer` command line: its parser (one module per command group registers its commands) and main()."""
+"""The `rawinfer` command line: its parser (one module per command group registers its commands) and main(),
+which turns every error a user can act on into one line and an exit status that says what happened."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from rawinfer.config import ModelFormatError
-from rawinfer.frontends.cli import bench, convert, generate, serve, warmup
-from rawinfer.frontends.options import CLIError
+from rawinfer.config import VERSION, ModelFormatError
+from rawinfer.frontends.cli import bench, chat, convert, fetch, generate, models, serve, warmup
+from rawinfer.frontends.options import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, CLIError, Parser)
+
+EPILOG = """exit status: 0 done; 1 the run failed (no server answered, a request was aborted or failed, a
+benchmark request failed); 2 bad usage or input (a flag, a model path, a prompt); 130 interrupted.
+-q and -v may also follow the command. `rawinfer COMMAND --help` describes a command's flags."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rawinfer", description="A readable LLM inference engine.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    parser = Parser(prog="rawinfer", description="A readable LLM inference engine.", epilog=EPILOG,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"rawinfer {VERSION}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and a traceback on errors")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="only warnings and errors on stderr: no progress bars, no summary line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub)
+    chat.add_parser(sub)
+    serve.add_parsers(sub)               # serve, client, keygen
+    models.add_parser(sub)
+    fetch.add_parser(sub)
     convert.add_parser(sub)
     bench.add_parser(sub)
-    serve.add_parsers(sub)               # serve, client, keygen
     warmup.add_parser(sub)
     return parser
 
@@ -32,13 +44,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("rawinfer: interrupted", file=sys.stderr)
-        return 130
-    except (CLIError, ModelFormatError, ValueError, RuntimeError, OSError) as e:
+        print("\nrawinfer: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:              # the reader of stdout went away (`| head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    except Exception as e:
         if args.verbose:
             raise
+        code = error_status(e)
+        if code is None:
+            raise
+        if isinstance(e, MemoryError):
+            e = f"not enough memory ({e or 'an allocation failed'}); lower --kv-cache-memory or --max-num-batched-tokens"
         print(f"rawinfer: error: {e}", file=sys.stderr)
-        return 2
+        return code
+
+
+def error_status(e: BaseException) -> int | None:
+    """The exit status of an error a user can act on; None for a bug (its traceback is printed)."""
+    if isinstance(e, CLIError):
+        return e.code
+    if isinstance(e, MemoryError):       # the memory pool catches its own; this is any other allocation
+        return EXIT_USAGE
+    if isinstance(e, (ModelFormatError, ValueError, OSError)):
+        return EXIT_USAGE
+    if isinstance(e, RuntimeError):      # the client library's errors (ClientError), a failed engine step
+        return EXIT_FAILED
+    return None
 
 
 if __name__ == "__main__":

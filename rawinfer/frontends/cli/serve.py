@@ -2,75 +2,90 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import re
 
-from rawinfer.config import parse_size
+from rawinfer.frontends.cli.connect import PING_TIMEOUT_S, ping_server, probe_endpoint
+from rawinfer.frontends.cli.generate import parse_token_ids
+from rawinfer.frontends.cli.models import open_engine
 from rawinfer.frontends.cli.stream import client_events, print_stream
-from rawinfer.frontends.options import (CLIError, add_engine_args, add_sampling_args, engine_config_from_args,
-                                        read_prompt, sampling_params_from_args)
+from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args, is_quiet,
+                                        positive_float, read_prompt, sampling_params_from_args, size)
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
 log = logging.getLogger("rawinfer")
 
 
 def add_parsers(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model to `rawinfer client` and the client library over ZeroMQ",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--bind", default=DEFAULT_ADDR, help="endpoint: tcp://HOST:PORT or ipc://PATH")
+    p = add_command(sub, "serve", "serve a model to `rawinfer client`, `rawinfer chat --addr` and the client library "
+                                  "over ZeroMQ")
+    p.add_argument("--bind", default=DEFAULT_ADDR, metavar="ENDPOINT",
+                   help=f"tcp://HOST:PORT or ipc://PATH (default: {DEFAULT_ADDR})")
     p.add_argument("--curve-secret-key", metavar="FILE", default=None,
                    help="encrypt with CurveZMQ using this server.key_secret (from `rawinfer keygen`); "
-                        "required for a non-loopback --bind")
+                        "required for a non-loopback --bind (default: none, loopback only)")
     p.add_argument("--curve-client-keys", metavar="DIR", default=None,
-                   help="with --curve-secret-key: admit only clients whose public .key files are in DIR")
+                   help="with --curve-secret-key: admit only clients whose public .key files are in DIR "
+                        "(default: any client that knows the server key)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --bind without CurveZMQ (anyone who can reach it can use it)")
-    p.add_argument("--max-message-size", default="1MiB", help="larger incoming messages drop the sender")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0,
-                   help="seconds between heartbeats to clients with requests in flight")
-    p.add_argument("--client-timeout", type=float, default=10.0,
-                   help="seconds a connected client may fail to answer ZMTP heartbeats before it counts as gone")
+    p.add_argument("--max-message-size", default="1MiB", type=size, metavar="SIZE",
+                   help="a client that sends a larger message is dropped (default: 1MiB)")
+    p.add_argument("--heartbeat-interval", type=positive_float, default=1.0, metavar="SECONDS",
+                   help="seconds between heartbeats to clients with requests in flight (default: 1)")
+    p.add_argument("--client-timeout", type=positive_float, default=10.0, metavar="SECONDS",
+                   help="seconds a connected client may fail to answer ZMTP heartbeats before it counts as gone "
+                        "(default: 10)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
-    c = sub.add_parser("client", help="send one prompt to a running `rawinfer serve` and stream the answer")
+    c = add_command(sub, "client", "send one prompt to a running `rawinfer serve` and stream the answer")
     c.add_argument("prompt", nargs="?", help="the prompt (read from stdin when absent)")
-    c.add_argument("--addr", default=DEFAULT_ADDR, help="server endpoint (default: %(default)s)")
-    c.add_argument("--json", action="store_true", help="print one JSON object (the keys of `rawinfer generate --json`)")
-    c.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    c.add_argument("--system", default=None, help="system message for the chat template")
+    add_server_args(c)
+    c.add_argument("--json", action="store_true",
+                   help="print one JSON object at the end (the keys of `rawinfer generate --json`)")
+    c.add_argument("--raw", action="store_true",
+                   help="send the prompt as it is (default: as chat messages when the model has a chat template)")
+    c.add_argument("--system", default=None, metavar="TEXT",
+                   help="system message for the chat template (default: the template's own, if any)")
     c.add_argument("--token-ids", action="store_true",
                    help="the prompt is token ids separated by commas or spaces (models without a tokenizer)")
-    c.add_argument("--server-key", metavar="FILE", default=None,
-                   help="the server's public key (server.key, or its Z85 text) when it uses CurveZMQ")
-    c.add_argument("--client-key", metavar="FILE", default=None,
-                   help="this client's .key_secret, for a server started with --curve-client-keys")
-    c.add_argument("--timeout", type=float, default=60.0, help="give up after this many seconds of silence")
     add_sampling_args(c)
     c.set_defaults(func=cmd_client)
 
-    k = sub.add_parser("keygen", help="write a CurveZMQ key pair: DIR/NAME.key (public), DIR/NAME.key_secret")
+    k = add_command(sub, "keygen", "write a CurveZMQ key pair: DIR/NAME.key (public), DIR/NAME.key_secret")
     k.add_argument("dir", help="folder for the key files")
-    k.add_argument("--name", default="server", help="file name stem (default: %(default)s)")
-    k.add_argument("--force", action="store_true", help="replace existing key files")
+    k.add_argument("--name", default="server", help="file name stem (default: server)")
+    k.add_argument("--force", action="store_true", help="replace existing key files (default: refuse)")
     k.set_defaults(func=cmd_keygen)
 
 
+def add_server_args(c, local_by_default: bool = False) -> None:
+    """--addr, the Curve keys and --timeout of a command that talks to a running server (or, with
+    local_by_default, runs a local engine unless --addr is given)."""
+    g = c.add_argument_group("server")
+    if local_by_default:
+        g.add_argument("--addr", default=None, metavar="ENDPOINT",
+                       help=f"talk to the `rawinfer serve` at ENDPOINT, e.g. {DEFAULT_ADDR} (default: none, run the "
+                            "model here; the engine flags below apply then)")
+    else:
+        g.add_argument("--addr", default=DEFAULT_ADDR, metavar="ENDPOINT",
+                       help=f"the server's endpoint (default: {DEFAULT_ADDR})")
+    g.add_argument("--server-key", metavar="FILE", default=None,
+                   help="the server's public key (server.key, or its Z85 text) when it uses CurveZMQ (default: none)")
+    g.add_argument("--client-key", metavar="FILE", default=None,
+                   help="this client's .key_secret, for a server started with --curve-client-keys (default: none)")
+    g.add_argument("--timeout", type=positive_float, default=60.0, metavar="SECONDS",
+                   help="give up when the server stays silent this long during a request (default: 60; whether "
+                        f"a server answers at all is checked first, within {PING_TIMEOUT_S:g} s)")
+
+
 def cmd_serve(args) -> int:
-    from rawinfer.engine.engine import LLMEngine
     from rawinfer.frontends.server.server import (SecurityError, Server, ServerConfig, check_bind_security,
                                                   is_loopback_endpoint, load_secret_key)
-    try:
-        max_bytes = parse_size(args.max_message_size)
-    except ValueError as e:
-        raise CLIError(f"--max-message-size: {e}") from None
-    if not args.heartbeat_interval > 0 or not args.client_timeout > 0:
-        raise CLIError("--heartbeat-interval and --client-timeout must be positive numbers of seconds")
     cfg = ServerConfig(bind=args.bind, curve_secret_key_file=args.curve_secret_key,
                        curve_client_keys_dir=args.curve_client_keys, insecure=args.insecure,
-                       max_message_bytes=max_bytes, heartbeat_interval_s=args.heartbeat_interval,
+                       max_message_bytes=args.max_message_size, heartbeat_interval_s=args.heartbeat_interval,
                        zmtp_heartbeat_timeout_s=args.client_timeout)
     try:                                 # refuse before spending time on loading the model
         check_bind_security(cfg)
@@ -78,9 +93,10 @@ def cmd_serve(args) -> int:
             load_secret_key(cfg.curve_secret_key_file)
     except SecurityError as e:
         raise CLIError(str(e)) from None
+    probe_endpoint(args.bind)
     if args.insecure and not is_loopback_endpoint(args.bind) and not args.curve_secret_key:
         log.warning("serving %s unencrypted (--insecure): anyone who can reach it can use the engine", args.bind)
-    engine = LLMEngine(args.model, engine_config_from_args(args))
+    engine = open_engine(args)
     try:
         server = Server(engine, cfg)
     except SecurityError as e:
@@ -88,27 +104,26 @@ def cmd_serve(args) -> int:
     return server.run()
 
 
-def _parse_ids(text: str) -> list[int]:
-    parts = [p for p in re.split(r"[\s,]+", text.strip()) if p]
-    if not parts or not all(p.isdigit() for p in parts):
-        raise CLIError("--token-ids: the prompt must be non-negative integers separated by commas or spaces")
-    return [int(p) for p in parts]
-
-
 def cmd_client(args) -> int:
     from rawinfer.engine.tokenizer import chat_messages
     from rawinfer.frontends.server.client import Client
     params = sampling_params_from_args(args)
     prompt = read_prompt(args)
+    ping_server(args.addr, args.server_key, args.client_key)
     with Client(args.addr, server_key=args.server_key, client_key_file=args.client_key,
                 timeout_s=args.timeout) as client:
+        info = client.model_info()
         if args.token_ids:
-            request = {"prompt": _parse_ids(prompt)}
-        elif args.raw or not client.model_info().get("has_chat_template"):
+            request = {"prompt": parse_token_ids(prompt)}
+        elif not info.get("has_tokenizer", True):
+            raise CLIError(f"the model served at {args.addr} has no tokenizer, so it cannot read text: give the "
+                           "prompt as token ids with --token-ids")
+        elif args.raw or not info.get("has_chat_template"):
             request = {"prompt": prompt}
         else:                            # the server applies the template, as `rawinfer generate` would
             request = {"messages": chat_messages(prompt, args.system)}
-        print_stream(client_events(client.generate(**request, params=params, stream=not args.json)), args.json)
+        print_stream(client_events(client.generate(**request, params=params, stream=not args.json)), args.json,
+                     quiet=is_quiet(args), show_ids=args.token_ids or not info.get("has_tokenizer", True))
     return 0
 
 

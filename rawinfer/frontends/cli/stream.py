@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from rawinfer.frontends.options import CLIError
+from rawinfer.frontends.options import EXIT_FAILED, CLIError
 
 
 @dataclass
@@ -23,6 +23,7 @@ class Final:
     ttft_s: float | None
     itl_s: float | None
     tokens_per_s: float | None
+    error: str | None = None          # why the server failed the request (finish_reason "error")
 
 
 @dataclass
@@ -46,27 +47,42 @@ def summary_line(n_prompt: int, n_gen: int, ttft: float | None, itl: float | Non
             f"{'n/a' if tps is None else f'{tps:.1f}'} tokens/s]")
 
 
-def print_stream(events: Iterable[Event], as_json: bool) -> None:
-    """Text to stdout as it arrives, then a newline and the summary on stderr; with as_json only one
-    JSON object (result_json) on stdout once the generation has ended."""
+def print_stream(events: Iterable[Event], as_json: bool, quiet: bool = False, show_ids: bool = False) -> Final:
+    """Text to stdout as it arrives (token ids instead with show_ids: a model without a tokenizer), then a
+    newline and the summary on stderr (not when quiet); with as_json only one JSON object (result_json)
+    on stdout once the generation has ended. A generation that was aborted or failed is then a CLIError
+    with exit status 1: the text so far is printed, and one line says why it stopped."""
     ids: list[int] = []
     text: list[str] = []
     final = None
     for ev in events:
         ids.extend(ev.token_ids)
         text.append(ev.text)
-        if not as_json and ev.text:
-            sys.stdout.write(ev.text)
+        shown = " ".join(map(str, ev.token_ids)) + " " if show_ids and ev.token_ids else ev.text
+        if not as_json and shown:
+            sys.stdout.write(shown)
             sys.stdout.flush()
         if ev.final is not None:
             final = ev.final
     f = final
+    if f is None:
+        if not as_json:
+            sys.stdout.write("\n")
+        raise CLIError("the generation ended without its final message", EXIT_FAILED)
     if as_json:
         print(json.dumps(result_json("".join(text), ids, f.prompt_token_ids, f.finish_reason, f.ttft_s, f.itl_s,
                                      f.tokens_per_s)))
     else:
         sys.stdout.write("\n")
-        print(summary_line(len(f.prompt_token_ids), len(ids), f.ttft_s, f.itl_s, f.tokens_per_s), file=sys.stderr)
+        sys.stdout.flush()
+        if not quiet:
+            print(summary_line(len(f.prompt_token_ids), len(ids), f.ttft_s, f.itl_s, f.tokens_per_s), file=sys.stderr)
+    if f.finish_reason == "abort":
+        raise CLIError(f"the request was aborted after {len(ids)} tokens, before it finished (the server shut "
+                       "down or stopped it)", EXIT_FAILED)
+    if f.finish_reason == "error":
+        raise CLIError(f"the server failed the request after {len(ids)} tokens: {f.error}", EXIT_FAILED)
+    return f
 
 
 def _decode_rate(n_generated: int, gen_s: float | None) -> float | None:
@@ -88,16 +104,12 @@ def engine_events(engine, prompt_token_ids: list[int]) -> Iterator[Event]:
 
 
 def client_events(messages: Iterable) -> Iterator[Event]:
-    """Events of one request's messages from `Client.generate`; a request the server failed is a CLIError
-    (after its text, if any, has been passed on)."""
+    """Events of one request's messages from `Client.generate` (a failed request's final carries its error)."""
     for msg in messages:
         final = None
         if msg.finished:
-            if msg.finish_reason == "error":
-                yield Event(msg.token_ids, msg.text)
-                raise CLIError(f"the server failed the request: {msg.error}")
             t = msg.timings
             gen_s = t.e2e_s - t.ttft_s if t.e2e_s is not None and t.ttft_s is not None else None
             final = Final(msg.prompt_token_ids, msg.finish_reason, t.ttft_s, t.mean_itl_s,
-                          _decode_rate(msg.usage.completion_tokens, gen_s))
+                          _decode_rate(msg.usage.completion_tokens, gen_s), getattr(msg, "error", None))
         yield Event(msg.token_ids, msg.text, final)

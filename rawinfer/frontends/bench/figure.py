@@ -1,0 +1,66 @@
+"""The PNG of `rawinfer bench serve`: six panels drawn from the result dict of serve.summarize_run.
+
+    TTFT histogram (p50 / p99 marked)          inter-token latency histogram (p50 / p99 marked)
+    output tokens/s over time                  KV-cache utilisation over time
+    running / waiting requests over time       TTFT of each request against its send time
+
+Histograms count whole requests (or gaps): their y axes carry integer ticks only.
+"""
+
+from __future__ import annotations
+
+
+def _percentile_lines(ax, summary: dict) -> None:
+    for key, style in (("p50", "--"), ("p99", ":")):
+        if summary.get(key) is not None:
+            ax.axvline(summary[key], color="black", linestyle=style, linewidth=1,
+                       label=f"{key} {summary[key]:.1f} ms")
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    ok = [x for x in r["requests"] if x["ttft"] is not None and x["error"] is None]
+    ttft = [x["ttft"] * 1000 for x in ok]
+    itl = [(b - a) * 1000 for x in ok for a, b in zip(x["message_times"], x["message_times"][1:])]
+    tl, stats = r["timeline"], r["timeline"]["stats"]
+    ts = [s["t"] for s in stats]
+    fig, ax = plt.subplots(3, 2, figsize=(11, 10.5))
+
+    ax[0, 0].hist(ttft or [0], bins=min(30, max(1, len(ttft))), color="tab:blue")
+    ax[0, 0].set(title="TTFT", xlabel="ms", ylabel="requests")
+    _percentile_lines(ax[0, 0], r["ttft_ms"])
+    ax[0, 1].hist(itl or [0], bins=50, color="tab:orange")
+    ax[0, 1].set(title="inter-token latency", xlabel="ms", ylabel="gaps")
+    _percentile_lines(ax[0, 1], r["itl_ms"])
+    for a in ax[0]:
+        a.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+    ax[1, 0].plot(tl["t"], tl["output_tokens_per_s"], drawstyle="steps-post", label="client (binned)")
+    ax[1, 0].plot(ts, [s["server_tokens_per_s"] or 0 for s in stats], label="server (recent)")
+    ax[1, 0].set(title="output tokens/s", xlabel="s since start", ylabel="tokens/s")
+    ax[1, 0].legend(fontsize=8)
+    kv = [100 * (s["kv_usage"] or 0) for s in stats]
+    ax[1, 1].plot(ts, kv, color="tab:green")
+    ax[1, 1].set(title="KV-cache utilisation", xlabel="s since start", ylabel="% of blocks",
+                 ylim=(0, min(100, max(1.0, 1.2 * max(kv or [0])))))
+
+    ax[2, 0].plot(ts, [s["running"] or 0 for s in stats], drawstyle="steps-post", label="running")
+    ax[2, 0].plot(ts, [s["waiting"] or 0 for s in stats], drawstyle="steps-post", label="waiting")
+    ax[2, 0].set(title="requests in the server", xlabel="s since start", ylabel="requests")
+    ax[2, 0].yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax[2, 0].legend(fontsize=8)
+    ax[2, 1].scatter([x["sent"] for x in ok], ttft, s=8, color="tab:blue")
+    ax[2, 1].set(title="TTFT by send time", xlabel="s since start (sent)", ylabel="TTFT ms")
+
+    c = r["config"]
+    rate = c["request_rate"]
+    rate = "all at once" if rate in ("inf", float("inf")) else f"{rate:g} req/s"
+    fig.suptitle(f"rawinfer bench serve: {c.get('model')}, {c['num_requests']} requests, {rate}, "
+                 f"in {c['input_len']} / out {c['output_len']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

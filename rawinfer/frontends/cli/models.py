@@ -1,0 +1,164 @@
+"""What `--model` may name, and `rawinfer models`: the models on this machine.
+
+`--model` takes a converted folder (used as it is), a Hugging Face folder or a .gguf file (converted
+once into the user cache, convert/cache.py), or a bare name looked up in weights/ (of the current
+folder, then of the checkout rawinfer runs from) and in the cache. open_engine is how every command
+that runs a local model starts its engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+
+from rawinfer.config import DEFAULT_MODEL, FORMAT_NAME, EngineConfig
+from rawinfer.frontends.cli.fetch import CATALOG, fetchable
+from rawinfer.frontends.options import CLIError, add_command, engine_config_from_args, is_quiet
+
+log = logging.getLogger("rawinfer")
+
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def add_parser(sub) -> None:
+    p = add_command(sub, "models", "list the models in weights/ and the user cache, and those `rawinfer fetch` "
+                                   "can download")
+    p.set_defaults(func=cmd_models)
+
+
+def weights_dirs() -> list[str]:
+    """weights/ of the current folder, then of the checkout this rawinfer runs from (if it has one)."""
+    out = []
+    for d in (os.path.abspath("weights"), os.path.join(CHECKOUT, "weights")):
+        if os.path.isdir(d) and d not in out:
+            out.append(d)
+    return out
+
+
+def cache_models_dir() -> str | None:
+    from rawinfer.convert.cache import MODELS_DIR
+    root = EngineConfig().cache_dir
+    return os.path.join(root, MODELS_DIR) if root else None
+
+
+def _read_config(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        return cfg if isinstance(cfg, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def is_converted(folder: str) -> bool:
+    cfg = _read_config(folder)
+    return cfg is not None and cfg.get("format") == FORMAT_NAME
+
+
+def _by_name(name: str) -> str | None:
+    places = [os.path.join(d, name) for d in weights_dirs()]
+    if cache_models_dir():
+        places.append(os.path.join(cache_models_dir(), name))
+    return next((p for p in places if is_converted(p)), None)
+
+
+def resolve_model(arg: str | None, progress: bool = True) -> str:
+    """The converted model folder that `--model arg` means, converting a source into the cache first."""
+    if arg is None:
+        found = _by_name(os.path.basename(DEFAULT_MODEL)) if not is_converted(DEFAULT_MODEL) else DEFAULT_MODEL
+        if found is None:
+            raise CLIError(f"the default model ({DEFAULT_MODEL}) is not there yet: fetch it with `rawinfer fetch "
+                           "smollm2-135m-instruct` (or tools/fetch_default_model.sh), or give --model")
+        return found
+    path = os.path.expanduser(arg)
+    if os.path.isdir(path):
+        if "format" in (_read_config(path) or {}):
+            return path                      # a converted folder (the engine checks its format version)
+        return _convert_into_cache(path, progress)   # a Hugging Face folder (the reader names what is missing)
+    if os.path.isfile(path):
+        return _convert_into_cache(path, progress)
+    if os.sep not in arg and not os.path.exists(path):
+        found = _by_name(arg)
+        if found is not None:
+            return found
+        if arg in CATALOG and CATALOG[arg].ready:
+            raise CLIError(f"model {arg!r} is not fetched yet; run `rawinfer fetch {arg}` first")
+    raise CLIError(f"model {arg!r} does not exist: give --model a converted folder, a Hugging Face folder or a "
+                   "GGUF file (`rawinfer convert` makes a converted folder), or a name from `rawinfer models`")
+
+
+def _convert_into_cache(src: str, progress: bool) -> str:
+    from rawinfer.convert import ConversionWarning
+    from rawinfer.convert.cache import cached_conversion
+    root = EngineConfig().cache_dir
+    if not root:
+        raise CLIError("no user cache to convert the model into: set RAWINFER_CACHE, or convert it yourself with "
+                       "`rawinfer convert SRC DST` and give --model DST")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConversionWarning)
+        dst = cached_conversion(src, root, progress=progress)
+    for w in caught:
+        log.warning("%s", w.message)
+    return dst
+
+
+def open_engine(args):
+    """The LLMEngine of the command's engine options (and its --model, resolved as above)."""
+    from rawinfer.engine.engine import LLMEngine
+    path = resolve_model(args.model, progress=not is_quiet(args))
+    cfg = engine_config_from_args(args)
+    log.info("starting the engine on %s", path)
+    return LLMEngine(path, cfg)
+
+
+# ---- rawinfer models -------------------------------------------------------------------------------------
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)
+               if os.path.isfile(os.path.join(folder, n)))
+
+
+def _describe(folder: str) -> str:
+    cfg = _read_config(folder) or {}
+    kind = cfg.get("quant") or cfg.get("dtype") or "?"
+    return f"{cfg.get('architecture', '?')}, {cfg.get('num_layers', '?')} layers, {kind}, " \
+           f"{_folder_bytes(folder) / 1e6:.0f} MB"
+
+
+def installed_models() -> list[tuple[str, str, str]]:
+    """(where, folder, description) of every converted model in weights/ and the cache."""
+    out = []
+    places = [("weights", d) for d in weights_dirs()]
+    if cache_models_dir() and os.path.isdir(cache_models_dir()):
+        places.append(("cache", cache_models_dir()))
+    for where, root in places:
+        for name in sorted(os.listdir(root)):
+            folder = os.path.join(root, name)
+            if not name.startswith(".") and is_converted(folder):
+                desc = _describe(folder)
+                try:
+                    with open(os.path.join(folder, "source.json"), encoding="utf-8") as f:
+                        desc += f", from {json.load(f)['source']}"
+                except (OSError, ValueError, KeyError):
+                    pass
+                out.append((where, folder, desc))
+    return out
+
+
+def cmd_models(args) -> int:
+    models = installed_models()
+    if models:
+        print("converted models (give --model the path, or the name in weights/):")
+        for where, folder, desc in models:
+            shown = os.path.relpath(folder) if not os.path.relpath(folder).startswith("..") else folder
+            print(f"  {shown:<56} {desc}")
+    else:
+        print("no converted models yet in weights/ or the cache")
+    print("fetchable with `rawinfer fetch NAME`:")
+    have = {os.path.basename(folder) for _, folder, _ in models}
+    for m in fetchable():
+        print(f"  {m.name:<24} {m.description}{' (fetched)' if m.name in have else ''}")
+    print("or give --model a Hugging Face folder or a .gguf file: it is converted once into the cache")
+    return 0

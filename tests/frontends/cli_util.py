@@ -1,0 +1,108 @@
+"""Helpers of the command-line tests: running `rawinfer` as a user does, a user cache of their own, a
+tiny Hugging Face folder with a tokenizer and a chat template, and a server in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from conftest import DATA, ROOT  # noqa: E402
+
+CHAT_TEMPLATE = os.path.join(DATA, "tokenizer", "smollm2_chat_template.jinja")
+
+
+def env(**extra: str) -> dict:
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
+
+
+def rawinfer(*args: str, stdin: str | None = None, timeout: float = 300, cwd: str = ROOT, **env_extra: str):
+    """`python -m rawinfer ARGS` (what the installed script runs), its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "rawinfer", *args], cwd=cwd, input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env=env(**env_extra))
+
+
+def user_cache(tmp_path) -> str:
+    """An empty user cache (RAWINFER_CACHE) that shares the real one's compiled kernels, so that engines
+    started with it do not compile everything again."""
+    from rawinfer.config import EngineConfig
+    real = os.path.join(EngineConfig().cache_dir, "kernels")
+    os.makedirs(real, exist_ok=True)
+    cache = os.path.join(str(tmp_path), "cache")
+    os.makedirs(cache, exist_ok=True)
+    os.symlink(real, os.path.join(cache, "kernels"))
+    return cache
+
+
+def make_chat_model(dst: str) -> str:
+    """tests/data/tiny-llama (random weights, 512 ids) as a Hugging Face folder with a byte-level BPE
+    tokenizer and SmolLM2's chat template: a model `rawinfer chat` can hold a conversation with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    os.makedirs(dst, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(os.path.join(DATA, "tiny-llama", name), dst)
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    special = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(["hello there, how are you today? the capital of france is paris. "
+                            "tell me more about the sea, the sky and the quick brown fox."] * 20, trainer)
+    hf.save(os.path.join(dst, "tokenizer.json"))
+    with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, f)
+    shutil.copy(CHAT_TEMPLATE, os.path.join(dst, "chat_template.jinja"))
+    return dst
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`rawinfer serve` in a subprocess, its log in a file; stop() ends it whatever happens."""
+
+    def __init__(self, model: str, *extra: str, **env_extra: str):
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="rawinfer-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "rawinfer", "serve", "--model", model, "--bind",
+                                      self.addr, "--device", "cpu", "--kv-cache-memory", "16MiB", *extra],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env(**env_extra), cwd=ROOT)
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def wait_ready(self, timeout_s: float = 180.0) -> "Server":
+        from rawinfer.server import Client, ServerTimeout
+        deadline = time.monotonic() + timeout_s
+        with Client(self.addr, timeout_s=1.0) as c:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+                try:
+                    c.ping()
+                    return self
+                except ServerTimeout:
+                    continue
+        raise AssertionError(f"server not ready after {timeout_s} s:\n{self.output()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        os.unlink(self.log.name)
