@@ -48,23 +48,23 @@ def _convert_smollm2_gguf(tmp_path_factory, quant: str) -> str:
     return dst
 
 
-def golden_decode_agreement(engine) -> tuple[int, int, float]:
-    """Teacher-forced over every SmolLM2 golden case, the prompt prefilled and the continuation decoded
-    against the cache token by token: (confident steps (margin > 0.5), how many of them agree, the
-    worst top-k logit error)."""
+def golden_decode_agreement(engine, golden: str = "smollm2", margin: float = 0.5) -> tuple[int, int, float]:
+    """Teacher-forced over every case of tests/data/<golden> (SmolLM2's by default), the prompt
+    prefilled and the continuation decoded against the cache token by token: (confident steps
+    (margin > `margin`), how many of them agree, the worst top-k logit error)."""
     import json
 
     import numpy as np
-    with open(os.path.join(DATA, "smollm2", "index.json")) as f:
+    with open(os.path.join(DATA, golden, "index.json")) as f:
         cases = [c["name"] for c in json.load(f)["cases"]]
     checked = agreed = 0
     worst = 0.0
     for name in cases:
-        ref = np.load(os.path.join(DATA, "smollm2", f"{name}.npz"))
+        ref = np.load(os.path.join(DATA, golden, f"{name}.npz"))
         prompt, greedy = ref["prompt_ids"].tolist(), ref["greedy_ids"].tolist()
         logits = engine.score(prompt + greedy, [len(prompt)] + [1] * len(greedy))
         step = logits[len(prompt) - 1:len(prompt) - 1 + len(greedy)]
-        sure = ref["step_margin"] > 0.5
+        sure = ref["step_margin"] > margin
         checked += int(sure.sum())
         agreed += int((step.argmax(-1)[sure] == np.asarray(greedy)[sure]).sum())
         got = np.take_along_axis(step, ref["step_topk_ids"].astype(np.int64), axis=1)

@@ -1,14 +1,24 @@
-"""Reading a GGUF file of the llama architecture: metadata to ModelConfig, tensors dequantized to parts.
+"""Reading a GGUF file of the llama or gemma3 architecture: metadata to ModelConfig, tensors to parts.
 
 Three things differ from a Hugging Face checkpoint:
   * shapes are listed fastest-dimension first (ne0 = columns); the `gguf` reader already hands back
     arrays in NumPy order [rows, cols], i.e. Hugging Face's [out, in];
   * weights may be block-quantized; they are dequantized to float32 with gguf.quants;
-  * llama.cpp's converter permutes the rows of attn_q / attn_k inside every head so that rotary
-    pairs are adjacent (GPT-J "interleaved" layout); `unpermute_rows` restores the Hugging Face
-    "rotate_half" layout that rawinfer's rope op expects:
+  * for the llama architecture, llama.cpp's converter permutes the rows of attn_q / attn_k inside
+    every head so that rotary pairs are adjacent (GPT-J "interleaved" layout); `unpermute_rows`
+    restores the Hugging Face "rotate_half" layout that rawinfer's rope op expects:
 
         GGUF row 2*i + j  (i < D/2, j in {0, 1})   <-   HF row j*D/2 + i      within each head
+
+    gemma3 rotates in the rotate_half ("NEOX") layout already and its rows are stored as they are.
+
+gemma3 (`_gemma3` reads its metadata as llama.cpp does): four norms per layer, stored with Gemma's 1 + w already
+added, so the norm weights are used as they are:
+
+    GGUF blk.N.            part              GGUF blk.N.          part
+    attn_norm              input_norm        ffn_norm             post_attn_norm (before the MLP)
+    attn_q_norm            q_norm            post_ffw_norm        mlp_out_norm
+    attn_k_norm            k_norm            post_attention_norm  attn_out_norm
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from rawinfer.convert.errors import ConversionError
 from rawinfer.convert.gguf_tokenizer import gguf_tokenizer
 from rawinfer.convert.layout import TokenizerInfo
 
-SUPPORTED_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K})
+SUPPORTED_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K, QT.Q6_K})
 
 GGUF_NAMES = {
     "embed": "token_embd.weight",
@@ -47,6 +57,15 @@ GGUF_NAMES = {
     "up": "blk.{i}.ffn_up.weight",
     "down": "blk.{i}.ffn_down.weight",
 }
+GEMMA3_NAMES = {
+    **GGUF_NAMES,
+    "post_attn_norm": "blk.{i}.ffn_norm.weight",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
+    "attn_out_norm": "blk.{i}.post_attention_norm.weight",
+    "mlp_out_norm": "blk.{i}.post_ffw_norm.weight",
+}
+ARCH_NAMES = {"llama": GGUF_NAMES, "gemma3": GEMMA3_NAMES}
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -87,9 +106,11 @@ class GGUFSource:
         arch = self._meta("general.architecture")
         if arch is None:
             raise ConversionError(f"{path!r} has no general.architecture metadata; it is not a complete GGUF model")
-        if arch != "llama":
+        if arch not in ARCH_NAMES:
             raise ConversionError(f"{path!r} holds a {arch!r} model; rawinfer converts GGUF files of the 'llama' "
-                                  "architecture only (Llama, Mistral, SmolLM and their fine-tunes)")
+                                  "architecture (Llama, Mistral, SmolLM and their fine-tunes) and 'gemma3'")
+        self.arch = arch
+        self._names = ARCH_NAMES[arch]
         for t in self._reader.tensors:
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise ConversionError(
@@ -110,20 +131,22 @@ class GGUFSource:
             raise ConversionError(f"cannot read metadata {key!r} of {self._where} ({e}); the file is corrupt") from e
 
     def _need(self, key: str, default: Any = None) -> Any:
-        """A scalar metadata value: `default` when absent, ConversionError when absent without a default."""
+        """A scalar metadata value of this architecture (key without the "llama." / "gemma3." prefix):
+        `default` when absent, ConversionError when absent without a default."""
+        key = f"{self.arch}.{key}"
         value = self._meta(key)
         if value is None and default is not None:
             return default
         if value is None:
-            raise ConversionError(f"{self._where} has no {key!r} metadata; it is not a complete llama GGUF file")
+            raise ConversionError(f"{self._where} has no {key!r} metadata; it is not a complete {self.arch} GGUF file")
         if isinstance(value, list):
             raise ConversionError(f"{self._where} sets {key!r} per layer, which rawinfer does not support")
         return value
 
     def _rope(self, head_dim: int) -> RopeConfig:
-        theta = f32_value(self._meta("llama.rope.freq_base") or 10000.0)
-        kind = self._meta("llama.rope.scaling.type") or "none"
-        factor = self._meta("llama.rope.scaling.factor")
+        theta = f32_value(self._need("rope.freq_base", 10000.0))
+        kind = self._need("rope.scaling.type", "none")
+        factor = self._meta(f"{self.arch}.rope.scaling.factor")
         if kind not in ("none", "linear") or (kind == "linear" and factor not in (None, 1.0)):
             raise ConversionError(f"{self._where} uses RoPE scaling type {kind!r}, which rawinfer does not "
                                   "implement; supported are the default rotary embedding and 'llama3' scaling")
@@ -134,7 +157,7 @@ class GGUFSource:
         freqs = self._dequantized(ROPE_FREQS).astype(np.float64)
         if np.allclose(freqs, 1.0):
             return RopeConfig(theta=theta)
-        orig = int(self._meta("llama.rope.scaling.original_context_length") or 8192)
+        orig = int(self._need("rope.scaling.original_context_length", 8192))
         params = dict(factor=float(freqs.max()), low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=orig)
         if freqs.shape != (head_dim // 2,) or not np.allclose(
@@ -143,33 +166,64 @@ class GGUFSource:
                                   "the llama3 schedule rawinfer implements; convert the Hugging Face folder instead")
         return RopeConfig(theta=theta, type="llama3", **params)
 
+    def _gemma3(self, C: int, H: int, D: int, L: int) -> dict[str, Any]:
+        """The ModelConfig keys of a gemma3 file beyond Llama's, the way llama.cpp reads them."""
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if self._meta(f"gemma3.{key}"):
+                raise ConversionError(f"{self._where} sets gemma3.{key}, a logit soft-cap rawinfer does not "
+                                      "implement; this model cannot be converted")
+        window = self._meta("gemma3.attention.sliding_window")
+        pattern = self._meta("gemma3.attention.sliding_window_pattern")
+        pattern = 6 if pattern is None else pattern
+        if not window:
+            types: tuple[str, ...] = ()
+        elif isinstance(pattern, list):      # one flag per layer, true = sliding
+            if len(pattern) != L:
+                raise ConversionError(f"{self._where} lists a sliding-window flag for {len(pattern)} layers but "
+                                      f"has {L}; the file is damaged")
+            types = tuple("sliding" if p else "full" for p in pattern)
+        else:                                # a period: the last layer of every `pattern` is global
+            types = tuple("full" if i % int(pattern) == int(pattern) - 1 else "sliding" for i in range(L))
+        # NOTE: llama.cpp hard-codes the sliding layers' theta (10000) when the file does not store one.
+        local = RopeConfig(theta=f32_value(self._need("rope.freq_base_swa", 10000.0)))
+        rope = self._rope(D)
+        # NOTE: llama.cpp derives query_pre_attn_scalar from the model's size: head_dim, except for
+        # the 27B model (62 layers), whose scalar is hidden_size / heads.
+        scalar = C // H if L == 62 else D
+        return dict(rope=rope, hidden_act="gelu_tanh", qk_norm=True, sandwich_norms=True, embed_scale=math.sqrt(C),
+                    attn_scale=float(scalar) ** -0.5, sliding_window=int(window) if "sliding" in types else None,
+                    layer_types=types if "sliding" in types else (),
+                    rope_local=local if local != rope and "sliding" in types else None)
+
     def _model_config(self, tok: TokenizerInfo) -> ModelConfig:
-        if self._meta("llama.expert_count"):
+        if self._meta(f"{self.arch}.expert_count"):
             raise ConversionError(f"{self._where} is a mixture-of-experts model, which rawinfer cannot run")
-        C = int(self._need("llama.embedding_length"))
-        H = int(self._need("llama.attention.head_count"))
-        Hkv = int(self._need("llama.attention.head_count_kv", H))
-        D = int(self._need("llama.attention.key_length", C // H))
-        for key in ("llama.attention.value_length", "llama.rope.dimension_count"):
-            if self._meta(key) not in (None, D):
-                raise ConversionError(f"{self._where} has {key} = {self._meta(key)} but head_dim {D}; rawinfer "
-                                      "needs whole heads rotated and equal key/value head sizes")
+        C = int(self._need("embedding_length"))
+        H = int(self._need("attention.head_count"))
+        Hkv = int(self._need("attention.head_count_kv", H))
+        D = int(self._need("attention.key_length", C // H))
+        L = int(self._need("block_count"))
+        for key in ("attention.value_length", "rope.dimension_count"):
+            if self._meta(f"{self.arch}.{key}") not in (None, D):
+                raise ConversionError(f"{self._where} has {self.arch}.{key} = {self._meta(f'{self.arch}.{key}')} "
+                                      f"but head_dim {D}; rawinfer needs whole heads rotated and equal key/value "
+                                      "head sizes")
         if GGUF_NAMES["embed"] not in self._tensors:
             raise ConversionError(f"{self._where} has no {GGUF_NAMES['embed']!r} tensor; it is not a complete model")
         V = int(self._tensors[GGUF_NAMES["embed"]].shape[-1])    # GGUF shape [C, V]: ne1 = rows
+        family = self._gemma3(C, H, D, L) if self.arch == "gemma3" else dict(rope=self._rope(D))
         try:
             return ModelConfig(
-                architecture="llama", vocab_size=V, hidden_size=C,
-                intermediate_size=int(self._need("llama.feed_forward_length")),
-                num_layers=int(self._need("llama.block_count")), num_heads=H, num_kv_heads=Hkv, head_dim=D,
-                rms_norm_eps=f32_value(self._need("llama.attention.layer_norm_rms_epsilon")),
-                max_position_embeddings=int(self._need("llama.context_length")),
-                rope=self._rope(D),
+                architecture=self.arch, vocab_size=V, hidden_size=C,
+                intermediate_size=int(self._need("feed_forward_length")),
+                num_layers=L, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                rms_norm_eps=f32_value(self._need("attention.layer_norm_rms_epsilon")),
+                max_position_embeddings=int(self._need("context_length")),
                 tie_word_embeddings=GGUF_NAMES["lm_head"] not in self._tensors,
                 qkv_bias=GGUF_NAMES["q_bias"].format(i=0) in self._tensors,
                 bos_token_id=tok.bos_token_id, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                 add_bos_token=tok.add_bos_token, chat_template=tok.chat_template,
-                source=os.path.abspath(self.path))
+                source=os.path.abspath(self.path), **family)
         except ValueError as e:   # ModelConfig's own checks (heads not a multiple of kv heads, ...)
             raise ConversionError(f"{self._where} describes an invalid model ({e})") from e
 
@@ -184,7 +238,9 @@ class GGUFSource:
         return np.asarray(x, dtype=np.float32).reshape(want)
 
     def _name(self, part: str, layer: int | None) -> str:
-        return GGUF_NAMES[part].format(i=layer)
+        if part not in self._names:
+            raise ConversionError(f"{self._where} ({self.arch}) has no {part!r} tensors; rawinfer cannot convert it")
+        return self._names[part].format(i=layer)
 
     def describe(self, part: str, layer: int | None) -> str:
         return f"tensor {self._name(part, layer)!r} in {self._where}"
@@ -197,7 +253,7 @@ class GGUFSource:
         x = self._dequantized(name)
         heads = {"q": self.config.num_heads, "q_bias": self.config.num_heads,
                  "k": self.config.num_kv_heads, "k_bias": self.config.num_kv_heads}.get(part)
-        if heads is not None and x.shape[0] == heads * self.config.head_dim:
+        if self.arch == "llama" and heads is not None and x.shape[0] == heads * self.config.head_dim:
             x = unpermute_rows(x, heads)     # a wrong shape is left for layout.fuse to report
         return x
 

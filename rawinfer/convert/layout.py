@@ -8,10 +8,18 @@ model.safetensors of a converted model holds, row-major [out, in] like Hugging F
     layers.{i}.input_norm       [C]
     layers.{i}.qkv_proj         [(H+2Hkv)*D, C]  q rows, then k rows, then v rows
     layers.{i}.qkv_bias         [(H+2Hkv)*D]     only when config.qkv_bias
+    layers.{i}.q_norm           [D]              only when config.qk_norm (one weight shared by all heads)
+    layers.{i}.k_norm           [D]              only when config.qk_norm
     layers.{i}.o_proj           [C, H*D]
-    layers.{i}.post_attn_norm   [C]
+    layers.{i}.attn_out_norm    [C]              only when config.sandwich_norms (on the attention output)
+    layers.{i}.post_attn_norm   [C]              the norm before the MLP
     layers.{i}.gate_up_proj     [2F, C]          gate rows, then up rows
     layers.{i}.down_proj        [C, F]
+    layers.{i}.mlp_out_norm     [C]              only when config.sandwich_norms (on the MLP output)
+
+Every norm weight is the multiplier actually applied, x / rms(x) * w: a reader of a checkpoint whose
+norm computes x / rms(x) * (1 + w) (Gemma's Hugging Face weights) hands out 1 + w. The order above is
+the file order, the same as rawinfer/exec/weights.py:weight_shapes lists.
 
 A checkpoint reader does not know this layout: it serves "parts" (one source tensor each, named by
 the role it plays: "q", "gate", "input_norm", ...) and `fuse` stacks parts into the tensors above,
@@ -37,11 +45,19 @@ RECIPES: dict[str, tuple[str, ...]] = {
     "input_norm": ("input_norm",),
     "qkv_proj": ("q", "k", "v"),
     "qkv_bias": ("q_bias", "k_bias", "v_bias"),
+    "q_norm": ("q_norm",),
+    "k_norm": ("k_norm",),
     "o_proj": ("o",),
+    "attn_out_norm": ("attn_out_norm",),
     "post_attn_norm": ("post_attn_norm",),
+    "mlp_out_norm": ("mlp_out_norm",),
     "gate_up_proj": ("gate", "up"),
     "down_proj": ("down",),
 }
+
+# The parts that are RMSNorm weights (a reader with a (1 + w) norm adds the 1 to exactly these).
+NORM_PARTS = frozenset({"final_norm", "input_norm", "post_attn_norm", "attn_out_norm", "mlp_out_norm",
+                        "q_norm", "k_norm"})
 
 
 @dataclass(frozen=True)
@@ -88,7 +104,8 @@ def part_shape(config: ModelConfig, part: str) -> tuple[int, ...]:
     q, kv = config.q_size, config.kv_size          # H*D, Hkv*D
     shapes = {
         "embed": (V, C), "lm_head": (V, C), "final_norm": (C,),
-        "input_norm": (C,), "post_attn_norm": (C,),
+        "input_norm": (C,), "post_attn_norm": (C,), "attn_out_norm": (C,), "mlp_out_norm": (C,),
+        "q_norm": (config.head_dim,), "k_norm": (config.head_dim,),
         "q": (q, C), "k": (kv, C), "v": (kv, C),
         "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
         "o": (C, q), "gate": (F, C), "up": (F, C), "down": (C, F),
@@ -107,7 +124,9 @@ def tensor_plan(config: ModelConfig) -> list[TensorSpec]:
     plan = [spec("embed_tokens", None)]
     for i in range(config.num_layers):
         kinds = ["input_norm", "qkv_proj"] + (["qkv_bias"] if config.qkv_bias else [])
-        kinds += ["o_proj", "post_attn_norm", "gate_up_proj", "down_proj"]
+        kinds += ["q_norm", "k_norm"] if config.qk_norm else []
+        kinds += ["o_proj"] + (["attn_out_norm"] if config.sandwich_norms else [])
+        kinds += ["post_attn_norm", "gate_up_proj", "down_proj"] + (["mlp_out_norm"] if config.sandwich_norms else [])
         plan += [spec(kind, i) for kind in kinds]
     plan.append(spec("final_norm", None))
     if not config.tie_word_embeddings:

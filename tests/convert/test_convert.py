@@ -546,14 +546,14 @@ def test_gguf_split_regex_pre_tokenizers(tmp_path, pre, pieces):
 
 @pytest.mark.parametrize("case, words", [
     ("arch", "'qwen2' model"),
-    ("type", "tensor 'blk.0.ffn_up.weight' in tiny.gguf is stored as Q5_0"),
+    ("type", "tensor 'blk.0.ffn_up.weight' in tiny.gguf is stored as Q5_1"),
     ("truncated", "truncated or corrupt"),
     ("pre", "pre-tokenizer 'mystery'"),
 ])
 def test_bad_gguf(tmp_path, case, words):
     path = str(tmp_path / "tiny.gguf")
     write_gguf(path, arch="qwen2" if case == "arch" else "llama", pre="mystery" if case == "pre" else "gpt2",
-               types={**GGUF_TYPES, "ffn_up.weight": QT.Q5_0} if case == "type" else None)
+               types={**GGUF_TYPES, "ffn_up.weight": QT.Q5_1} if case == "type" else None)
     if case == "truncated":
         data = open(path, "rb").read()
         open(path, "wb").write(data[: len(data) - 1000])
