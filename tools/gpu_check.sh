@@ -7,8 +7,9 @@
 #     tools/gpu_check.sh /tmp/gpu-out          (PYTHON=/path/to/python3 to pick the interpreter)
 #
 # 1. nvidia-smi summary and package versions      -> OUTDIR/nvidia-smi.txt, OUTDIR/versions.txt
-# 2. the GPU test suite: pytest -m gpu tests/backend/test_gpu.py -> OUTDIR/gpu-tests.log, gpu-tests.xml
-#    (kernels, decode CUDA graphs vs eager, device sampler, pool sizing, whole models)
+# 2. the GPU test suite: pytest -m gpu tests/backend/test_gpu.py tests/backend/test_gpu_model.py
+#    -> OUTDIR/gpu-tests.log, gpu-tests.xml (kernels incl. the Gemma 3 / Qwen3 ops and sliding-window
+#    attention; decode CUDA graphs vs eager, device sampler, pool sizing, whole models)
 # 3. tools/gpu_bench.py (Llama-3-8B-shaped, bf16, pool sized from free memory, decode CUDA graphs on;
 #    decode tokens/s at batch 1 with graphs and eagerly, at batch 64, prefill, bandwidth)
 #                                                  -> OUTDIR/bench.log, bench.json, bench-table.txt
@@ -40,7 +41,7 @@ print("rawinfer cuda_status:", cuda_status())
 EOF
 
 echo "[gpu_check] running the GPU tests (log: $out/gpu-tests.log)"
-timeout 165 "$py" -m pytest -m gpu tests/backend/test_gpu.py -q -rs -p no:cacheprovider \
+timeout 165 "$py" -m pytest -m gpu tests/backend/test_gpu.py tests/backend/test_gpu_model.py -q -rs -p no:cacheprovider \
   --junitxml="$out/gpu-tests.xml" > "$out/gpu-tests.log" 2>&1
 tests_rc=$?
 
