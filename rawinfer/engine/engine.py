@@ -147,7 +147,13 @@ class LLMEngine:
         if num_tokens > self.max_model_len:
             raise RequestRejected(f"{what} = {num_tokens} exceeds the maximum context of {self.max_model_len} "
                                   "tokens; shorten the prompt or lower max_tokens")
-        need = -(-num_tokens // self.config.block_size) * n
+        bs = self.config.block_size
+        need = -(-num_tokens // bs)
+        W = self.model_config.kv_window
+        if W:   # every layer slides: blocks behind the window go back, so a sequence holds at most the
+            # window plus one chunk of new tokens (scheduler.advance -> BlockManager.release_before)
+            need = min(need, (W - 1 + min(num_tokens, self.config.max_num_batched_tokens)) // bs + 2)
+        need *= n
         if need > self.block_manager.num_blocks:
             raise RequestRejected(
                 f"the request needs up to {need} KV blocks ({num_tokens} tokens x {n} samples) but the whole "

@@ -42,7 +42,10 @@ def _engine(path, device, **kw):
     return LLMEngine(path, EngineConfig(**opts))
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral-swa", "tiny-gemma3"]
+
+
+@pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_checkpoints_match_reference_logits(tmp_path_factory, name, dtype):
     """Teacher-forced logits at all 150 positions, as one prefill and as prefill + 129 decode steps."""
@@ -61,10 +64,11 @@ def test_tiny_checkpoints_match_reference_logits(tmp_path_factory, name, dtype):
             assert (got.argmax(-1) == want.argmax(-1))[sure].all()
 
 
-def test_tiny_greedy_generation_matches_reference(tmp_path_factory):
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_greedy_generation_matches_reference(tmp_path_factory, name):
     from rawinfer import SamplingParams
-    engine = _engine(_convert(tmp_path_factory, "tiny-llama", "float32"), "cuda")
-    ref = np.load(os.path.join(DATA, "tiny-llama", "reference.npz"))
+    engine = _engine(_convert(tmp_path_factory, name, "float32"), "cuda")
+    ref = np.load(os.path.join(DATA, name, "reference.npz"))
     engine.add_request("r", ref["prompt_ids"].tolist(), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     tokens = []
     while engine.has_unfinished():
@@ -108,6 +112,31 @@ def test_decode_graphs_replay_equals_eager(tmp_path_factory, dtype, staggered_ge
         logits = eager.score(prompt + generated[rid])[len(prompt) - 1:-1]
         chosen = logits[np.arange(12), generated[rid]]
         assert np.all(chosen >= logits.max(-1) - noise * max(1.0, np.abs(logits).max())), rid
+
+
+@pytest.mark.parametrize("name", ["tiny-mistral-swa", "tiny-gemma3"])
+def test_sliding_window_models_decode_the_same_with_graphs_and_a_small_pool(tmp_path_factory, name):
+    """Windowed attention inside captured decode graphs and, for Mistral (every layer slides), blocks
+    given back behind the window: 200 greedy tokens decoded by graphs in a pool of a few blocks equal
+    eager ones in a large pool."""
+    from rawinfer import SamplingParams
+    from rawinfer.config import ModelConfig
+    path = _convert(tmp_path_factory, name, "float32")
+    cfg = ModelConfig.from_dir(path)
+    ids = np.load(os.path.join(DATA, name, "reference.npz"))["prompt_ids"].tolist()
+    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * 16 * cfg.head_dim * 4
+    blocks = 6 if cfg.kv_window else 20                 # 221 tokens need 14 blocks without a window
+    runs = []
+    for kw in (dict(use_cuda_graphs=False), dict(kv_cache_memory=blocks * block_bytes, max_num_batched_tokens=32)):
+        engine = _engine(path, "cuda", **kw)
+        engine.add_request("r", ids, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        tokens = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+        runs.append(tokens)
+    assert engine.runner.graphs is not None and engine.runner.graphs.captured
+    assert runs[0] == runs[1]
 
 
 def test_seeded_sampling_is_batch_invariant_on_the_device_sampler(tmp_path_factory):
