@@ -18,7 +18,8 @@ text like "<|im_start|>" is matched as one token, as the Hugging Face tokenizer 
 
 SentencePiece BPE: the file has pieces with scores but no merges. SentencePiece encodes a text by
 cutting out user-defined pieces whole (longest match first), writing spaces as "▁" (after a leading
-"▁" when tokenizer.ggml.add_space_prefix is set), splitting the rest into characters, and merging,
+"▁" when tokenizer.ggml.add_space_prefix is set: at the start and after every cut-out piece, as
+llama.cpp does), splitting the rest into characters, and merging,
 again and again, the adjacent pair whose concatenation is the best-scoring normal piece (the leftmost
 on a tie); a character that is no piece becomes its UTF-8 bytes (<0x..> pieces). `tokenizers`' BPE
 does the same given every split (left, right) of every normal piece, with both halves pieces, as a
@@ -140,10 +141,11 @@ def spm_tokenizer_json(tokens: list[str], scores: list[float], token_types: list
     added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": False, "special": kind != USER_DEFINED}
              for i, (tok, kind) in enumerate(zip(tokens, token_types)) if kind in (UNKNOWN, CONTROL, USER_DEFINED)]
-    # Metaspace writes spaces as SPACE without splitting on them; "first" prepends one only where the
-    # text starts (not after an added token), as llama.cpp does.
-    metaspace = {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "first" if add_space_prefix else "never",
-                 "split": False}
+    # The normalizer runs on each stretch of text between added tokens: it writes spaces as SPACE and,
+    # with add_space_prefix, puts one SPACE before every stretch (llama.cpp does so at the start and
+    # after every special or user-defined token, even where the text already starts with a space).
+    steps = [{"type": "Prepend", "prepend": SPACE}] if add_space_prefix else []
+    steps.append({"type": "Replace", "pattern": {"String": " "}, "content": SPACE})
     decoders: list[dict[str, Any]] = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
                                       {"type": "ByteFallback"}, {"type": "Fuse"}]
     if add_space_prefix:
@@ -153,8 +155,8 @@ def spm_tokenizer_json(tokens: list[str], scores: list[float], token_types: list
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": metaspace,
+        "normalizer": {"type": "Sequence", "normalizers": steps},
+        "pre_tokenizer": None,
         "post_processor": _prepend_bos(bos),
         "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {"type": "BPE", "dropout": None, "unk_token": None if unk is None else tokens[unk],
