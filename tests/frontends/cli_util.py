@@ -3,13 +3,19 @@ tiny Hugging Face folder with a tokenizer and a chat template, and a server in a
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import re
+import select
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 
 from conftest import DATA, ROOT  # noqa: E402
@@ -106,3 +112,59 @@ class Server:
                 self.proc.wait(10)
         self.log.close()
         os.unlink(self.log.name)
+
+
+class Terminal:
+    """`rawinfer ARGS` on a pseudo-terminal (stdin and stdout are a terminal): what it prints, keys typed in."""
+
+    def __init__(self, *args: str, **env_extra: str):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:                           # the child: the pty is its controlling terminal
+            os.chdir(ROOT)
+            os.execve(sys.executable, [sys.executable, "-m", "rawinfer", *args], env(**env_extra))
+        # a terminal of 40 x 160 characters (a new pty has 0 x 0: progress bars would draw nothing)
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+        self.seen = ""
+
+    def read_until(self, pattern: str, timeout: float = 180) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.seen)
+            if m:
+                return m
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {pattern!r} after {timeout} s in:\n{self.seen}")
+            if select.select([self.fd], [], [], min(left, 1.0))[0]:
+                try:
+                    data = os.read(self.fd, 65536)
+                except OSError:                     # EIO: the child has exited
+                    data = b""
+                if not data:
+                    raise AssertionError(f"exited before {pattern!r}:\n{self.seen}")
+                self.seen += data.decode("utf-8", "replace")
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def exit_status(self, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if select.select([self.fd], [], [], 0.2)[0]:
+                try:
+                    self.seen += os.read(self.fd, 65536).decode("utf-8", "replace")
+                except OSError:
+                    pass
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.pid = None
+                os.close(self.fd)
+                return os.waitstatus_to_exitcode(status)
+        raise AssertionError(f"still running after {timeout} s:\n{self.seen}")
+
+    def kill(self) -> None:
+        if self.pid is not None:
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+            os.close(self.fd)
+            self.pid = None

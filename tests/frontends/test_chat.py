@@ -3,16 +3,12 @@ pseudo-terminal (Ctrl-C stops an answer, not the chat), against a running server
 
 from __future__ import annotations
 
-import os
-import pty
 import re
-import select
-import sys
 import time
 
 import pytest
 
-from cli_util import ROOT, Server, env, make_chat_model, rawinfer, user_cache  # noqa: E402
+from cli_util import Server, Terminal, make_chat_model, rawinfer, user_cache  # noqa: E402
 
 ENGINE = ("--device", "cpu", "--kv-cache-memory", "16MiB")
 PROMPT_TOKENS = re.compile(r"\[prompt (\d+) tokens \| generated (\d+) tokens")
@@ -107,63 +103,9 @@ def test_chat_against_a_server(chat_setup):
 
 
 # ---- a terminal: Ctrl-C --------------------------------------------------------------------------------
-class Terminal:
-    """`rawinfer chat` on a pseudo-terminal: what it prints, keys typed into it."""
-
-    def __init__(self, *args: str):
-        self.pid, self.fd = pty.fork()
-        if self.pid == 0:                           # the child: the pty is its controlling terminal
-            os.chdir(ROOT)
-            os.execve(sys.executable, [sys.executable, "-m", "rawinfer", "chat", *args], env())
-        self.seen = ""
-
-    def read_until(self, pattern: str, timeout: float = 180) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while True:
-            m = re.search(pattern, self.seen)
-            if m:
-                return m
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no {pattern!r} after {timeout} s in:\n{self.seen}")
-            if select.select([self.fd], [], [], min(left, 1.0))[0]:
-                try:
-                    data = os.read(self.fd, 65536)
-                except OSError:                     # EIO: the child has exited
-                    data = b""
-                if not data:
-                    raise AssertionError(f"chat exited before {pattern!r}:\n{self.seen}")
-                self.seen += data.decode("utf-8", "replace")
-
-    def type(self, text: str) -> None:
-        os.write(self.fd, text.encode())
-
-    def exit_status(self, timeout: float = 60) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if select.select([self.fd], [], [], 0.2)[0]:
-                try:
-                    self.seen += os.read(self.fd, 65536).decode("utf-8", "replace")
-                except OSError:
-                    pass
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.pid = None
-                os.close(self.fd)
-                return os.waitstatus_to_exitcode(status)
-        raise AssertionError(f"chat still running after {timeout} s:\n{self.seen}")
-
-    def kill(self) -> None:
-        if self.pid is not None:
-            os.kill(self.pid, 9)
-            os.waitpid(self.pid, 0)
-            os.close(self.fd)
-            self.pid = None
-
-
 def test_ctrl_c_stops_the_answer_not_the_chat(smollm2_dir):
-    term = Terminal("--model", smollm2_dir, "--device", "cpu", "--kv-cache-memory", "64MiB", "--max-tokens", "400",
-                    "--ignore-eos")
+    term = Terminal("chat", "--model", smollm2_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
+                    "--max-tokens", "400", "--ignore-eos")
     try:
         term.read_until(r"> $")
         term.type("Write a long story about the sea.\n")

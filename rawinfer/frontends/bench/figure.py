@@ -19,6 +19,15 @@ def _percentile_lines(ax, summary: dict) -> None:
 
 
 def plot(r: dict, path: str) -> None:
+    """Draw the figure of result `r` and write it to `path` as a PNG."""
+    import matplotlib.pyplot as plt
+    fig = draw(r)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw(r: dict):
+    """The matplotlib Figure of result `r` (its six panels, as above)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -62,5 +71,4 @@ def plot(r: dict, path: str) -> None:
     fig.suptitle(f"rawinfer bench serve: {c.get('model')}, {c['num_requests']} requests, {rate}, "
                  f"in {c['input_len']} / out {c['output_len']} tokens")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from rawinfer.frontends.bench.throughput import make_workload
+from rawinfer.frontends.bench.throughput import check_lengths, make_workload
 from rawinfer.engine.metrics import summarize
 
 
@@ -117,6 +117,7 @@ async def run_load(args, progress: bool = False) -> dict:
     try:
         info = await client.model_info()
         V, limit = int(info["vocab_size"]), int(info["max_model_len"])
+        check_lengths(args, limit, output_counts=False)
         wl = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, V, args.seed)
         if args.warmup:
             await client.complete(list(wl.prompts[0][:8]), params={"max_tokens": 4, "temperature": 0.0})

@@ -35,6 +35,18 @@ def make_workload(num_requests: int, input_len: int, output_len: int, range_rati
     return Workload(prompts, lengths(output_len))
 
 
+def check_lengths(args, limit: int, output_counts: bool = True) -> None:
+    """A ValueError of one sentence when the longest request of the workload options cannot fit a context of
+    `limit` tokens (the prompt alone when output_counts is False: `bench serve` shortens outputs to fit)."""
+    r = args.range_ratio
+    prompt = getattr(args, "shared_prefix", 0) + max(1, int(args.input_len * (1 + r)))
+    output = max(1, int(args.output_len * (1 + r))) if output_counts else 1
+    if prompt + output > limit:
+        what = f"prompts of up to {prompt} tokens" + (f" and outputs of up to {output}" if output_counts else "")
+        raise ValueError(f"{what} (--input-len, --output-len, --range-ratio) do not fit the context of {limit} "
+                         "tokens; lower them")
+
+
 def run_offline(engine, wl: Workload, progress: bool = False, desc: str = "requests") -> dict:
     """Submit everything at once, step until done; returns the benchmark's numbers. With progress, a bar
     of finished requests on stderr (when it is a terminal)."""
@@ -93,6 +105,7 @@ def print_report(r: dict, file=sys.stdout) -> None:
 def run(engine, args, progress: bool = False) -> dict:
     """The benchmark for the options of `rawinfer bench throughput` (a warm-up, optionally one request
     alone, then the batch), printing as it goes; returns the numbers without the config."""
+    check_lengths(args, engine.max_model_len)
     V = engine.model_config.vocab_size
     wl = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, V, args.seed,
                        args.shared_prefix)

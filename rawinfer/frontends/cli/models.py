@@ -107,10 +107,13 @@ def _convert_into_cache(src: str, progress: bool) -> str:
 def open_engine(args):
     """The LLMEngine of the command's engine options (and its --model, resolved as above)."""
     from rawinfer.engine.engine import LLMEngine
-    path = resolve_model(args.model, progress=not is_quiet(args))
+    from rawinfer.frontends.cli.progress import ticking
     cfg = engine_config_from_args(args)
+    path = resolve_model(args.model, progress=not is_quiet(args))
     log.info("starting the engine on %s", path)
-    return LLMEngine(path, cfg)
+    with ticking("starting the engine (loading the weights, compiling or loading the kernels)",
+                 enabled=not is_quiet(args)):
+        return LLMEngine(path, cfg)
 
 
 # ---- rawinfer models -------------------------------------------------------------------------------------

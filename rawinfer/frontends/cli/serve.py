@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -36,6 +37,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--client-timeout", type=positive_float, default=10.0, metavar="SECONDS",
                    help="seconds a connected client may fail to answer ZMTP heartbeats before it counts as gone "
                         "(default: 10)")
+    p.add_argument("--log-interval", type=positive_float, default=10.0, metavar="SECONDS",
+                   help="seconds between the log's throughput / KV / queue lines; each finished request also "
+                        "gets a line (default: 10; -q hides both)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -87,6 +91,8 @@ def cmd_serve(args) -> int:
                        curve_client_keys_dir=args.curve_client_keys, insecure=args.insecure,
                        max_message_bytes=args.max_message_size, heartbeat_interval_s=args.heartbeat_interval,
                        zmtp_heartbeat_timeout_s=args.client_timeout)
+    if "log_interval_s" in {f.name for f in dataclasses.fields(ServerConfig)}:
+        cfg.log_interval_s = args.log_interval
     try:                                 # refuse before spending time on loading the model
         check_bind_security(cfg)
         if cfg.curve_secret_key_file:
