@@ -156,7 +156,7 @@ def cmd_models(args) -> int:
         print("converted models (give --model the path, or the name in weights/):")
         for where, folder, desc in models:
             shown = os.path.relpath(folder) if not os.path.relpath(folder).startswith("..") else folder
-            print(f"  {shown:<56} {desc}")
+            print(f"  {shown:<40} {desc}" if len(shown) <= 40 else f"  {shown}\n  {'':<40} {desc}")
     else:
         print("no converted models yet in weights/ or the cache")
     print("fetchable with `rawinfer fetch NAME`:")

@@ -1,0 +1,101 @@
+"""What `--model` accepts as a user gives it (a converted folder, a name in weights/, a Hugging Face folder,
+a .gguf file converted once into the cache), `rawinfer models`, and `rawinfer fetch` /
+tools/fetch_model.sh with their failures."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cli_util import DATA, ROOT, env, rawinfer, user_cache  # noqa: E402
+from conftest import SMOLLM2_GGUF  # noqa: E402
+
+ENGINE = ("--device", "cpu", "--kv-cache-memory", "64MiB")
+
+
+def test_a_gguf_file_is_converted_once_into_the_cache(tmp_path):
+    if not os.path.isfile(SMOLLM2_GGUF):
+        pytest.skip(f"{SMOLLM2_GGUF} is not cached (tools/fetch_default_model.sh puts it there)")
+    cache = user_cache(tmp_path)
+    ask = ("generate", "What is the capital of France?", "--model", SMOLLM2_GGUF, *ENGINE, "--max-tokens", "12")
+    r = rawinfer(*ask, RAWINFER_CACHE=cache)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    converted = [d for d in os.listdir(os.path.join(cache, "models")) if not d.startswith(".") and
+                 os.path.isdir(os.path.join(cache, "models", d))]
+    assert converted == ["SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f"]          # name and digest
+    assert f"converting {SMOLLM2_GGUF} once into " in r.stderr
+    r = rawinfer(*ask, RAWINFER_CACHE=cache)                                     # the second time: the cache
+    assert r.returncode == 0 and "Paris" in r.stdout and "converting" not in r.stderr
+    r = rawinfer("models", RAWINFER_CACHE=cache)
+    assert r.returncode == 0
+    assert f"from {SMOLLM2_GGUF}" in r.stdout and "SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f" in r.stdout
+
+
+def test_models_lists_weights_and_a_name_is_enough(tmp_path, tiny_llama_dir):
+    os.makedirs(tmp_path / "weights")
+    shutil.copytree(tiny_llama_dir, tmp_path / "weights" / "tiny")
+    os.makedirs(tmp_path / "weights" / "not-a-model")
+    r = rawinfer("models", cwd=str(tmp_path), RAWINFER_CACHE=str(tmp_path / "cache"))
+    assert r.returncode == 0, r.stderr
+    assert "weights/tiny" in r.stdout and "llama, 2 layers, float32" in r.stdout
+    assert "not-a-model" not in r.stdout and "fetchable with `rawinfer fetch NAME`" in r.stdout
+    assert "smollm2-135m-instruct" in r.stdout
+    r = rawinfer("generate", "5 6 7", "--token-ids", "--model", "tiny", *ENGINE, "--max-tokens", "3",
+                 "--ignore-eos", "-q", cwd=str(tmp_path), RAWINFER_CACHE=user_cache(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.split()) == 3
+
+
+def test_a_model_that_is_not_there_is_one_sentence(tmp_path):
+    r = rawinfer("generate", "hi", "--model", "no-such-model", cwd=str(tmp_path))
+    assert r.returncode == 2
+    assert r.stderr == ("rawinfer: error: model 'no-such-model' does not exist: give --model a converted folder, a "
+                        "Hugging Face folder or a GGUF file (`rawinfer convert` makes a converted folder), or a name "
+                        "from `rawinfer models`\n")
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    r = rawinfer("generate", "hi", "--model", str(bad), RAWINFER_CACHE=str(tmp_path / "cache"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("rawinfer: error: ") and str(bad) in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_a_hugging_face_folder_without_weights_is_refused_before_hashing(tmp_path):
+    src = tmp_path / "hf"
+    os.makedirs(src)
+    shutil.copy(os.path.join(DATA, "tiny-llama", "config.json"), src)
+    r = rawinfer("generate", "hi", "--model", str(src), RAWINFER_CACHE=str(tmp_path / "cache"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("rawinfer: error: ") and len(r.stderr.splitlines()) == 1
+    assert not os.path.exists(tmp_path / "cache" / "models" / "digests.json")
+
+
+def test_fetch_knows_its_catalog():
+    from rawinfer.frontends.cli.fetch import fetchable
+    known = ", ".join(m.name for m in fetchable())
+    r = rawinfer("fetch", "llama-405b")
+    assert r.returncode == 2
+    assert r.stderr == f"rawinfer: error: rawinfer does not know a model named 'llama-405b'; it can fetch: {known}\n"
+    r = rawinfer("fetch", "--help")
+    assert r.returncode == 0 and "smollm2-135m-instruct" in r.stdout
+
+
+def test_fetch_of_a_converted_model_does_nothing(tiny_llama_dir):
+    r = rawinfer("fetch", "smollm2-135m-instruct", "--dst", tiny_llama_dir)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (f"smollm2-135m-instruct is already converted in {tiny_llama_dir} (--force converts it "
+                        "again)\n")
+
+
+def test_fetch_model_script():
+    script = os.path.join(ROOT, "tools", "fetch_model.sh")
+    run = (lambda *a: subprocess.run(["bash", script, *a], capture_output=True, text=True, timeout=120,
+                                     env=env(PYTHON=sys.executable)))
+    r = run("--list")
+    assert r.returncode == 0 and "fetchable with `rawinfer fetch NAME`" in r.stdout
+    r = run("llama-405b")
+    assert r.returncode == 2 and "rawinfer does not know a model named 'llama-405b'" in r.stderr
