@@ -11,7 +11,7 @@ message go back to the sender as an `error` reply.
 from __future__ import annotations
 
 import enum
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Callable, ClassVar
 
 import msgpack
@@ -287,8 +287,12 @@ def _plain(obj: Any) -> Any:
 
 
 def encode(msg: ClientMessage | ServerMessage) -> bytes:
-    return msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, **asdict(msg)}, use_bin_type=True,
-                         default=_plain)
+    # NOTE: fields one level deep, not asdict(msg): asdict copies every element of a token id list
+    body = {f.name: getattr(msg, f.name) for f in fields(msg)}
+    for name, value in body.items():
+        if is_dataclass(value):
+            body[name] = asdict(value)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, **body}, use_bin_type=True, default=_plain)
 
 
 def decode_request(data: bytes) -> ClientMessage:

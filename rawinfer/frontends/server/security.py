@@ -1,6 +1,6 @@
 """Who may reach the server: the rule that only loopback endpoints go unencrypted, and CurveZMQ on its socket.
 
-A bind to anything but a loopback address or a local socket file needs the server's Curve secret key
+A bind to anything but a loopback address or a local socket file (ipc.py keeps that file private) needs the server's Curve secret key
 (or an explicit --insecure); with a folder of client public keys, an authenticator thread admits only
 those clients. The checks run before the model is loaded, so a refused bind costs nothing.
 """
@@ -14,6 +14,7 @@ import zmq
 import zmq.auth
 
 from rawinfer.frontends.server.config import ServerConfig
+from rawinfer.frontends.server.ipc import ipc_path, is_abstract
 
 
 class SecurityError(ValueError):
@@ -41,6 +42,10 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 
 
 def check_bind_security(cfg: ServerConfig) -> None:
+    path = ipc_path(cfg.bind)
+    if path is not None and is_abstract(path):
+        raise SecurityError(f"{cfg.bind} is an abstract socket: it has no file permissions, so any user of this "
+                            "machine could use the engine; bind ipc://PATH in a private folder instead")
     if not is_loopback_endpoint(cfg.bind) and cfg.curve_secret_key_file is None and not cfg.insecure:
         raise SecurityError(
             f"{cfg.bind} is not a loopback address: serving it unencrypted would let anyone on the network use "

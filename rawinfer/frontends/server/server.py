@@ -1,42 +1,51 @@
 """The serving loop: one ROUTER socket in front of an LLMEngine, streaming each request's tokens to its client.
 
-    clients (DEALER) ──msgpack──> ROUTER ──> handle(): generate / abort / stats / ping / model_info
-                                     ^                   │ engine.add_request / engine.abort
-                                     │                   v
-                     chunks, finals  └──── dispatch() <── engine.step()
+    clients (DEALER) ──msgpack──> ROUTER ── I/O thread (run()): decode, check, answer ping/stats/model_info
+                                    ^          │ Prepare / Cancel
+                                    │          v
+                                    │     admission thread: render the chat, tokenise   (admission.py)
+                                    │          │ Admit / Cancel
+                                    │          v
+                                    └─ Outgoing ── engine thread: add_request, abort, step   (worker.py)
 
-One thread owns the socket and the engine, so neither needs a lock. While the engine has nothing to do
-the loop blocks in poll(); while it is busy it drains whatever has arrived without blocking before every
-step, so a new request joins the very next step. A client that vanishes is found two ways: the ROUTER is
-ROUTER_MANDATORY, so a send to a peer whose connection is gone fails (EHOSTUNREACH), and ZMTP heartbeats
-close connections to silent peers; the loop also sends a `heartbeat` message to every client that has
-requests in flight but heard nothing for a heartbeat interval, so a non-streaming request of a vanished
-client is noticed too. Either way its requests are aborted and their KV blocks freed at once.
+Three threads, so that none of them waits for another's work: the engine steps while messages are read
+and sent; a huge prompt is tokenised (or refused for its length, before anyone tokenises it) while the
+engine steps and `stats` is answered; a client that stops reading only grows its own queue. The I/O
+thread (the caller of run(), normally the main thread) alone touches the socket, and waits in poll() on
+the socket and a wake-up socket pair that the other threads and any signal write to (wakeup.py).
 
-Beside this module: config.py (ServerConfig), security.py (which binds need CurveZMQ, the Curve keys) and
-inflight.py (the record of each request in flight and the messages it turns engine outputs into).
+A client that vanishes is found three ways: ROUTER_MANDATORY makes a send to a peer whose connection is
+gone fail; ZMTP heartbeats close connections to silent or stalled peers; and the loop sends a `heartbeat`
+to every client with something outstanding that heard nothing for a heartbeat interval. Its requests are
+aborted and freed at once, and counted (clients.py says when a final counts as delivered).
+
+Beside this module: config.py, security.py and ipc.py (who may connect, the socket file), handoff.py (what
+the threads pass), clients.py (the per-client record), activity.py (the log lines).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import socket
-import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 
 from rawinfer.config import VERSION
-from rawinfer.engine.tokenizer import has_chat_template, render_chat
+from rawinfer.engine.tokenizer import has_chat_template
 from rawinfer.sampling import SamplingParams
 from rawinfer.frontends.server import protocol as P
+from rawinfer.frontends.server.activity import PeriodicLog, log_request_done, log_requests_lost
+from rawinfer.frontends.server.admission import Admission, PromptLimits
+from rawinfer.frontends.server.clients import FULL, GONE, SENT, STALLED, ClientTable
 from rawinfer.frontends.server.config import ServerConfig
-from rawinfer.frontends.server.inflight import Inflight, InflightTable, engine_request_id
+from rawinfer.frontends.server.handoff import Cancel, Outbound, Prepare, Stop
+from rawinfer.frontends.server.inflight import engine_request_id
+from rawinfer.frontends.server.ipc import bind_private
 from rawinfer.frontends.server.security import (SecurityError, apply_curve, check_bind_security,
                                                 is_loopback_endpoint, load_secret_key)
+from rawinfer.frontends.server.wakeup import Wakeup, install_stop_signals
+from rawinfer.frontends.server.worker import EngineWorker
 
 # ServerConfig and the security checks are imported from here by `rawinfer serve`
 __all__ = ["SecurityError", "Server", "ServerConfig", "check_bind_security", "is_loopback_endpoint",
@@ -44,46 +53,7 @@ __all__ = ["SecurityError", "Server", "ServerConfig", "check_bind_security", "is
 
 log = logging.getLogger("rawinfer")
 
-
-@dataclass
-class _Counters:
-    requests_received: int = 0
-    requests_rejected: int = 0
-    requests_aborted_by_client: int = 0
-    requests_aborted_vanished: int = 0
-    clients_vanished: int = 0
-    messages_invalid: int = 0
-
-
-@dataclass
-class _Wakeup:
-    """A socket pair the poll also watches, so a signal or another thread can interrupt a blocking wait."""
-    reader: socket.socket
-    writer: socket.socket
-
-    @classmethod
-    def create(cls) -> "_Wakeup":
-        r, w = socket.socketpair()
-        r.setblocking(False)
-        w.setblocking(False)
-        return cls(r, w)
-
-    def set(self) -> None:
-        try:
-            self.writer.send(b"x")
-        except (BlockingIOError, OSError):    # already pending, or closed during shutdown
-            pass
-
-    def clear(self) -> None:
-        try:
-            while self.reader.recv(4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-
-    def close(self) -> None:
-        self.reader.close()
-        self.writer.close()
+SHUTDOWN_WAIT_S = 60.0        # for the engine thread to finish its step and abort what is in flight
 
 
 class Server:
@@ -94,7 +64,7 @@ class Server:
         self.engine, self.cfg = engine, config
         self._own_ctx = context is None
         self.ctx = context or zmq.Context()
-        self._auth = None
+        self._auth = self._socket_file = None
         try:
             self.sock = self._make_socket()
         except BaseException:
@@ -103,11 +73,18 @@ class Server:
             if self._own_ctx:
                 self.ctx.term()
             raise
-        self._wake = _Wakeup.create()
+        self._wake = Wakeup.create()
         self._stopping = False                               # set by shutdown(), read by the loop
-        self._requests = InflightTable()
-        self._counts = _Counters()
+        self._outbound = Outbound(self._wake.set)
+        self._worker = EngineWorker(engine, self._outbound)
+        self._limits = PromptLimits(engine)
+        self._admission = Admission(engine, self._limits, self._worker.inbox, self._outbound)
+        zmtp = config.zmtp_heartbeat_timeout_s
+        self._stall_s = zmtp * 1.25 + config.heartbeat_interval_s
+        self._table = ClientTable(self._try_send, grace_s=config.heartbeat_interval_s,
+                                  max_outbox=config.max_backlog_messages)
         self._started = time.monotonic()
+        self._periodic = PeriodicLog(config.log_interval_s, self._started)
 
     def _make_socket(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -120,15 +97,15 @@ class Server:
 
     def _configure(self, sock: zmq.Socket) -> None:
         cfg = self.cfg
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)             # sends to vanished peers raise EHOSTUNREACH
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)             # a send to a vanished peer fails, a full queue too
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)   # larger inbound messages drop the peer
-        sock.setsockopt(zmq.SNDHWM, 100_000)                 # per client; beyond it the client is not reading
+        sock.setsockopt(zmq.SNDHWM, cfg.send_queue_messages)  # per client; beyond it clients.py queues
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(max(cfg.zmtp_heartbeat_timeout_s / 4, 0.1) * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.zmtp_heartbeat_timeout_s * 1000))
         sock.setsockopt(zmq.LINGER, int(cfg.shutdown_linger_s * 1000))
         self._auth = apply_curve(self.ctx, sock, cfg)
         try:
-            sock.bind(cfg.bind)
+            self._socket_file = bind_private(sock, cfg.bind)
         except zmq.ZMQError as e:
             raise OSError(f"cannot bind {cfg.bind}: {e.strerror}; choose another --bind address") from None
 
@@ -144,30 +121,51 @@ class Server:
         self._wake.set()
 
     def run(self) -> int:
-        """Serve until shutdown; then abort every request in flight (each gets a final `abort`) and return 0."""
-        restore = self._install_signal_handlers()
+        """Serve until shutdown; then abort every request in flight (each gets a final `abort`) and return 0
+        (1 if the engine thread died)."""
+        restore = install_stop_signals(self._wake, self.shutdown)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake.reader, zmq.POLLIN)
+        self._worker.start()
+        self._admission.start()
         log.info("serving on %s (protocol v%d%s)", self.endpoint, P.PROTOCOL_VERSION,
                  ", CurveZMQ" if self.cfg.curve_secret_key_file else "")
+        status = 0
         try:
             while not self._stopping:
-                if self.engine.has_unfinished():
-                    self._drain()
-                    if not self._stopping:
-                        self._step()
-                    self._heartbeats(time.monotonic())
-                else:
-                    poller.poll()           # idle: block until a message (or the wake-up pipe)
-                    self._wake.clear()
-                    self._drain()
-            self._shutdown_requests()
+                poller.poll(self._poll_timeout_ms())
+                self._wake.clear()
+                if not self._stopping:
+                    self._read_burst()
+                self._pump()
+                if not self._worker.thread.is_alive():
+                    log.error("the engine thread stopped; shutting down")
+                    status = 1
+                    break
+            self._finish()
         finally:
-            for sig, handler in restore:
-                signal.signal(sig, handler)
+            restore()
             self.close()
-        return 0
+        return status
+
+    def _poll_timeout_ms(self) -> int:
+        if len(self._outbound):
+            return 0
+        if self._table.backlogged:
+            return 10
+        if self._table.clients or self._table.in_flight:
+            return int(min(self.cfg.heartbeat_interval_s / 2, 0.1) * 1000)
+        return int(self.cfg.log_interval_s * 1000)
+
+    def _finish(self) -> None:
+        """Stop taking messages; the engine thread aborts what is in flight; send those finals."""
+        self._admission.queue.put(Stop())
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        while self._worker.thread.is_alive() and time.monotonic() < deadline:
+            self._worker.thread.join(0.05)
+            self._pump()
+        self._pump()
 
     def close(self) -> None:
         if not self.sock.closed:
@@ -177,25 +175,15 @@ class Server:
             self._auth = None
         self._wake.close()
         if self._own_ctx and not self.ctx.closed:
-            self.ctx.term()                 # waits for the linger; also removes an ipc:// socket file
-
-    def _install_signal_handlers(self) -> list:
-        if threading.current_thread() is not threading.main_thread():
-            return []
-        previous = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous.append((sig, signal.getsignal(sig)))
-            signal.signal(sig, lambda signum, frame: self.shutdown())
-        return previous
-
-    def _shutdown_requests(self) -> None:
-        n = len(self._requests)
-        for engine_id in self._requests.engine_ids():
-            self._abort_request(engine_id)
-        log.info("shut down; aborted %d request(s) in flight", n)
+            self.ctx.term()                 # waits for the linger
+        if self._socket_file is not None:
+            self._socket_file.remove()
+            self._socket_file = None
 
     # ---- inbound -------------------------------------------------------------------------------------
-    def _drain(self) -> None:
+    def _read_burst(self) -> None:
+        """Read what has arrived, bounded in count and time so that sending is never held up for long."""
+        t_end = time.monotonic() + self.cfg.max_read_burst_s
         for _ in range(self.cfg.max_messages_per_drain):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -205,153 +193,131 @@ class Server:
                 self._handle(frames[0], frames[1:])
             except Exception:       # a bug in handling one message must not take the server down
                 log.exception("internal error while handling a message")
-                self._send(frames[0], P.Error(str(P.ErrorCode.INTERNAL),
-                                              "the server failed on this message; see its log"))
+                self._reply(frames[0], P.Error(str(P.ErrorCode.INTERNAL), "the server failed on this message; "
+                                                                          "see its log"))
+            if time.monotonic() > t_end:
+                return
 
     def _handle(self, client: bytes, body: list[bytes]) -> None:
         if len(body) != 1:
-            self._counts.messages_invalid += 1
-            self._send(client, P.Error(str(P.ErrorCode.BAD_FRAMES), f"got {len(body)} frames; send exactly one "
-                                       "frame (a msgpack map) per message from a DEALER socket"))
+            self._table.counts.messages_invalid += 1
+            self._reply(client, P.Error(str(P.ErrorCode.BAD_FRAMES), f"got {len(body)} frames; send exactly one "
+                                        "frame (a msgpack map) per message from a DEALER socket"))
             return
         try:
             msg = P.decode_request(body[0])
         except P.ProtocolError as e:
-            self._counts.messages_invalid += 1
-            self._send(client, P.Error(str(e.code), e.message, e.request_id, e.tag))
+            self._table.counts.messages_invalid += 1
+            self._reply(client, P.Error(str(e.code), e.message, e.request_id, e.tag))
             return
         if isinstance(msg, P.Generate):
             self._generate(client, msg)
         elif isinstance(msg, P.Abort):
             self._abort(client, msg)
         elif isinstance(msg, P.Ping):
-            self._send(client, P.Pong(time.time(), msg.tag))
+            self._reply(client, P.Pong(time.time(), msg.tag))
         elif isinstance(msg, P.Stats):
-            self._send(client, P.StatsReply(self.stats(), msg.tag))
+            self._reply(client, P.StatsReply(self.stats(), msg.tag))
         elif isinstance(msg, P.ModelInfo):
-            self._send(client, P.ModelInfoReply(self.model_info(), msg.tag))
+            self._reply(client, P.ModelInfoReply(self.model_info(), msg.tag))
 
     def _refuse(self, client: bytes, code: P.ErrorCode, message: str, request_id: str) -> None:
-        self._counts.requests_rejected += 1
-        self._send(client, P.Error(str(code), message, request_id))
+        self._table.counts.requests_rejected += 1
+        self._reply(client, P.Error(str(code), message, request_id))
 
     def _generate(self, client: bytes, msg: P.Generate) -> None:
-        self._counts.requests_received += 1
+        self._table.counts.requests_received += 1
         rid = msg.request_id
         if self._stopping:
             return self._refuse(client, P.ErrorCode.SHUTTING_DOWN, "the server is shutting down", rid)
-        if self._requests.lookup(client, rid) is not None:
+        if self._table.lookup(client, rid) is not None:
             return self._refuse(client, P.ErrorCode.DUPLICATE_REQUEST_ID,
                                 f"request id {rid!r} is already in flight on this connection; choose a unique id", rid)
-        if len(self._requests) >= self.cfg.max_requests_in_flight:
+        if self._table.in_flight >= self.cfg.max_requests_in_flight:
             return self._refuse(client, P.ErrorCode.OVERLOADED, f"the server already has "
-                                f"{len(self._requests)} requests in flight; retry later", rid)
+                                f"{self._table.in_flight} requests in flight; retry later", rid)
         try:
             params = SamplingParams.from_dict(msg.params)
         except (ValueError, TypeError) as e:
             return self._refuse(client, P.ErrorCode.INVALID_PARAMS, str(e).replace("SamplingParams.", ""), rid)
-        try:
-            prompt = self._prompt(msg)
-        except ValueError as e:
-            return self._refuse(client, P.ErrorCode.INVALID_PROMPT, str(e), rid)
-        if isinstance(prompt, list) and len(prompt) > self.engine.max_model_len:
-            # NOTE: checked here so that a huge id list is refused before the engine scans every id.
-            return self._refuse(client, P.ErrorCode.REJECTED, f"the prompt has {len(prompt)} tokens but the "
-                                f"context holds {self.engine.max_model_len}; shorten it", rid)
+        refused = self._limits.refuse(msg)          # before anyone tokenises it
+        if refused is not None:
+            return self._refuse(client, refused[0], refused[1], rid)
         engine_id = engine_request_id(client, rid)
-        try:
-            ids = self.engine.add_request(engine_id, prompt, params, msg.priority)
-        except ValueError as e:         # RequestRejected: too long for the context or the pool, bad token id
-            return self._refuse(client, P.ErrorCode.REJECTED, str(e), rid)
-        self._requests.add(engine_id, Inflight.start(client, rid, msg.stream, ids, params.n), time.monotonic())
-
-    def _prompt(self, msg: P.Generate) -> str | list[int]:
-        """The prompt to hand the engine: the text or ids as sent, or the chat rendered by the model's
-        template (ChatTemplateError, a ValueError, without one)."""
-        if msg.messages is not None:
-            return render_chat(self.engine.tokenizer, msg.messages)
-        return msg.prompt
+        self._table.add(client, rid, engine_id, time.monotonic())
+        self._admission.queue.put(Prepare(engine_id, client, msg, params))
 
     def _abort(self, client: bytes, msg: P.Abort) -> None:
-        engine_id = self._requests.lookup(client, msg.request_id)
+        engine_id = self._table.lookup(client, msg.request_id)
         if engine_id is None:
-            self._send(client, P.Error(str(P.ErrorCode.UNKNOWN_REQUEST), f"request {msg.request_id!r} is not in "
-                                       "flight (it may have finished already)", msg.request_id))
+            self._reply(client, P.Error(str(P.ErrorCode.UNKNOWN_REQUEST), f"request {msg.request_id!r} is not in "
+                                        "flight (it may have finished already)", msg.request_id))
             return
-        self._counts.requests_aborted_by_client += 1
-        self._abort_request(engine_id)
-
-    # ---- engine --------------------------------------------------------------------------------------
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:          # fail the requests in flight, keep serving the next ones
-            log.exception("engine step failed")
-            self._fail_all(f"the engine failed ({type(e).__name__}: {e}); the request was aborted")
-            return
-        self._dispatch(outputs)
-
-    def _fail_all(self, reason: str) -> None:
-        for engine_id in self._requests.engine_ids():
-            self._abort_request(engine_id, error=reason)
-
-    def _abort_request(self, engine_id: str, error: str | None = None) -> None:
-        """Abort in the engine and send a final for every sample not finished yet (reason `abort`, or
-        `error` with the reason given); the engine returns one final per unfinished sample, forked or not."""
-        st = self._requests.get(engine_id)
-        outs = self.engine.abort(engine_id)
-        if st is None:
-            return
-        for out in outs:
-            if error is not None:
-                out.finish_reason = "error"
-            if self._requests.get(engine_id) is st:      # the client may vanish while we send
-                self._send(st.client, self._requests.finish(engine_id, st, out, error))
-
-    def _dispatch(self, outputs) -> None:
-        for out in outputs:
-            st = self._requests.get(out.request_id)
-            if st is None:              # its client vanished earlier in this batch
-                continue
-            if not out.finished:
-                chunk = st.chunk(out)
-                if chunk is not None:
-                    self._send(st.client, chunk)
-                continue
-            self._send(st.client, self._requests.finish(out.request_id, st, out))
+        self._table.counts.requests_aborted_by_client += 1
+        self._admission.queue.put(Cancel(engine_id, notify=True))
 
     # ---- outbound ------------------------------------------------------------------------------------
-    def _send(self, client: bytes, msg) -> bool:
+    def _try_send(self, client: bytes, data: bytes) -> str:
         try:
-            self.sock.send_multipart([client, P.encode(msg)], zmq.NOBLOCK)
+            self.sock.send_multipart([client, data], zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                raise
-            self._client_gone(client, "disconnected" if e.errno == zmq.EHOSTUNREACH else "not reading")
+            if e.errno == zmq.EAGAIN:
+                return FULL
+            if e.errno == zmq.EHOSTUNREACH:
+                return GONE
+            raise
+        return SENT
+
+    def _reply(self, client: bytes, msg) -> None:
+        """A reply to one message (ping, stats, a refusal): in order behind what the client is owed."""
+        self._sent(client, self._table.send(client, P.encode(msg), time.monotonic()))
+
+    def _sent(self, client: bytes, result: str) -> bool:
+        """Whether the client is still there after a send; if not, its requests are aborted."""
+        if result in (GONE, STALLED):
+            self._client_gone(client, "disconnected" if result == GONE else "not reading")
             return False
-        self._requests.sent(client, time.monotonic())
         return True
 
-    def _client_gone(self, client: bytes, why: str) -> None:
-        mine = self._requests.drop_client(client)
-        if not mine:
-            return
-        self._counts.clients_vanished += 1
-        self._counts.requests_aborted_vanished += len(mine)
-        log.info("client %s %s: aborting its %d request(s)", client.hex(), why, len(mine))
-        for engine_id in mine:
-            self.engine.abort(engine_id)     # frees its KV blocks now; nobody is left to tell
+    def _pump(self) -> None:
+        """Send what the other threads produced, retry what ZeroMQ refused, confirm finals, heartbeats, log."""
+        now = time.monotonic()
+        for item in self._outbound.take(4 * self.cfg.max_messages_per_drain):
+            if item.data is None:                 # a vanished client's request, freed by the engine
+                self._table.cancelled(item.engine_id)
+                continue
+            if self._table.owner(item.engine_id) is None:
+                continue                          # its client went away meanwhile
+            if not self._sent(item.client, self._table.send(item.client, item.data, now)):
+                continue
+            if item.ends:
+                rid = self._table.end(item.engine_id, item.is_final, now)
+                if item.summary is not None and rid is not None:
+                    log_request_done(rid, item.client, item.summary)
+        for client, why in self._table.flush(now, self._stall_s):
+            self._client_gone(client, why)
+        self._table.confirm(now)
+        for client in self._table.heartbeats_due(now, self.cfg.heartbeat_interval_s):
+            self._sent(client, self._table.send(client, P.encode(P.Heartbeat()), now))
+        if self._periodic.due(now):
+            self._periodic.emit(now, self._worker.snapshot, self._table.in_flight)
 
-    def _heartbeats(self, now: float) -> None:
-        for client in self._requests.heartbeats_due(now, self.cfg.heartbeat_interval_s):
-            self._send(client, P.Heartbeat())
+    def _client_gone(self, client: bytes, why: str) -> None:
+        running, lost = self._table.drop(client)
+        for engine_id in running:
+            self._admission.queue.put(Cancel(engine_id, notify=False))
+        if lost:
+            log_requests_lost(client, why, lost)
 
     # ---- gauges --------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        c = self._counts
-        return {**self.engine.stats(),
-                "requests_in_flight": len(self._requests), "clients_with_requests": self._requests.num_clients,
+        c, t = self._table.counts, self._table
+        return {**self._worker.snapshot,
+                "requests_in_flight": t.in_flight, "finals_unconfirmed": t.unconfirmed,
+                "clients_with_requests": t.clients_with_requests, "clients_backlogged": sum(
+                    1 for s in t.clients.values() if s.outbox),
                 "requests_received": c.requests_received, "requests_rejected": c.requests_rejected,
+                "requests_completed": c.requests_completed,
                 "requests_aborted_by_client": c.requests_aborted_by_client,
                 "requests_aborted_vanished": c.requests_aborted_vanished, "clients_vanished": c.clients_vanished,
                 "messages_invalid": c.messages_invalid, "uptime_s": time.monotonic() - self._started,
@@ -365,6 +331,7 @@ class Server:
                 "hidden_size": mc.hidden_size, "dtype": mc.dtype, "quant": mc.quant,
                 "max_model_len": eng.max_model_len, "eos_token_ids": list(mc.eos_token_ids),
                 "bos_token_id": mc.bos_token_id, "has_tokenizer": tok is not None,
-                "has_chat_template": has_chat_template(tok),
+                "has_chat_template": has_chat_template(tok), "max_message_bytes": self.cfg.max_message_bytes,
+                "max_prompt_chars": self._limits.max_chars,
                 "block_size": eng.config.block_size, "kv_blocks_total": eng.block_manager.num_blocks,
                 "device": eng.backend.name, "protocol_version": P.PROTOCOL_VERSION, "rawinfer_version": VERSION}
