@@ -12,7 +12,9 @@ One client is one DEALER socket; several requests may be in flight on it at once
 iterator reads only its own messages; the others are kept until their iterator asks). A Client is for one
 thread; an AsyncClient for one event loop. A request whose iterator is closed before its final message
 (`break`, an exception, Ctrl-C) is aborted on the server. When nothing at all arrives from the server
-for `timeout_s` (the server sends heartbeats while requests run), ServerTimeout is raised.
+for `timeout_s` (the server sends heartbeats while requests run), ServerTimeout is raised. A request over
+the server's message size limit is refused here, before it is sent (ValueError): the server would drop the
+connection, and every other request on it.
 
 Both classes are I/O shells over one ClientCore (client_core.py), which holds the requests in flight and
 routes what arrives: the Client receives in whichever call is waiting, the AsyncClient in a reader task.
@@ -32,7 +34,7 @@ import zmq.auth
 from rawinfer.sampling import SamplingParams
 from rawinfer.frontends.server import protocol as P
 from rawinfer.frontends.server.client_core import (ClientCore, ClientError, Completion, RequestError, ServerTimeout,
-                                                   make_generate)
+                                                   make_generate, validate_generate)
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
 __all__ = ["AsyncClient", "Client", "ClientError", "Completion", "DEFAULT_ADDR", "RequestError", "ServerTimeout",
@@ -102,8 +104,14 @@ class Client:
                  params: SamplingParams | dict | None = None, stream: bool = True, request_id: str | None = None,
                  priority: int = 0) -> Iterator[P.Chunk | P.Final]:
         """Send a request now; the returned iterator yields its chunks and then one Final per sample.
-        Raises RequestError if the server refuses it."""
-        msg = make_generate(prompt, messages, params, stream, request_id, priority)
+        Raises ValueError, before sending, for a message over the server's size limit, and RequestError if
+        the server refuses it."""
+        msg = make_generate(prompt, messages, params, stream, request_id, priority, validate=False)
+        size = len(P.encode(msg))
+        if self.core.needs_limit(size):
+            self.core.learn_limit(self.model_info())
+        self.core.check_size(size)             # first: the checks below take time on a huge prompt
+        msg = validate_generate(msg)
         data = self.core.open_stream(msg)
         try:
             self.sock.send(data)
@@ -198,8 +206,13 @@ class AsyncClient:
                        params: SamplingParams | dict | None = None, stream: bool = True,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[P.Chunk | P.Final]:
         """Yields the request's chunks and then one Final per sample; RequestError if it is refused."""
-        msg = make_generate(prompt, messages, params, stream, request_id, priority)
+        msg = make_generate(prompt, messages, params, stream, request_id, priority, validate=False)
         rid = msg.request_id
+        size = len(P.encode(msg))
+        if self.core.needs_limit(size):
+            self.core.learn_limit(await self.model_info())
+        self.core.check_size(size)             # first: the checks below take time on a huge prompt
+        msg = validate_generate(msg)
         data = self.core.open_stream(msg)
         self._start_reader()
         try:

@@ -23,6 +23,8 @@ from rawinfer.frontends.server import protocol as P
 
 log = logging.getLogger("rawinfer")
 
+SIZE_CHECK_BYTES = 64 << 10     # messages up to this size are sent without asking the server's limit
+
 
 class ClientError(RuntimeError):
     """The server could not be reached, answered with an error, or broke the protocol."""
@@ -76,14 +78,19 @@ class Completion:
 
 def make_generate(prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                   params: SamplingParams | dict | None = None, stream: bool = True, request_id: str | None = None,
-                  priority: int = 0) -> P.Generate:
-    """Build a generate message and check it as the server would; the request id defaults to a random one.
-    Raises ValueError naming the bad field."""
+                  priority: int = 0, validate: bool = True) -> P.Generate:
+    """Build a generate message and (with validate) check it as the server would; the request id defaults
+    to a random one. Raises ValueError naming the bad field."""
     if isinstance(params, SamplingParams):
         params = params.to_dict()
     if prompt is not None and not isinstance(prompt, str):
         prompt = [int(t) for t in prompt]         # tuples, NumPy arrays
     msg = P.Generate(request_id or uuid.uuid4().hex, prompt, messages, dict(params or {}), stream, priority)
+    return validate_generate(msg) if validate else msg
+
+
+def validate_generate(msg: P.Generate) -> P.Generate:
+    """The message as the server will read it; ValueError naming the bad field."""
     try:                                          # the server's own checks, before anything is sent
         return P.decode_request(P.encode(msg))
     except (P.ProtocolError, TypeError) as e:
@@ -132,6 +139,25 @@ class ClientCore:
         self._replies: dict[str, P.ServerMessage | None] = {}    # tag -> reply; None while awaited
         self._tags = itertools.count()
         self.last_heard = 0.0
+        self.max_message_bytes: int | None = None     # the server's limit, asked for when first needed
+
+    # ---- the server's message size limit ---------------------------------------------------------------
+    def needs_limit(self, size: int) -> bool:
+        """Whether a message of `size` bytes may be over the server's limit, which is not known yet (the shell
+        then asks model_info and calls learn_limit)."""
+        return self.max_message_bytes is None and size > SIZE_CHECK_BYTES
+
+    def learn_limit(self, info: dict) -> None:
+        limit = info.get("max_message_bytes")
+        self.max_message_bytes = limit if is_int(limit) and limit > 0 else P.DEFAULT_MAX_MESSAGE_BYTES
+
+    def check_size(self, size: int) -> None:
+        """ValueError when a message is over the server's limit: the server would drop the whole connection,
+        and every other request on it with it."""
+        limit = self.max_message_bytes or P.DEFAULT_MAX_MESSAGE_BYTES
+        if size > SIZE_CHECK_BYTES and size > limit:
+            raise ValueError(f"the request is {size} bytes, over the server's limit of {limit} bytes per message "
+                             "(`rawinfer serve --max-message-size`); shorten the prompt")
 
     # ---- generate requests ---------------------------------------------------------------------------
     def open_stream(self, msg: P.Generate) -> bytes:
