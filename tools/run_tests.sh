@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up an isolated environment (.venv), fetch + convert the default model, run the whole test suite.
+# Set up an isolated environment (.venv), fetch + convert the default model and Gemma 3 270M (its golden
+# tests), run the whole test suite. Both are cached: a second run downloads and converts nothing.
 # Usage: bash tools/run_tests.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,4 +11,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[dev]'
 PYTHON=.venv/bin/python bash tools/fetch_default_model.sh
+PYTHON=.venv/bin/python bash tools/fetch_model.sh gemma3-270m
 exec .venv/bin/python -m pytest -q "$@"
