@@ -1,5 +1,5 @@
-"""The `rawinfer` command line as a user runs it: generate, convert, bench throughput and roofline, error
-paths; and the one-way imports of the front ends."""
+"""The `rawinfer` command line as a user runs it: generate, convert, bench throughput and roofline (their
+results in --output-dir, by default the user cache), error paths; and the one-way imports of the front ends."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT  # noqa: E402
+from cli_util import ROOT, rawinfer, user_cache  # noqa: E402
 
 
-def rawinfer(*args, stdin: str | None = None, timeout: float = 300):
-    return subprocess.run([sys.executable, "-m", "rawinfer", *args], cwd=ROOT, input=stdin,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_generate_capital_of_france(smollm2_dir):
@@ -72,12 +69,15 @@ def test_convert_cli_and_bench_throughput(tmp_path):
     assert json.load(open(os.path.join(dst, "config.json")))["dtype"] == "bfloat16"
     r = rawinfer("convert", os.path.join(ROOT, "tests", "data", "tiny-llama"), dst)
     assert r.returncode == 2 and "--force" in r.stderr
-    out = str(tmp_path / "bench.json")
+    out = tmp_path / "results"
     r = rawinfer("bench", "throughput", "--model", dst, "--device", "cpu", "--kv-cache-memory", "16MiB",
                  "--num-requests", "12", "--input-len", "20", "--output-len", "8", "--range-ratio", "0.5",
-                 "--compare-single", "--json", out)
+                 "--compare-single", "--output-dir", str(out))
     assert r.returncode == 0, r.stderr
-    res = json.load(open(out))
+    files = os.listdir(out)
+    assert len(files) == 1 and files[0].startswith("throughput-") and files[0].endswith(".json")
+    assert f"wrote {out / files[0]}" in r.stdout
+    res = json.load(open(out / files[0]))
     assert res["num_requests"] == 12 and res["output_tokens"] > 0
     for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_ms", "itl_ms",
                 "peak_kv_usage", "prefix_cache_hit_rate", "preemptions", "speedup_vs_single_stream"):
@@ -86,12 +86,13 @@ def test_convert_cli_and_bench_throughput(tmp_path):
 
 
 def test_bench_roofline_reports_both_phases(tmp_path, tiny_llama_dir):
-    out = str(tmp_path / "roofline.json")
+    cache = user_cache(tmp_path)                # results go to the user cache's bench/ by default
     r = rawinfer("-q", "bench", "roofline", "--model", tiny_llama_dir,
                  "--device", "cpu", "--kv-cache-memory", "16MiB", "--prompt-len", "40", "--batch", "1",
-                 "--batch", "3", "--context", "9", "--json", out)
+                 "--batch", "3", "--context", "9", RAWINFER_CACHE=cache)
     assert r.returncode == 0, r.stderr
-    res = json.load(open(out))
+    (name,) = os.listdir(os.path.join(cache, "bench"))
+    res = json.load(open(os.path.join(cache, "bench", name)))
     assert res["ceilings"]["copy_GBps"] > 0 and res["ceilings"]["gemm_GFLOPs"] > 0
     assert [(p["phase"], p["batch"]) for p in res["phases"]] == [("prefill", 1), ("decode", 1), ("decode", 3)]
     for p in res["phases"]:
