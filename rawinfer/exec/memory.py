@@ -101,14 +101,17 @@ def available_host_memory() -> int | None:
     return None
 
 
-def alloc_arena(backend, nbytes: int, kv_bytes: int, kv_sizing: str):
+def alloc_arena(backend, nbytes: int, kv_bytes: int, kv_sizing: str, ws_bytes: int = 0):
     """backend.alloc_arena(nbytes), or a ValueError of one sentence when the machine lacks the memory.
     On the CPU the size is checked first: the KV region is mapped in right after, and a mapping larger
     than the free memory would be granted and then end in swapping or the out-of-memory killer."""
     gib = 1024**3
     what = (f"the memory pool needs {nbytes / gib:.1f} GiB (of it {kv_bytes / gib:.1f} GiB of KV cache, sized by "
-            f"{kv_sizing})")
-    fix = "give a smaller --kv-cache-memory" + ("" if kv_sizing == "--kv-cache-memory" else " (e.g. 512MiB)")
+            f"{kv_sizing}, and {ws_bytes / gib:.1f} GiB of workspace)")
+    if ws_bytes > kv_bytes:   # the activations for max_num_batched_tokens rows and logits for max_num_seqs
+        fix = "give a smaller --max-num-batched-tokens or --max-num-seqs (they size the workspace)"
+    else:
+        fix = "give a smaller --kv-cache-memory" + ("" if kv_sizing == "--kv-cache-memory" else " (e.g. 512MiB)")
     if not backend.capabilities.on_gpu:
         free = available_host_memory()
         if free is not None and nbytes > free:
@@ -221,7 +224,7 @@ class MemoryPool:
         self.total_bytes = weight_bytes + ws_bytes + self.kv_bytes
 
         # ---- allocate once and carve --------------------------------------------------------
-        self.arena = alloc_arena(backend, self.total_bytes, self.kv_bytes, self.kv_sizing)
+        self.arena = alloc_arena(backend, self.total_bytes, self.kv_bytes, self.kv_sizing, ws_bytes)
         self._offset = 0
         self.weights: dict[str, Any] = {name: self._carve(shape, dt) for name, shape, dt in self._weight_plan}
         acts = Activations(**{name: self._carve(shape, dt) for name, shape, dt in act_plan})

@@ -133,8 +133,13 @@ def test_sizes_the_machine_cannot_hold_are_one_sentence(tiny_llama_dir, tmp_path
     assert time.monotonic() - t < 60 and r.returncode == 2
     assert "Traceback" not in r.stderr and "Unable to allocate" not in r.stderr
     assert re.fullmatch(r"rawinfer: error: the memory pool needs \d+\.\d GiB \(of it 102400\.0 GiB of KV cache, "
-                        r"sized by --kv-cache-memory\) but this machine has \d+\.\d GiB of memory available; give a "
-                        r"smaller --kv-cache-memory", r.stderr.strip().splitlines()[-1]), r.stderr
+                        r"sized by --kv-cache-memory, and \d+\.\d GiB of workspace\) but this machine has \d+\.\d GiB "
+                        r"of memory available; give a smaller --kv-cache-memory", r.stderr.strip().splitlines()[-1]), r.stderr
+    r = rawinfer("generate", "5", "--token-ids", "--model", tiny_llama_dir, "--device", "cpu",
+                 "--kv-cache-memory", "16MiB", "--max-num-batched-tokens", "300000000")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        "give a smaller --max-num-batched-tokens or --max-num-seqs (they size the workspace)"), r.stderr
     r = rawinfer("bench", "throughput", "--model", tiny_llama_dir, "--device", "cpu", "--kv-cache-memory", "16MiB",
                  "--input-len", "2000", "--output-len", "8", "--output-dir", str(tmp_path), "-q")
     assert r.returncode == 2
