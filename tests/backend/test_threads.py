@@ -85,3 +85,15 @@ def test_outputs_do_not_depend_on_the_thread_count(tmp_path_factory, quant):
     for tokens, logits in results[1:]:
         assert tokens == results[0][0]
         assert (logits == results[0][1]).all()
+
+
+def test_a_default_engine_takes_every_core_whatever_an_earlier_one_set():
+    """The pool's size (and with it how work is split) is the machine's, not what an earlier backend of
+    this process (a --threads 1 engine, or a narrowed governor) left in Numba's setting."""
+    import numba
+
+    from rawinfer.backend.cpu.backend import CPUBackend
+    CPUBackend(num_threads=1)
+    assert numba.get_num_threads() == 1
+    again = CPUBackend()
+    assert again.max_threads == numba.config.NUMBA_NUM_THREADS == numba.get_num_threads()

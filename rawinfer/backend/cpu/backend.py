@@ -62,8 +62,8 @@ class CPUBackend(QuantizedProducts):
         self.kernel_cache = cpu_cache.install(cache_dir) if cache_dir is not None else None
         self.blas_on_numba_pool = cpu_blas.available()   # else np.matmul on OpenBLAS's (or MKL's) own pool
         configure_spin(self.blas_on_numba_pool)
-        if num_threads is not None:
-            numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
+        # every core unless told otherwise: not the count an earlier engine of this process left behind
+        numba.set_num_threads(min(num_threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS))
         self.threads = numba.get_num_threads()          # used by the next parallel regions
         # NOTE: work is split into max_threads parts whatever the current thread count: a BLAS call's bits
         # depend on the shape of the slice it gets, and outputs must not depend on the governor's choice.
