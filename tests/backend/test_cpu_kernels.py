@@ -95,6 +95,21 @@ def test_matmul_nt_splits_columns_over_any_number_of_parts():
         np.testing.assert_allclose(out, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 17])
+def test_matmul_nt_large_matrices_few_rows(M):
+    """A matrix of 2^22+ weights (the LM head's shape class) with 3-16 rows of x takes the W x^T tiles
+    (tile 2048, so 5003 rows leave a partial tile per part); the same sums as the x W^T GEMM."""
+    from rawinfer.backend.cpu import blas as cpu_blas
+    if not cpu_blas.available():
+        pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
+    x, w = rand(M, 840), rand(5003, 840)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    for parts in (1, 2, 3):
+        out = np.full((M, 5003), np.nan, np.float32)
+        cpu_blas.matmul_nt(x, w, out, parts)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
 def test_fast_exp_matches_numpy():
     from rawinfer.backend.cpu.kernels import fast_exp
     import numba as nb
