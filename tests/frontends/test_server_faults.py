@@ -141,10 +141,11 @@ from rawinfer.frontends.server import protocol as P
 sock = zmq.Context.instance().socket(zmq.DEALER)
 sock.setsockopt(zmq.LINGER, 0)
 sock.setsockopt(zmq.RCVHWM, 0)
+sock.setsockopt(zmq.RCVBUF, 4096)         # a small kernel buffer: what the server sends cannot all hide there
 sock.connect(sys.argv[1])
 for i in range(int(sys.argv[2])):
     sock.send(P.encode(P.Generate(f"s{i}", prompt=[5 + i, 6, 7],
-                                  params={"max_tokens": 1000, "temperature": 0.0, "ignore_eos": True})))
+                                  params={"max_tokens": 1000, "n": 4, "temperature": 0.0, "ignore_eos": True})))
 print("sent", flush=True)
 sys.stdin.readline()                      # stopped (SIGSTOP) and continued meanwhile; now read what came
 finals = chunks = 0
@@ -165,7 +166,7 @@ def test_a_stalled_client_gets_its_finals_or_its_requests_are_recorded_aborted(t
     NOTE: not by a live process that leaves its socket unread with a small receive queue: libzmq 4.3.5
     then aborts that client process (`!_io_error` in stream_engine_base.cpp) when it reads again after the
     server has closed the connection."""
-    n = 16
+    n, samples = 16, 4               # more output than the kernel's socket buffers hold
     with Client(tiny_server.addr, timeout_s=60) as c:
         before = settled_stats(c)
         proc = subprocess.Popen([sys.executable, "-c", STALLED_CLIENT, tiny_server.addr, str(n)], env=env(),
@@ -191,8 +192,11 @@ def test_a_stalled_client_gets_its_finals_or_its_requests_are_recorded_aborted(t
     vanished = after["requests_aborted_vanished"] - before["requests_aborted_vanished"]
     completed = after["requests_completed"] - before["requests_completed"]
     assert completed + vanished == n, f"{completed} counted completed, {vanished} aborted, of {n}"
-    assert completed <= finals, f"{completed} counted completed but only {finals} finals arrived"
-    assert vanished > 0 and after["clients_vanished"] == before["clients_vanished"] + 1
+    assert completed * samples <= finals, f"{completed} counted completed but only {finals} finals arrived"
+    if vanished == 0:                # the kernel's buffers held the whole output: nothing could be lost
+        assert finals == n * samples
+    else:
+        assert after["clients_vanished"] == before["clients_vanished"] + 1
     assert after["kv_blocks_used"] == 0 and after["running"] == 0
 
 
