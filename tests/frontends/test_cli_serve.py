@@ -96,3 +96,16 @@ def test_bench_serve_then_a_stream_the_server_aborts(smollm2_dir, tmp_path):
             client.kill()
             client.wait(10)
         srv.stop()
+
+
+def test_serve_refuses_a_regular_file_at_its_ipc_path_and_leaves_it(tmp_path):
+    """The endpoint check before the model loads must not bind: a zmq bind would replace the file."""
+    folder = tmp_path / "private"
+    folder.mkdir(mode=0o700)
+    target = folder / "notes.txt"
+    target.write_text("keep me")
+    r = subprocess.run([sys.executable, "-m", "rawinfer", "serve", "--model", "no-such-model", "--bind",
+                        f"ipc://{target}"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert "exists and is not a socket" in r.stderr and "Traceback" not in r.stderr
+    assert target.read_text() == "keep me"

@@ -40,16 +40,15 @@ def probe_endpoint(bind: str) -> None:
     """CLIError unless `bind` can be bound now: checked before `rawinfer serve` loads its model."""
     import zmq
     scheme, _, rest = bind.partition("://")
-    if scheme == "ipc" and os.path.exists(rest):
-        # NOTE: zmq would take the path over from a live server (it unlinks the socket file first)
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if scheme == "ipc":
+        # NOTE: no test bind here: zmq replaces whatever is at the path (a live server's socket, a regular
+        # file) and leaves a socket file of the umask's mode; the server's own checks are the ones to run
+        from rawinfer.frontends.server.ipc import check_ipc_path   # (abstract sockets: refused before this)
         try:
-            probe.connect(rest)
-            raise CLIError(f"another process is serving {bind}: stop it, or choose another --bind path")
-        except OSError:
-            pass                    # a stale socket file: binding replaces it
-        finally:
-            probe.close()
+            check_ipc_path(rest)
+        except OSError as e:
+            raise CLIError(f"cannot bind {bind}: {e}") from None
+        return
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     try:
