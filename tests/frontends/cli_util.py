@@ -76,11 +76,15 @@ def free_port() -> int:
 class Server:
     """`rawinfer serve` in a subprocess, its log in a file; stop() ends it whatever happens."""
 
-    def __init__(self, model: str, *extra: str, **env_extra: str):
+    def __init__(self, model: str, *extra: str, http: bool = False, **env_extra: str):
+        """With http, the OpenAI API on a free port (self.base_url); else ZeroMQ only."""
         self.addr = f"tcp://127.0.0.1:{free_port()}"
+        self.http_port = free_port() if http else None
+        self.base_url = f"http://127.0.0.1:{self.http_port}" if http else None
+        web = ["--http-port", str(self.http_port)] if http else ["--no-http"]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="rawinfer-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "rawinfer", "serve", "--model", model, "--bind",
-                                      self.addr, "--device", "cpu", "--kv-cache-memory", "16MiB", *extra],
+                                      self.addr, "--device", "cpu", "--kv-cache-memory", "16MiB", *web, *extra],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env(**env_extra), cwd=ROOT)
 
     def output(self) -> str:
@@ -101,6 +105,21 @@ class Server:
                 except ServerTimeout:
                     continue
         raise AssertionError(f"server not ready after {timeout_s} s:\n{self.output()}")
+
+    def wait_http(self, timeout_s: float = 60.0) -> "Server":
+        """Until GET /health answers 200 (the engine answers pings by then: call wait_ready first)."""
+        import httpx
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"HTTP not ready after {timeout_s} s:\n{self.output()}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

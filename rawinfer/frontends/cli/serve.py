@@ -15,11 +15,12 @@ from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, 
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
 log = logging.getLogger("rawinfer")
+DEFAULT_HTTP_PORT = 8000
 
 
 def add_parsers(sub) -> None:
-    p = add_command(sub, "serve", "serve a model to `rawinfer client`, `rawinfer chat --addr` and the client library "
-                                  "over ZeroMQ")
+    p = add_command(sub, "serve", "serve a model over ZeroMQ (`rawinfer client`, `rawinfer chat --addr`, the client "
+                                  "library) and over HTTP with OpenAI's API")
     p.add_argument("--bind", default=DEFAULT_ADDR, metavar="ENDPOINT",
                    help=f"tcp://HOST:PORT or ipc://PATH (default: {DEFAULT_ADDR})")
     p.add_argument("--curve-secret-key", metavar="FILE", default=None,
@@ -40,6 +41,19 @@ def add_parsers(sub) -> None:
     p.add_argument("--log-interval", type=positive_float, default=10.0, metavar="SECONDS",
                    help="seconds between the log's throughput / KV / queue lines; each finished request also "
                         "gets a line (default: 10; -q hides both)")
+    h = p.add_argument_group("HTTP (OpenAI-compatible API)")
+    h.add_argument("--http-host", default="127.0.0.1", metavar="HOST",
+                   help="address of the HTTP API; any but a loopback one needs --api-key or --insecure "
+                        "(default: 127.0.0.1)")
+    h.add_argument("--http-port", type=_port, default=None, metavar="PORT",
+                   help=f"port of the HTTP API (default: {DEFAULT_HTTP_PORT}; when that one is in use, ZeroMQ only, "
+                        "with a warning)")
+    h.add_argument("--no-http", dest="http", action="store_false", help="serve ZeroMQ only (default: both)")
+    h.add_argument("--api-key", default=os.environ.get("RAWINFER_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every HTTP route but /health and /version "
+                        "(default: $RAWINFER_API_KEY, else none)")
+    h.add_argument("--api-workers", type=_workers, default=1, metavar="N",
+                   help="HTTP worker processes, each one more client of the engine (default: 1)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -62,6 +76,20 @@ def add_parsers(sub) -> None:
     k.add_argument("--name", default="server", help="file name stem (default: server)")
     k.add_argument("--force", action="store_true", help="replace existing key files (default: refuse)")
     k.set_defaults(func=cmd_keygen)
+
+
+def _port(text: str) -> int:
+    import argparse
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {text}")
+    return int(text)
+
+
+def _workers(text: str) -> int:
+    import argparse
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise argparse.ArgumentTypeError(f"must be a number of processes from 1 to 64, got {text}")
+    return int(text)
 
 
 def add_server_args(c, local_by_default: bool = False) -> None:
@@ -102,12 +130,56 @@ def cmd_serve(args) -> int:
     probe_endpoint(args.bind)
     if args.insecure and not is_loopback_endpoint(args.bind) and not args.curve_secret_key:
         log.warning("serving %s unencrypted (--insecure): anyone who can reach it can use the engine", args.bind)
-    engine = open_engine(args)
+    workers = _start_http(args)          # before the model loads: /health answers 503 meanwhile
     try:
-        server = Server(engine, cfg)
-    except SecurityError as e:
-        raise CLIError(str(e)) from None
-    return server.run()
+        engine = open_engine(args)
+        try:
+            server = Server(engine, cfg)
+        except SecurityError as e:
+            raise CLIError(str(e)) from None
+        if workers is not None:
+            log.info("OpenAI-compatible API on http://%s:%d/v1 (%d worker process%s)", _url_host(args.http_host),
+                     args.http_port, len(workers.procs), "es" if len(workers.procs) > 1 else "")
+        return server.run()
+    finally:
+        if workers is not None:
+            workers.stop()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _start_http(args):
+    """The HTTP workers of --http-* (None with --no-http); CLIError for an unsafe host or a busy port."""
+    if not args.http:
+        return None
+    from rawinfer.frontends.http.launcher import LaunchError, Workers, bind_http, check_http_security, connect_addr
+    if args.curve_client_keys:
+        log.warning("no HTTP API: --curve-client-keys admits only listed ZeroMQ clients, and the HTTP front end "
+                    "would be one more client without a listed key (--no-http silences this)")
+        return None
+    port = args.http_port or DEFAULT_HTTP_PORT
+    try:
+        check_http_security(args.http_host, args.api_key, args.insecure)
+        sock = bind_http(args.http_host, port)
+    except LaunchError as e:
+        if args.http_port is not None or "cannot bind" not in str(e):
+            raise CLIError(str(e)) from None
+        log.warning("no HTTP API: %s", str(e).replace("--http-port, or --no-http", "--http-port (or --no-http to "
+                                                                                     "silence this)"))
+        return None
+    args.http_port = port
+    if args.insecure and not args.api_key and not _loopback(args.http_host):
+        log.warning("serving HTTP on %s without an API key (--insecure): anyone who can reach it can use the "
+                    "engine", args.http_host)
+    return Workers(sock, args.api_workers, connect_addr(args.bind), args.curve_secret_key, args.api_key,
+                   verbose=getattr(args, "verbose", False))
+
+
+def _loopback(host: str) -> bool:
+    from rawinfer.frontends.http.launcher import is_loopback_host
+    return is_loopback_host(host)
 
 
 def cmd_client(args) -> int:

@@ -1,0 +1,164 @@
+"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models) and the
+server's own (/health, /metrics, /version, /tokenize, /detokenize), every error in OpenAI's JSON shape,
+and the API key check. One app per worker process, with one EngineLink to the engine."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from rawinfer.config import VERSION
+from rawinfer.frontends.http import metrics
+from rawinfer.frontends.http.engine_link import EngineLink
+from rawinfer.frontends.http.errors import APIError, from_validation
+from rawinfer.frontends.http.params import chat_job, check_model, completion_job
+from rawinfer.frontends.http.responses import ChunkStream, whole_response
+from rawinfer.frontends.http.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                             TokenizeRequest)
+from rawinfer.frontends.http.sse import EventStream
+from rawinfer.frontends.http.tokens import detokenize, tokenize
+
+OPEN_PATHS = ("/health", "/version")        # answered without the API key (load balancers, probes)
+
+
+@dataclass
+class HTTPConfig:
+    """What a worker needs: where the engine is, and who may use the API."""
+    engine_addr: str
+    server_key: str | None = None           # the engine's Curve public key (or key file), when it uses CurveZMQ
+    api_key: str | None = None              # required as `Authorization: Bearer KEY` when set
+    timeout_s: float = 60.0                 # the engine silent this long during a request: 503
+
+
+class _ApiKey:
+    """ASGI middleware: 401 unless the request carries the key (paths in OPEN_PATHS excepted)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError(401, "a valid API key is required: send the header `Authorization: Bearer KEY` "
+                               "with the key given to `rawinfer serve --api-key`", code="invalid_api_key")
+                return await _error(err)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class _SSEResponse(Response):
+    """An EventStream as the Response FastAPI passes through untouched."""
+
+    def __init__(self, stream: EventStream):
+        self.stream, self.background = stream, None
+
+    async def __call__(self, scope, receive, send):
+        await self.stream(scope, receive, send)
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(cfg: HTTPConfig) -> FastAPI:
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        state["link"] = EngineLink(cfg.engine_addr, cfg.server_key, cfg.timeout_s)
+        state["started"] = int(time.time())
+        try:
+            yield
+        finally:
+            state["link"].close()
+
+    app = FastAPI(title="rawinfer", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    def link() -> EngineLink:
+        return state["link"]
+
+    async def model_name() -> str:
+        return (await link().info()).get("model") or "rawinfer"
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req, e: APIError):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, e: RequestValidationError):
+        return _error(from_validation(list(e.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_req, e: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return _error(APIError(e.status_code, f"{e.detail}: see GET /v1/models and the README's Serving section",
+                               code=code))
+
+    @app.exception_handler(Exception)
+    async def _bug(_req, e: Exception):
+        return _error(APIError(500, f"internal error in the HTTP front end ({type(e).__name__}); see its log",
+                               code="internal_error"))
+
+    @app.get("/health")
+    async def health():
+        if await link().ready():
+            return Response(status_code=200)
+        return _error(APIError(503, "the engine is not ready (loading, warming up or shutting down)",
+                               code="engine_unavailable"))
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models():
+        info = await link().info()
+        return {"object": "list", "data": [{"id": await model_name(), "object": "model", "created": state["started"],
+                                            "owned_by": "rawinfer", "max_model_len": info.get("max_model_len")}]}
+
+    @app.get("/metrics")
+    async def metrics_page():
+        stats = await link().stats()
+        return Response(metrics.render(stats, await model_name()), media_type=metrics.CONTENT_TYPE)
+
+    async def run(job):
+        if not job.stream:
+            return JSONResponse(await whole_response(link(), job))
+        stream = ChunkStream(link(), job)
+        await stream.start()
+        return _SSEResponse(EventStream(stream.events(), stream.abort))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        name = await model_name()
+        check_model(body.model, name)
+        return await run(completion_job(body, name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        name = await model_name()
+        check_model(body.model, name)
+        return await run(chat_job(body, name))
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest):
+        check_model(body.model, await model_name())
+        return await tokenize(link(), body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        check_model(body.model, await model_name())
+        return await detokenize(link(), body)
+
+    if cfg.api_key:
+        app.add_middleware(_ApiKey, key=cfg.api_key)
+    return app
+

@@ -1,0 +1,76 @@
+"""One HTTP worker's connection to the engine: an AsyncClient over the ZeroMQ protocol, the model's
+description fetched once, readiness from a ping with a short limit, and the engine's refusals and
+silences turned into APIErrors."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from rawinfer.frontends.http.errors import APIError, from_engine
+from rawinfer.frontends.server import protocol as P
+from rawinfer.frontends.server.client import AsyncClient, ClientError, RequestError
+
+READY_PING_S = 1.0      # a serving engine answers a ping from its I/O thread at once, also mid-step
+
+
+class EngineLink:
+    """For one event loop (the worker's)."""
+
+    def __init__(self, addr: str, server_key: str | None = None, timeout_s: float = 60.0):
+        self.addr = addr
+        self.client = AsyncClient(addr, server_key=server_key, timeout_s=timeout_s)
+        self._info: dict | None = None
+
+    def close(self) -> None:
+        self.client.close()
+
+    async def ready(self) -> bool:
+        """Whether the engine answers now: it binds only once loaded and warm, and stops answering when
+        it shuts down."""
+        try:
+            await asyncio.wait_for(self.client.ping(), READY_PING_S)
+        except (asyncio.TimeoutError, ClientError):
+            return False
+        return True
+
+    async def info(self) -> dict:
+        """model_info (fetched once: it does not change while the engine runs); 503 while unreachable."""
+        if self._info is None:
+            self._info = await self._control(self.client.model_info)
+        return self._info
+
+    async def stats(self) -> dict:
+        return await self._control(self.client.stats)
+
+    async def _control(self, call):
+        try:
+            return await asyncio.wait_for(call(), 5.0)
+        except (asyncio.TimeoutError, ClientError) as e:
+            raise APIError(503, f"the engine at {self.addr} does not answer ({type(e).__name__}); it may still be "
+                           "loading or shutting down: retry later (GET /health says when it is ready)",
+                           code="engine_unavailable") from None
+
+    async def generate(self, request_id: str, prompt: dict, params: dict, stream: bool, priority: int,
+                       prompt_param: str) -> AsyncIterator[P.Chunk | P.Final]:
+        """The engine request's messages; APIError if it is refused or the engine goes silent. Closing the
+        iterator early aborts the request in the engine."""
+        try:
+            async for msg in self.client.generate(**prompt, params=params, stream=stream, request_id=request_id,
+                                                  priority=priority):
+                yield msg
+        except RequestError as e:
+            raise from_engine(e.code, e.message, prompt_param) from None
+        except ValueError as e:                          # over the engine's message size limit
+            raise APIError(413 if "bytes" in str(e) else 400, str(e), param=prompt_param,
+                           code="request_too_large") from None
+        except ClientError as e:
+            raise APIError(503, f"lost the engine at {self.addr}: {e}", code="engine_unavailable") from None
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Stop requests in the engine (their blocks are freed; each ends with an `abort` final)."""
+        for rid in request_ids:
+            try:
+                await self.client.abort(rid)
+            except Exception:            # the socket is closing: the engine drops the requests with us
+                pass

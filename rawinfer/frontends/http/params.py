@@ -1,0 +1,167 @@
+"""From an HTTP request body to engine requests: the prompts, the sampling parameters (checked here by
+SamplingParams itself, so a bad value is a 400 naming OpenAI's field before the engine sees it), and the
+fields the engine cannot honour yet, each refused by name instead of being ignored."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, fields
+
+from rawinfer.sampling import SamplingParams
+from rawinfer.frontends.http.errors import APIError, invalid, unsupported
+from rawinfer.frontends.http.schemas import ChatCompletionRequest, CompletionRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+
+# request fields passed to SamplingParams under the same name when the request sets them
+_PLAIN = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
+          "ignore_eos", "presence_penalty", "frequency_penalty")
+# fields that are no-ops at these values, so clients that always send them are served
+_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def engine_fields() -> set[str]:
+    """The sampling parameters this engine's SamplingParams knows."""
+    return {f.name for f in fields(SamplingParams)}
+
+
+@dataclass
+class Job:
+    """One HTTP generation request as engine requests: one per prompt, each with `n` samples; choice
+    index = prompt index * n + sample index, as OpenAI numbers them."""
+    id: str
+    created: int
+    model: str
+    chat: bool
+    prompts: list[dict]              # the generate message's prompt part: {"prompt": ...} or {"messages": ...}
+    params: dict                     # SamplingParams fields
+    n: int
+    priority: int
+    stream: bool
+    include_usage: bool
+    echo: list[str] | None           # completions with echo: each prompt's text, put before its choices' text
+    logprobs: int | None             # alternatives per token asked for (None: no logprobs)
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+    def engine_ids(self) -> list[str]:
+        return [f"{self.id}-{i}" for i in range(len(self.prompts))]
+
+
+def _sampling(req, max_tokens: int | None, max_tokens_name: str, known: set[str]) -> dict:
+    params: dict = {}
+    for name in _PLAIN:
+        value = getattr(req, name)
+        if value is None:
+            continue
+        if name not in known:
+            if _NEUTRAL.get(name) == value:
+                continue
+            raise unsupported(name)
+        params[name] = value
+    if req.stop is not None:
+        params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.logit_bias:
+        if "logit_bias" not in known:
+            raise unsupported("logit_bias")
+        try:
+            params["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise invalid("logit_bias", "'logit_bias' keys must be token ids written as strings, like \"50256\"") \
+                from None
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    params["n"] = 1 if req.n is None else req.n
+    try:
+        SamplingParams.from_dict(params)
+    except ValueError as e:
+        text = str(e).replace("SamplingParams.", "")
+        name = text.split("=", 1)[0] if "=" in text.split(" ", 1)[0] else "body"
+        raise invalid(max_tokens_name if name == "max_tokens" else name, text) from None
+    return params
+
+
+def _logprobs(job_params: dict, count: int | None, echo: bool, known: set[str], param: str) -> None:
+    """Ask the engine for `count` alternatives per generated token (and per prompt token with echo)."""
+    if count is None:
+        return
+    if "logprobs" not in known:
+        raise unsupported(param, "logprobs")
+    if not 0 <= count <= 20:
+        raise invalid(param, f"{param!r} must be an integer from 0 to 20")
+    job_params["logprobs"] = count
+    if echo:
+        if "prompt_logprobs" not in known:
+            raise unsupported("echo", "echo with logprobs (prompt log-probabilities)")
+        job_params["prompt_logprobs"] = count
+
+
+def _common(req, model: str, kind: str) -> dict:
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options", "'stream_options' is only allowed with \"stream\": true")
+    return dict(id=f"{kind}-{uuid.uuid4().hex}", created=int(time.time()), model=model,
+                priority=req.priority or 0, stream=bool(req.stream),
+                include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+
+def completion_job(req: CompletionRequest, model: str) -> Job:
+    known = engine_fields()
+    if req.suffix is not None:
+        raise unsupported("suffix")
+    n = 1 if req.n is None else req.n
+    if req.best_of is not None and req.best_of != n:
+        raise unsupported("best_of", "best_of other than n")
+    prompts = _prompt_list(req.prompt)
+    max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0:               # prompt log-probabilities alone: the engine generates at least one token
+        raise unsupported("max_tokens", "max_tokens 0")
+    params = _sampling(req, max_tokens, "max_tokens", known)
+    _logprobs(params, req.logprobs, bool(req.echo), known, "logprobs")
+    echo = None
+    if req.echo:
+        if any(not isinstance(p, str) for p in prompts):
+            raise unsupported("echo", "echo of a prompt given as token ids")
+        echo = list(prompts)
+    return Job(chat=False, prompts=[{"prompt": p} for p in prompts], params=params, n=params["n"], echo=echo,
+               logprobs=req.logprobs, **_common(req, model, "cmpl"))
+
+
+def _prompt_list(prompt) -> list:
+    """OpenAI's four prompt shapes as a list of prompts (each a string or a list of token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("prompt", "'prompt' must not be empty")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    if any(isinstance(p, list) and not p for p in prompt):
+        raise invalid("prompt", "'prompt' must not hold an empty list of token ids")
+    return list(prompt)
+
+
+def chat_job(req: ChatCompletionRequest, model: str) -> Job:
+    known = engine_fields()
+    if not req.messages:
+        raise invalid("messages", "'messages' must hold at least one message")
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise invalid("max_tokens", "give one of 'max_tokens' and 'max_completion_tokens', not both")
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _sampling(req, max_tokens, name, known)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs", "'top_logprobs' needs \"logprobs\": true")
+    count = (req.top_logprobs or 0) if req.logprobs else None
+    _logprobs(params, count, False, known, "top_logprobs" if req.top_logprobs else "logprobs")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    return Job(chat=True, prompts=[{"messages": messages}], params=params, n=params["n"], echo=None,
+               logprobs=count, **_common(req, model, "chatcmpl"))
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 unless the request names the served model (or none)."""
+    if requested is not None and requested != served:
+        raise APIError(404, f"the model {requested!r} does not exist here; this server serves {served!r} "
+                       "(GET /v1/models)", param="model", code="model_not_found")

@@ -1,0 +1,53 @@
+"""One HTTP worker process: the app under uvicorn on a listening socket inherited from `rawinfer serve`.
+
+Started by launcher.py as `python -m rawinfer.frontends.http.worker` with its settings in the environment
+(RAWINFER_HTTP_WORKER, JSON: so the API key is not on the command line). It exits when its parent does,
+however the parent ended, so no worker outlives the engine it fronts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+ENV = "RAWINFER_HTTP_WORKER"
+
+
+def _follow_parent(parent: int) -> None:
+    """SIGTERM to this process once the parent is gone (re-parented processes see another ppid)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main() -> int:
+    import uvicorn
+
+    from rawinfer.frontends.http.app import HTTPConfig, create_app
+    settings = json.loads(os.environ.pop(ENV))
+    threading.Thread(target=_follow_parent, args=(settings["parent"],), daemon=True).start()
+    cfg = HTTPConfig(engine_addr=settings["engine_addr"], server_key=settings.get("server_key"),
+                     api_key=settings.get("api_key"), timeout_s=settings.get("timeout_s", 60.0))
+    fast = {}
+    try:
+        import httptools  # noqa: F401
+        fast["http"] = "httptools"
+    except ImportError:
+        pass
+    try:
+        import uvloop  # noqa: F401
+        fast["loop"] = "uvloop"
+    except ImportError:
+        pass
+    config = uvicorn.Config(create_app(cfg), fd=settings["fd"], log_level=settings.get("log_level", "warning"),
+                            access_log=False, timeout_graceful_shutdown=3, lifespan="on", **fast)
+    uvicorn.Server(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
