@@ -1,4 +1,5 @@
-"""SamplingParams: how one request chooses its tokens and when it stops, validated at construction."""
+"""SamplingParams: how one request chooses its tokens, when it stops and what it reports (log-probabilities),
+validated at construction."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ from dataclasses import dataclass, field, fields
 
 from rawinfer.config import is_int, is_number
 
+MAX_LOGPROBS = 20          # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0     # |bias| per token, as OpenAI allows
+
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 256
+    max_tokens: int = 256             # 0: only the prompt is computed (for prompt_logprobs), nothing generated
     temperature: float = 1.0          # 0 means greedy
     top_p: float = 1.0                # nucleus: keep the smallest set whose probability reaches top_p
     top_k: int = 0                    # 0 (or -1) keeps every token
@@ -21,12 +25,20 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1                        # independent samples of the same prompt
     min_tokens: int = 0               # EOS and stop strings are ignored before this many tokens
+    presence_penalty: float = 0.0     # OpenAI's: subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0    # OpenAI's: subtracted once per time a token was already generated
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
+    logprobs: int | None = None       # per generated token: its log-probability and this many alternatives
+    prompt_logprobs: int | None = None   # the same for every prompt token after the first
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        bias = _token_keys(self.logit_bias)
+        if bias is not None:               # else _check names the value as given
+            self.logit_bias = bias
         if self.top_k == -1:
             self.top_k = 0
         self._check()
@@ -35,8 +47,8 @@ class SamplingParams:
         def bad(name: str, what: str):
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: it must be {what}")
 
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "an integer >= 1")
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
+            bad("max_tokens", "an integer >= 0 (0 computes the prompt only)")
         if not is_number(self.temperature) or self.temperature < 0:
             bad("temperature", "a number >= 0 (0 means greedy)")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -59,10 +71,28 @@ class SamplingParams:
             bad("n", "an integer from 1 to 64")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "an integer >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "a number in [-2, 2] (0 disables it)")
+        if not isinstance(self.logit_bias, dict) or not all(is_int(t) and t >= 0 and is_number(b) and abs(b) <= MAX_LOGIT_BIAS
+                                              for t, b in self.logit_bias.items()):
+            bad("logit_bias", f"a map of token ids (integers >= 0, or their decimal strings) to numbers in "
+                              f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"an integer from 0 to {MAX_LOGPROBS} (alternatives per token) or None")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (penalties, biases): such rows
+        are chosen on the host, where the token history is."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
@@ -77,4 +107,22 @@ class SamplingParams:
         return cls(**d)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain values for JSON and msgpack: logit_bias keys become decimal strings (maps there key by string)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}
+        return d
+
+
+def _token_keys(bias) -> dict | None:
+    """logit_bias with its keys as integers (JSON and msgpack maps carry them as decimal strings); None when
+    it is not a map of such keys, for _check to name."""
+    if not isinstance(bias, dict):
+        return None if bias is not None else {}
+    out = {}
+    for k, v in bias.items():
+        if isinstance(k, str) and k.isascii() and k.isdigit():
+            k = int(k)
+        if not is_int(k):
+            return None
+        out[k] = v
+    return out

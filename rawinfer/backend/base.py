@@ -39,6 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rawinfer.backend import shapes
+from rawinfer.backend.logprobs import LogprobRows, logprob_rows
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,11 @@ class Backend(ABC):
     def argmax(self, logits) -> np.ndarray:
         """Host int64[B]: the index of the largest logit of each row (first one on ties)."""
         return np.argmax(self.to_host(logits), axis=-1)
+
+    def logprobs(self, logits, rows: np.ndarray, token_ids: np.ndarray, k: int) -> LogprobRows:
+        """Log-probabilities of token_ids[i] under logits row rows[i] and the k most likely alternatives,
+        computed where the logits are; only [R] and [R, k] results come to the host (backend/logprobs.py)."""
+        return logprob_rows(self.xp, self.to_host, logits, np.asarray(rows), np.asarray(token_ids), k)
 
     def as_index_array(self, host: np.ndarray) -> Any:
         """Move small int32 metadata (ids, positions, block tables) to the device."""

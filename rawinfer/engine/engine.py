@@ -122,7 +122,7 @@ class LLMEngine:
         self._requests: dict[str, list[SampleState]] = {}
         self._scores: dict[str, np.ndarray] = {}           # scoring sequence id -> host logits [T, V]
         self._pending: list[RequestOutput] = []            # outputs of steps that score() ran for others
-        self.stats_tracker = EngineStats()
+        self.stats_tracker = EngineStats(max_model_len=self.max_model_len)
 
     # ---- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -202,6 +202,7 @@ class LLMEngine:
                 outs.append(self._final(st, [], ""))
         parent = states[0].seq
         for index in range(len(states), parent.params.n):   # samples not forked yet (prompt unfinished)
+            self.stats_tracker.count_finish(str(FinishReason.ABORT))
             outs.append(RequestOutput(request_id, index, [], "", True, str(FinishReason.ABORT),
                                       request_metrics(parent)))
         return outs
@@ -267,6 +268,7 @@ class LLMEngine:
 
     def _add_token(self, st: SampleState, tok: int, now: float) -> RequestOutput:
         text, reason = self.rules.add_token(st, tok, now)
+        self.stats_tracker.on_token(st.seq)
         if reason is None:
             return RequestOutput(st.seq.request_id, st.seq.index, [tok], text, False)
         self.scheduler.finish(st.seq, reason)
@@ -355,4 +357,9 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             **self.stats_tracker.snapshot(),
+            "metrics": self.stats_tracker.metrics(
+                {"num_requests_running": len(self.scheduler.running), "num_requests_waiting": len(self.scheduler.waiting),
+                 "kv_cache_usage_perc": bm.usage},
+                {"num_preemptions_total": self.scheduler.num_preemptions,
+                 "prefix_cache_queries_total": pc.query_tokens, "prefix_cache_hits_total": pc.hit_tokens}),
         }

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rawinfer.core.sequence import FinishReason, Sequence
+from rawinfer.engine.logprobs import Logprobs
 from rawinfer.engine.metrics import RequestMetrics
 from rawinfer.engine.stop import StopChecker, StopStrings
 from rawinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -35,6 +36,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None   # set on the final output
+    logprobs: Logprobs | None = None        # of new_token_ids, when the request asked (params.logprobs)
+    prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.., on a sample's first output (params.prompt_logprobs)
 
 
 @dataclass

@@ -186,9 +186,11 @@ def test_rejections_and_validation(tiny_llama_dir):
     with pytest.raises(ValueError, match="unknown engine option"):
         LLMEngine(tiny_llama_dir, kv_cache=1)
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=2), dict(n=0),
-                dict(repetition_penalty=0), dict(seed=-1), dict(stop=[""])):
+                dict(repetition_penalty=0), dict(seed=-1), dict(stop=[""]), dict(presence_penalty=2.5),
+                dict(frequency_penalty=-3), dict(logit_bias={"x": 1}), dict(logit_bias={3: 101}),
+                dict(logprobs=21), dict(prompt_logprobs=-1), dict(logprobs=True)):
         with pytest.raises(ValueError, match=list(bad)[0]):
             SamplingParams(**bad)
 

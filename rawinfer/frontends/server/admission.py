@@ -1,5 +1,6 @@
-"""The admission thread: renders chats and tokenises prompts off both the I/O and the engine thread, and the
-size limits that let the I/O thread refuse an oversized prompt before anyone tokenises it.
+"""The admission thread: renders chats and tokenises prompts off both the I/O and the engine thread (requests,
+and the tokenize / detokenize calls), and the size limits that let the I/O thread refuse an oversized prompt
+before anyone tokenises it.
 
 A text prompt of C characters needs at least C / L tokens, L being the longest vocabulary entry, so one
 longer than max_model_len x L characters can never fit the context: it is refused on arrival, in time
@@ -15,7 +16,7 @@ import threading
 
 from rawinfer.engine.tokenizer import ChatTemplateError, has_chat_template, render_chat
 from rawinfer.frontends.server import protocol as P
-from rawinfer.frontends.server.handoff import Admit, Cancel, Outbound, Prepare, Stop
+from rawinfer.frontends.server.handoff import Admit, Cancel, Convert, Outbound, Outgoing, Prepare, Stop
 from rawinfer.frontends.server.worker import refusal
 
 log = logging.getLogger("rawinfer")
@@ -79,6 +80,9 @@ class Admission:
             if isinstance(item, Cancel):
                 self.engine_inbox.put(item)
                 continue
+            if isinstance(item, Convert):
+                self.outbound.put([Outgoing(item.client, P.encode(self._convert(item.msg)))])
+                continue
             try:
                 self.engine_inbox.put(self._prepare(item))
             except ChatTemplateError as e:
@@ -103,6 +107,31 @@ class Admission:
                              "shorten it")
         return Admit(p.engine_id, p.client, msg.request_id, msg.stream, ids, p.params, msg.priority)
 
+    def _convert(self, msg: P.Tokenize | P.Detokenize):
+        """The reply to a tokenize or detokenize call: its result, or an `error` naming the problem."""
+        tok = self.engine.tokenizer
+        try:
+            if tok is None:
+                raise ValueError("this model has no tokenizer: it takes and gives token ids only")
+            if isinstance(msg, P.Detokenize):
+                V = self.engine.model_config.vocab_size
+                bad = [t for t in msg.token_ids if t >= V]
+                if bad:
+                    raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
+                return P.DetokenizeReply(tok.decode(msg.token_ids, msg.skip_special_tokens), msg.tag)
+            if msg.messages is not None:
+                ids = tok.encode(render_chat(tok, msg.messages))      # as a generate's chat is encoded
+            else:
+                ids = tok.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)
+            return P.TokenizeReply(ids, self.engine.max_model_len, msg.tag)
+        except ChatTemplateError as e:
+            return P.Error(str(P.ErrorCode.INVALID_PROMPT), str(e), tag=msg.tag)
+        except ValueError as e:
+            return P.Error(str(P.ErrorCode.REJECTED), str(e), tag=msg.tag)
+        except Exception:            # a bug here must not stop the thread
+            log.exception("internal error in a %s call", msg.TYPE)
+            return P.Error(str(P.ErrorCode.INTERNAL), "the server failed on this call; see its log", tag=msg.tag)
+
     def _refuse(self, p: Prepare, code: P.ErrorCode, message: str) -> None:
         self.outbound.put([refusal(p.client, p.engine_id, P.Error(str(code), message, p.msg.request_id))])
 
@@ -116,3 +145,6 @@ class Admission:
                 self._refuse(item, P.ErrorCode.SHUTTING_DOWN, "the server is shutting down")
             elif isinstance(item, Cancel):
                 self.engine_inbox.put(item)
+            elif isinstance(item, Convert):
+                self.outbound.put([Outgoing(item.client, P.encode(P.Error(
+                    str(P.ErrorCode.SHUTTING_DOWN), "the server is shutting down", tag=item.msg.tag)))])

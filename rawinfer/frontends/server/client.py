@@ -155,8 +155,17 @@ class Client:
     def model_info(self) -> dict:
         return self._call(P.ModelInfo).info
 
-    def _call(self, cls) -> Any:
-        tag, data = self.core.open_call(cls)
+    def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text, or of a chat as a generate would render it; RequestError if refused."""
+        return self._call(P.Tokenize, prompt=prompt, messages=messages, add_special_tokens=add_special_tokens).token_ids
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._call(P.Detokenize, token_ids=[int(t) for t in token_ids],
+                          skip_special_tokens=skip_special_tokens).text
+
+    def _call(self, cls, **fields) -> Any:
+        tag, data = self.core.open_call(cls, **fields)
         try:
             self.sock.send(data)
             self._pump(lambda: self.core.has_reply(tag))
@@ -244,8 +253,17 @@ class AsyncClient:
     async def model_info(self) -> dict:
         return (await self._call(P.ModelInfo)).info
 
-    async def _call(self, cls) -> Any:
-        tag, data = self.core.open_call(cls)
+    async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                       add_special_tokens: bool = True) -> list[int]:
+        return (await self._call(P.Tokenize, prompt=prompt, messages=messages,
+                                 add_special_tokens=add_special_tokens)).token_ids
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return (await self._call(P.Detokenize, token_ids=[int(t) for t in token_ids],
+                                 skip_special_tokens=skip_special_tokens)).text
+
+    async def _call(self, cls, **fields) -> Any:
+        tag, data = self.core.open_call(cls, **fields)
         self._start_reader()
         try:
             await self.sock.send(data)

@@ -116,7 +116,8 @@ def destination(msg: P.ServerMessage) -> tuple[str, str] | None:
             return "stream", msg.request_id
         log.warning("the server reported: %s (%s)", msg.message, msg.code)
         return None
-    if isinstance(msg, (P.Pong, P.StatsReply, P.ModelInfoReply)) and msg.tag is not None:
+    if isinstance(msg, (P.Pong, P.StatsReply, P.ModelInfoReply, P.TokenizeReply, P.DetokenizeReply)) \
+            and msg.tag is not None:
         return "reply", msg.tag
     return None                               # heartbeats: they only show that the server is alive
 
@@ -197,12 +198,18 @@ class ClientCore:
     def abort_message(request_id: str) -> bytes:
         return P.encode(P.Abort(request_id))
 
-    # ---- control calls (ping, stats, model_info) -----------------------------------------------------
-    def open_call(self, cls: type) -> tuple[str, bytes]:
-        """A fresh tag and the bytes of a `cls` message carrying it."""
-        tag = f"t{next(self._tags)}"
-        self._replies[tag] = None
-        return tag, P.encode(cls(tag=tag))
+    # ---- calls (ping, stats, model_info, tokenize, detokenize) ----------------------------------------
+    def open_call(self, cls: type, **fields: Any) -> tuple[str, bytes]:
+        """A fresh tag and the bytes of a `cls` message with `fields`, carrying the tag. ValueError naming the
+        bad field, checked as the server would."""
+        msg = cls(tag=f"t{next(self._tags)}", **fields)
+        try:
+            data = P.encode(msg)
+            P.decode_request(data)
+        except (P.ProtocolError, TypeError) as e:
+            raise ValueError(str(e)) from None
+        self._replies[msg.tag] = None
+        return msg.tag, data
 
     def has_reply(self, tag: str) -> bool:
         return self._replies.get(tag) is not None

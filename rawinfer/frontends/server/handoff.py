@@ -1,7 +1,7 @@
 """What the server's three threads hand each other: requests ready for the engine, cancellations, and the
 encoded messages (with what the I/O thread must know about them) going back out.
 
-    I/O thread ──Prepare/Cancel──> admission thread ──Admit/Cancel──> engine thread
+    I/O thread ──Prepare/Convert/Cancel──> admission thread ──Admit/Cancel──> engine thread
         ^                                │ Outgoing (refusals)              │ Outgoing (chunks, finals, Ended)
         └────────────── Outbound (a deque and a wake-up) <──────────────────┘
 
@@ -40,6 +40,14 @@ class Admit:
 
 
 @dataclass
+class Convert:
+    """A tokenize or detokenize call, answered by the admission thread (tokenising stalls neither the socket
+    nor the engine)."""
+    client: bytes
+    msg: P.Tokenize | P.Detokenize
+
+
+@dataclass
 class Cancel:
     """Stop a request. notify: its client asked (it gets `abort` finals); else its client is gone (nothing
     is sent; an Outgoing with ends=True and no data tells the I/O thread the blocks are free)."""
@@ -65,7 +73,8 @@ class Summary:
 @dataclass
 class Outgoing:
     """One message for one client, already encoded (None: nothing to send, only the note). ends: this is the
-    request's last message (its last final, or the error that refused it)."""
+    request's last message (its last final, or the error that refused it). engine_id None: a reply to a call
+    (tokenize, detokenize), not part of a request."""
     client: bytes
     data: bytes | None
     engine_id: str | None = None

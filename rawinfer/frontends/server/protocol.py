@@ -6,24 +6,29 @@ other keys are the fields of the dataclass registered under that type. PROTOCOL.
 is the written contract; this module is its executable form. The decoder trusts nothing: every field
 is type-checked, unknown keys are named in the error, and any failure is a ProtocolError whose code and
 message go back to the sender as an `error` reply.
+
+Optional fields added after version 1 shipped (`_f(..., omit_none=True)`) leave the wire when they are None,
+so a peer that never asks for them exchanges exactly the messages version 1 defined.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Callable, ClassVar
+from dataclasses import asdict, dataclass, fields, is_dataclass
+from typing import Any, ClassVar
 
 import msgpack
 
-from rawinfer.config import is_int, is_number
+from rawinfer.config import is_int
+from rawinfer.frontends.server.wire import (FINISH_REASONS, MAX_ID_CHARS, MAX_TOKEN_ID, _bool, _build,  # noqa: F401 (re-exported)
+                                           _chat, _count, _counts, _f, _finish_reason, _floats, _id, _int,
+                                           _lists, _map, _nested, _optional, _prompt, _seconds, _short, _str,
+                                           _token_ids)
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 DEFAULT_ADDR = "tcp://127.0.0.1:5555"   # where the server binds and clients connect unless told otherwise
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20     # the server caps incoming messages at its socket (ZMQ_MAXMSGSIZE)
-MAX_ID_CHARS = 256                      # request ids and tags
-MAX_TOKEN_ID = 2**31 - 1
 
 
 class ErrorCode(str, enum.Enum):
@@ -53,100 +58,6 @@ class ProtocolError(ValueError):
         self.code, self.message, self.request_id, self.tag = code, message, request_id, tag
 
 
-# ---- field checks: each returns the value or raises ValueError("must be ...") -------------------------------
-def _id(v: Any) -> str:
-    if not isinstance(v, str) or not 0 < len(v) <= MAX_ID_CHARS:
-        raise ValueError(f"must be a non-empty string of at most {MAX_ID_CHARS} characters")
-    return v
-
-
-def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def opt(v: Any) -> Any:
-        return None if v is None else check(v)
-    return opt
-
-
-def _str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise ValueError("must be a string")
-    return v
-
-
-def _bool(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError("must be true or false")
-    return v
-
-
-def _int(v: Any) -> int:
-    if not is_int(v):
-        raise ValueError("must be an integer")
-    return v
-
-
-def _count(v: Any) -> int:
-    if not is_int(v) or v < 0:
-        raise ValueError("must be an integer >= 0")
-    return v
-
-
-def _seconds(v: Any) -> float:
-    if not is_number(v):
-        raise ValueError("must be a finite number")
-    return float(v)
-
-
-def _token_ids(v: Any) -> list[int]:
-    if not isinstance(v, list) or not all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v):
-        raise ValueError(f"must be a list of integer token ids in [0, {MAX_TOKEN_ID}]")
-    return v
-
-
-def _prompt(v: Any) -> str | list[int]:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list):
-        return _token_ids(v)
-    raise ValueError("must be a string or a list of integer token ids")
-
-
-def _chat(v: Any) -> list[dict[str, str]]:
-    ok = isinstance(v, list) and all(
-        isinstance(m, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in m.items())
-        and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
-    if not ok:
-        raise ValueError('must be a list of {"role": str, "content": str} maps')
-    return v
-
-
-def _map(v: Any) -> dict[str, Any]:
-    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-        raise ValueError("must be a map with string keys")
-    return v
-
-
-def _finish_reason(v: Any) -> str:
-    if v not in FINISH_REASONS:
-        raise ValueError(f"must be one of {', '.join(FINISH_REASONS)}")
-    return v
-
-
-def _nested(cls: type) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        if not isinstance(v, dict):
-            raise ValueError(f"must be a map of {', '.join(f.name for f in fields(cls))}")
-        return _build(cls, v, f"{cls.__name__} map")
-    return check
-
-
-def _f(check: Callable[[Any], Any], default: Any = MISSING, factory: Any = MISSING) -> Any:
-    """A dataclass field whose wire value is validated by `check`."""
-    return field(default=default, default_factory=factory, metadata={"check": check})
-
-
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
-
 # ---- nested records ------------------------------------------------------------------------------------------
 @dataclass
 class Usage:
@@ -160,6 +71,25 @@ class Timings:
     ttft_s: float | None = _f(_optional(_seconds))          # arrival at the server -> first token
     mean_itl_s: float | None = _f(_optional(_seconds))      # mean gap between tokens
     e2e_s: float | None = _f(_optional(_seconds))           # arrival -> finish
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities of consecutive tokens, one entry per token in every list: the token, its log-softmax
+    under the model's raw logits (before temperature, top-k/p and penalties), its rank (1 = most likely), and
+    the requested number of most likely alternatives (most likely first; they may include the token itself)."""
+    token_ids: list[int] = _f(_token_ids)
+    logprobs: list[float] = _f(_floats)
+    ranks: list[int] = _f(_counts)
+    top_token_ids: list[list[int]] = _f(_lists(_token_ids))
+    top_logprobs: list[list[float]] = _f(_lists(_floats))
+
+    def __post_init__(self):
+        n = len(self.token_ids)
+        if not (len(self.logprobs) == len(self.ranks) == len(self.top_token_ids) == len(self.top_logprobs) == n):
+            raise ValueError("token_ids, logprobs, ranks, top_token_ids and top_logprobs must have one entry per token")
+        if any(len(a) != len(b) for a, b in zip(self.top_token_ids, self.top_logprobs)):
+            raise ValueError("each entry of top_token_ids and top_logprobs must have the same length")
 
 
 # ---- client -> server -----------------------------------------------------------------------------------------
@@ -203,6 +133,28 @@ class ModelInfo:
     tag: str | None = _f(_optional(_id), None)
 
 
+@dataclass
+class Tokenize:
+    """Token ids of a text, or of a chat rendered with the model's template (exactly one of the two)."""
+    TYPE: ClassVar[str] = "tokenize"
+    prompt: str | None = _f(_optional(_str), None)
+    messages: list[dict[str, str]] | None = _f(_optional(_chat), None)
+    add_special_tokens: bool = _f(_bool, True)       # the tokenizer's own additions (BOS) to a text
+    tag: str | None = _f(_optional(_id), None)
+
+    def __post_init__(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+
+
+@dataclass
+class Detokenize:
+    TYPE: ClassVar[str] = "detokenize"
+    token_ids: list[int] = _f(_token_ids)
+    skip_special_tokens: bool = _f(_bool, False)
+    tag: str | None = _f(_optional(_id), None)
+
+
 # ---- server -> client -----------------------------------------------------------------------------------------
 @dataclass
 class Chunk:
@@ -212,6 +164,8 @@ class Chunk:
     index: int = _f(_count)                          # sample index (0 unless params.n > 1)
     token_ids: list[int] = _f(_token_ids)
     text: str = _f(_str)                             # text delta ("" for a model without a tokenizer)
+    logprobs: Logprobs | None = _f(_optional(_nested(Logprobs)), None, omit_none=True)         # of token_ids
+    prompt_logprobs: Logprobs | None = _f(_optional(_nested(Logprobs)), None, omit_none=True)  # prompt ids[1:]
     finished: ClassVar[bool] = False
 
 
@@ -229,6 +183,8 @@ class Final:
     usage: Usage = _f(_nested(Usage))
     timings: Timings = _f(_nested(Timings))
     error: str | None = _f(_optional(_str), None)   # set when finish_reason is "error"
+    logprobs: Logprobs | None = _f(_optional(_nested(Logprobs)), None, omit_none=True)         # of token_ids
+    prompt_logprobs: Logprobs | None = _f(_optional(_nested(Logprobs)), None, omit_none=True)  # unless a chunk had it
     finished: ClassVar[bool] = True
 
 
@@ -265,17 +221,34 @@ class ModelInfoReply:
 
 
 @dataclass
+class TokenizeReply:
+    TYPE: ClassVar[str] = "tokenize_reply"
+    token_ids: list[int] = _f(_token_ids)
+    max_model_len: int = _f(_count)
+    tag: str | None = _f(_optional(_id), None)
+
+
+@dataclass
+class DetokenizeReply:
+    TYPE: ClassVar[str] = "detokenize_reply"
+    text: str = _f(_str)
+    tag: str | None = _f(_optional(_id), None)
+
+
+@dataclass
 class Heartbeat:
     """Sent to a client with requests in flight that has heard nothing for a heartbeat interval; a send
     that fails tells the server the client is gone."""
     TYPE: ClassVar[str] = "heartbeat"
 
 
-ClientMessage = Generate | Abort | Stats | Ping | ModelInfo
-ServerMessage = Chunk | Final | Error | Pong | StatsReply | ModelInfoReply | Heartbeat
-CLIENT_MESSAGES: dict[str, type] = {c.TYPE: c for c in (Generate, Abort, Stats, Ping, ModelInfo)}
+ClientMessage = Generate | Abort | Stats | Ping | ModelInfo | Tokenize | Detokenize
+ServerMessage = (Chunk | Final | Error | Pong | StatsReply | ModelInfoReply | TokenizeReply | DetokenizeReply
+                 | Heartbeat)
+CLIENT_MESSAGES: dict[str, type] = {c.TYPE: c for c in (Generate, Abort, Stats, Ping, ModelInfo, Tokenize,
+                                                         Detokenize)}
 SERVER_MESSAGES: dict[str, type] = {c.TYPE: c for c in (Chunk, Final, Error, Pong, StatsReply, ModelInfoReply,
-                                                         Heartbeat)}
+                                                         TokenizeReply, DetokenizeReply, Heartbeat)}
 
 
 # ---- the one encoder and decoder -----------------------------------------------------------------------------
@@ -288,7 +261,8 @@ def _plain(obj: Any) -> Any:
 
 def encode(msg: ClientMessage | ServerMessage) -> bytes:
     # NOTE: fields one level deep, not asdict(msg): asdict copies every element of a token id list
-    body = {f.name: getattr(msg, f.name) for f in fields(msg)}
+    body = {f.name: getattr(msg, f.name) for f in fields(msg)
+            if not (f.metadata.get("omit_none") and getattr(msg, f.name) is None)}
     for name, value in body.items():
         if is_dataclass(value):
             body[name] = asdict(value)
@@ -337,31 +311,3 @@ def _decode(data: bytes, registry: dict[str, type]) -> Any:
         return _build(cls, body, f"a {kind} message")
     except ValueError as e:
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, str(e), rid, tag) from None
-
-
-def _build(cls: type, body: dict, where: str) -> Any:
-    """Check every field of `body` against `cls` and construct it; ValueError names the offending key."""
-    specs = {f.name: f for f in fields(cls)}
-    unknown = [k for k in body if k not in specs]
-    if unknown:
-        raise ValueError(f"{where} has unknown field(s) {', '.join(_short(k) for k in unknown[:5])}; "
-                         f"known: {', '.join(specs) or 'none'}")
-    missing = [n for n, f in specs.items()
-               if n not in body and f.default is MISSING and f.default_factory is MISSING]
-    if missing:
-        raise ValueError(f"{where} lacks the required field(s) {', '.join(missing)}")
-    values = {}
-    for name, value in body.items():
-        try:
-            values[name] = specs[name].metadata["check"](value)
-        except ValueError as e:
-            raise ValueError(f"field {name!r} of {where} {e}") from None
-    try:
-        return cls(**values)
-    except ValueError as e:      # cross-field rules (__post_init__)
-        raise ValueError(f"{where}: {e}") from None
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

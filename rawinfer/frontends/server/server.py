@@ -33,13 +33,13 @@ import zmq
 
 from rawinfer.config import VERSION
 from rawinfer.engine.tokenizer import has_chat_template
-from rawinfer.sampling import SamplingParams
+from rawinfer.sampling import MAX_LOGPROBS, SamplingParams
 from rawinfer.frontends.server import protocol as P
 from rawinfer.frontends.server.activity import PeriodicLog, log_request_done, log_requests_lost
 from rawinfer.frontends.server.admission import Admission, PromptLimits
 from rawinfer.frontends.server.clients import FULL, GONE, SENT, STALLED, ClientTable
 from rawinfer.frontends.server.config import ServerConfig
-from rawinfer.frontends.server.handoff import Cancel, Outbound, Prepare, Stop
+from rawinfer.frontends.server.handoff import Cancel, Convert, Outbound, Prepare, Stop
 from rawinfer.frontends.server.inflight import engine_request_id
 from rawinfer.frontends.server.ipc import bind_private
 from rawinfer.frontends.server.security import (SecurityError, apply_curve, check_bind_security,
@@ -84,6 +84,7 @@ class Server:
         self._table = ClientTable(self._try_send, grace_s=config.heartbeat_interval_s,
                                   max_outbox=config.max_backlog_messages)
         self._started = time.monotonic()
+        self._started_unix = time.time()
         self._periodic = PeriodicLog(config.log_interval_s, self._started)
 
     def _make_socket(self) -> zmq.Socket:
@@ -220,6 +221,11 @@ class Server:
             self._reply(client, P.StatsReply(self.stats(), msg.tag))
         elif isinstance(msg, P.ModelInfo):
             self._reply(client, P.ModelInfoReply(self.model_info(), msg.tag))
+        elif isinstance(msg, (P.Tokenize, P.Detokenize)):
+            if self._stopping:
+                self._reply(client, P.Error(str(P.ErrorCode.SHUTTING_DOWN), "the server is shutting down", tag=msg.tag))
+            else:
+                self._admission.queue.put(Convert(client, msg))
 
     def _refuse(self, client: bytes, code: P.ErrorCode, message: str, request_id: str) -> None:
         self._table.counts.requests_rejected += 1
@@ -286,7 +292,7 @@ class Server:
             if item.data is None:                 # a vanished client's request, freed by the engine
                 self._table.cancelled(item.engine_id)
                 continue
-            if self._table.owner(item.engine_id) is None:
+            if item.engine_id is not None and self._table.owner(item.engine_id) is None:
                 continue                          # its client went away meanwhile
             if not self._sent(item.client, self._table.send(item.client, item.data, now)):
                 continue
@@ -327,6 +333,8 @@ class Server:
         mc, eng = self.engine.model_config, self.engine
         tok = eng.tokenizer
         return {"model": os.path.basename(os.path.normpath(eng.model_dir)) if eng.model_dir else None,
+                "model_path": os.path.abspath(eng.model_dir) if eng.model_dir else None,
+                "created": int(self._started_unix), "max_logprobs": MAX_LOGPROBS,
                 "architecture": mc.architecture, "vocab_size": mc.vocab_size, "num_layers": mc.num_layers,
                 "hidden_size": mc.hidden_size, "dtype": mc.dtype, "quant": mc.quant,
                 "max_model_len": eng.max_model_len, "eos_token_ids": list(mc.eos_token_ids),
