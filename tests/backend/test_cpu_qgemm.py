@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu import qgemm as Q
 from rawinfer.backend.cpu.backend import INT8_GEMV_MAX_ROWS, CPUBackend
 from rawinfer.quant import Int8Weight, quantize_int8
@@ -12,6 +13,11 @@ from reference_ops import int8_linear_ref, int8_matmul_ref, quantize_rows_ref, s
 
 pytestmark = pytest.mark.skipif(not Q.available(), reason="this CPU has no AVX2")
 RNG = np.random.default_rng(11)
+
+# Every integer-GEMM path (isa.py) gets the same reference tests; a path this CPU cannot run skips.
+PATHS = [pytest.param(p, marks=pytest.mark.skipif(not isa.supports(p), reason=f"this CPU has no {p}"))
+         for p in (isa.AVX2, isa.AVX512_VNNI)]
+GEMMS = {isa.AVX2: Q.gemm_packed, isa.AVX512_VNNI: Q.gemm_packed_512}
 
 
 def unpack_x(xp: np.ndarray, M: int) -> np.ndarray:
@@ -52,10 +58,11 @@ def test_act_qmax_keeps_int32_sums_exact():
     assert Q.act_qmax(576) > 16000 and Q.act_qmax(1536) > 8000     # SmolLM2: >= 13 bits per activation
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("K", [576, 1536])
-def test_gemm_at_the_overflow_bound_is_exact(K):
+def test_gemm_at_the_overflow_bound_is_exact(K, path):
     """Every activation at +-qmax and every weight at +-127: the largest sums the bound allows."""
-    M, N = 7, 32
+    M, N = 7, 48                                               # 3 blocks: the AVX-512 one-block tile too
     qmax = Q.act_qmax(K)
     xq = np.full((M, K), qmax, np.int64)
     xq[1] = -qmax
@@ -69,22 +76,25 @@ def test_gemm_at_the_overflow_bound_is_exact(K):
         panels[m // Q.PANEL_ROWS, :, m % Q.PANEL_ROWS, :] = xq[m].reshape(K // 2, 2)
     ones_x = np.ones(xp.shape[0] * Q.PANEL_ROWS, np.float32)
     out = np.empty((M, N), np.float32)
-    Q.gemm_packed(xp, ones_x, Q.pack_weights(wq), np.ones(N, np.float32), out, M)
+    GEMMS[path](xp, ones_x, Q.pack_weights(wq), np.ones(N, np.float32), out, M)
     want = xq @ wq.astype(np.int64).T
     assert np.abs(want).max() > 2 ** 30                       # the test reaches the int32 range
     np.testing.assert_array_equal(out.astype(np.float64), want.astype(np.float32).astype(np.float64))
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 2, 16), (5, 6, 32), (6, 100, 48), (7, 576, 960), (13, 30, 16),
-                                   (100, 576, 1536), (97, 1536, 576), (8, 64, 32), (9, 30, 16), (64, 576, 960)])
-def test_int8_matmul_matches_integer_reference(M, K, N):
-    """Every last-panel size (M % 6 = 0..5 takes the 6-, 2-, 2-, 4-, 4-, 6-row tile builds). The GEMM equals the exact integer product of the quantized operands, scaled (up to float32
+                                   (100, 576, 1536), (97, 1536, 576), (8, 64, 32), (9, 30, 16), (64, 576, 960),
+                                   (3, 64, 80), (1, 576, 49152)])
+@pytest.mark.parametrize("path", PATHS)
+def test_int8_matmul_matches_integer_reference(M, K, N, path):
+    """Every last-panel size (M % 6 = 0..5 takes the 6-, 2-, 2-, 4-, 4-, 6-row tile builds; AVX-512 has a
+    1-row build too) and odd and even counts of 16-column blocks (AVX-512 tiles take two). The GEMM equals the exact integer product of the quantized operands, scaled (up to float32
     rounding of the scaling), and the float product up to the activations' quantization step."""
     x = RNG.standard_normal((M, K)).astype(np.float32)
     q, sw = quantize_int8(RNG.standard_normal((N, K)).astype(np.float32))
     nx, ns = Q.x_buffer_sizes(M, K)
     out = np.full((M, N), np.nan, np.float32)
-    Q.int8_matmul(x, Q.pack_weights(q), sw, out, np.empty(nx, np.int16), np.empty(ns, np.float32))
+    Q.PATHS[path][0](x, Q.pack_weights(q), sw, out, np.empty(nx, np.int16), np.empty(ns, np.float32))
     exact = int8_matmul_ref(x, q, sw, Q.act_qmax(K))
     np.testing.assert_allclose(out, exact, rtol=1e-6, atol=1e-6 * np.abs(exact).max())
     flt = int8_linear_ref(x, q, sw)
@@ -92,7 +102,8 @@ def test_int8_matmul_matches_integer_reference(M, K, N):
 
 
 @pytest.mark.parametrize("M,K,F", [(1, 2, 16), (7, 576, 48), (64, 576, 1536), (100, 30, 32), (13, 1536, 16)])
-def test_int8_matmul_silu_is_silu_of_gate_times_up(M, K, F):
+@pytest.mark.parametrize("path", PATHS)
+def test_int8_matmul_silu_is_silu_of_gate_times_up(M, K, F, path):
     """The gate/up GEMM with silu * up in its epilogue equals the plain GEMM into [T, 2F] followed by
     silu_mul bit for bit (the same tiles, the same float32 expression), and the float reference up to
     the activations' quantization."""
@@ -102,10 +113,11 @@ def test_int8_matmul_silu_is_silu_of_gate_times_up(M, K, F):
     wp = Q.pack_weights(q)
     nx, ns = Q.x_buffer_sizes(M, K)
     xb, sb = np.empty(nx, np.int16), np.empty(ns, np.float32)
+    matmul, matmul_silu = Q.PATHS[path]
     fused = np.full((M, F), np.nan, np.float32)
-    Q.int8_matmul_silu(x, wp, sw, fused, xb, sb)
+    matmul_silu(x, wp, sw, fused, xb, sb)
     gu = np.empty((M, 2 * F), np.float32)
-    Q.int8_matmul(x, wp, sw, gu, xb, sb)
+    matmul(x, wp, sw, gu, xb, sb)
     apart = np.empty((M, F), np.float32)
     K_.silu_mul_kernel(M, gu, apart)
     np.testing.assert_array_equal(fused, apart)

@@ -26,10 +26,10 @@ p[g, r], one multiply per row instead of one per element. Arguments are raw addr
 (int64) and element counts: Numba releases an array after its last use by name, which for
 `np.int64(a.ctypes.data)` comes before the block reads it, so a kernel that allocates an array and
 hands a block its address calls keep_alive(a) after the block's last read (arguments of the kernel
-are kept alive by its caller). `available()` is False where the host CPU lacks AVX2 or FMA (or is not
-x86-64): callers then take their plain Numba loops. Prefill attention stays on OpenBLAS (blas.py):
-these blocks are shaped for decode's few query rows, and variants built on them for prefill's long
-query runs lost to sgemm (docs/kernels.md).
+are kept alive by its caller). `available()` is False where the CPU Numba compiles for (isa.py)
+lacks AVX2 or FMA (or is not x86-64): callers then take their plain Numba loops. Prefill attention
+stays on OpenBLAS (blas.py): these blocks are shaped for decode's few query rows, and variants built
+on them for prefill's long query runs lost to sgemm (docs/kernels.md).
 
 NOTE: compiled kernels that call these carry their own copy, and Numba's disk cache only checks the
 caller's file: cache.refresh() (called once by the CPU backend when it starts) drops cached kernels
@@ -42,21 +42,14 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from rawinfer.backend.cpu.isa import FEATURES as _FEATURES
 
-def _host_features() -> set[str]:
-    try:
-        import llvmlite.binding as llvm
-        return {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
-    except Exception:  # noqa: BLE001 - no feature query on this platform: take the portable paths
-        return set()
-
-
-_FEATURES = _host_features()
 _AVX2 = {"avx2", "fma"} <= _FEATURES
 _F16C = "f16c" in _FEATURES
 
 
 def available() -> bool:
+    """AVX2 and FMA on the CPU Numba compiles for (isa.py): these blocks may be used."""
     return _AVX2
 
 

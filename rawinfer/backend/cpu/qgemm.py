@@ -1,4 +1,5 @@
-"""Integer GEMM for int8 models on x86 CPUs with AVX2: out = x @ (q * scale)^T without dequantizing.
+"""Integer GEMM for int8 models on x86 CPUs with AVX2 or AVX-512 VNNI: out = x @ (q * scale)^T without
+dequantizing.
 
 Why: prefill and batched decode are compute-bound, and a float32 GEMM on AVX2 does 8 multiply-adds
 per FMA instruction. `vpmaddwd` multiplies 16 pairs of int16 and adds neighbours into 8 int32 lanes:
@@ -26,6 +27,13 @@ pairs of int8 weights to two ymm of int16, and issues 12 vpmaddwd + 12 vpaddd. T
 the vector pipes, not by loads, so layouts that trade pipe work for loads (int16 weights, x rows
 stored pre-broadcast) gain nothing, and x rows read in place through 6 row pointers instead of
 packed panels cost the GEMM more time than the packing does (docs/kernels.md).
+
+Two paths, chosen once from the features of the CPU Numba compiles for (isa.py, `path_for`):
+AVX-512 with VNNI runs vnni.py's tiles (6 rows x two 16-column blocks, one vpdpwssd per zmm per k
+pair, work items of two blocks: gemm_packed_512, gemm_packed_silu_512), AVX2 the 6 x 16 tiles above.
+Both read the same packed operands and give the same bits (exact int32 sums, the same float32
+epilogue), so a model's output does not depend on which machine type ran it. Each path has its own
+compiled entry points (PATHS), and `int8_matmul` / `int8_matmul_silu` name this machine's.
 `available()` is False on CPUs without AVX2; the backend then dequantizes.
 """
 
@@ -37,9 +45,13 @@ import numpy as np
 from rawinfer.backend.cpu.llvm import GEMM_COLS as BLOCK_COLS
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
 from rawinfer.backend.cpu.kernels import Kernel, fast_exp
+from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu.llvm import abs_max, available, int_gemm_tiles
+from rawinfer.backend.cpu.vnni import int_gemm_tiles_512
 
 _tile2, _tile4, _tile6 = int_gemm_tiles[2], int_gemm_tiles[4], int_gemm_tiles[PANEL_ROWS]
+_z1c1, _z2c1, _z4c1, _z6c1 = (int_gemm_tiles_512[R, 1] for R in (1, 2, 4, PANEL_ROWS))
+_z1c2, _z2c2, _z4c2, _z6c2 = (int_gemm_tiles_512[R, 2] for R in (1, 2, 4, PANEL_ROWS))
 
 PANELS_PER_ITEM = 16   # x panels one work item walks for its 16 columns (96 rows: ~110-300 KiB, in L2)
 
@@ -190,6 +202,84 @@ def gemm_packed_silu(xp, sx, wp, sw, out, M):
                     out[m0 + r, j * BLOCK_COLS + c] = v / (np.float32(1.0) + fast_exp(-v)) * gu[1, r, c]
 
 
+# ---- AVX-512 VNNI drivers (vnni.py's tiles): two 16-column blocks per tile ---------------------------
+@nb.njit(inline="always")
+def _tile512(rows, xp, kpairs, sxp, ldo, w0, s0, o0, w1, s1, o1):
+    # The build that computes the fewest rows covering `rows`, on blocks 0 and 1.
+    if rows > 4:
+        _z6c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1)
+    elif rows > 2:
+        _z4c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1)
+    elif rows > 1:
+        _z2c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1)
+    else:
+        _z1c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1)
+
+
+@nb.njit(inline="always")
+def _tile512_one(rows, xp, kpairs, sxp, ldo, w0, s0, o0):
+    # The same on one block (the last of an odd count).
+    if rows > 4:
+        _z6c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0)
+    elif rows > 2:
+        _z4c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0)
+    elif rows > 1:
+        _z2c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0)
+    else:
+        _z1c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0)
+
+
+@nb.njit(parallel=True, cache=True)
+def gemm_packed_512(xp, sx, wp, sw, out, M):
+    """gemm_packed on AVX-512 VNNI: work items are (group of x panels, pair of 16-column blocks)."""
+    panels, kpairs = xp.shape[0], xp.shape[1]
+    nblocks = wp.shape[0]
+    npairs = (nblocks + 1) // 2
+    ldo = np.int64(out.shape[1])
+    x0, w0, o0 = np.int64(xp.ctypes.data), np.int64(wp.ctypes.data), np.int64(out.ctypes.data)
+    sx0, sw0 = np.int64(sx.ctypes.data), np.int64(sw.ctypes.data)
+    xstride, wstride = _strides(kpairs)
+    mgroups = _panel_groups(panels)
+    for it in nb.prange(mgroups * npairs):
+        g, b = it // npairs, 2 * (it % npairs)
+        for t in range(g * panels // mgroups, (g + 1) * panels // mgroups):
+            m0 = t * PANEL_ROWS
+            rows = min(PANEL_ROWS, M - m0)
+            xt, st, ot = x0 + t * xstride, sx0 + m0 * 4, o0 + m0 * ldo * 4
+            if b + 1 < nblocks:
+                _tile512(rows, xt, kpairs, st, ldo, w0 + b * wstride, sw0 + b * BLOCK_COLS * 4,
+                         ot + b * BLOCK_COLS * 4, w0 + (b + 1) * wstride, sw0 + (b + 1) * BLOCK_COLS * 4,
+                         ot + (b + 1) * BLOCK_COLS * 4)
+            else:
+                _tile512_one(rows, xt, kpairs, st, ldo, w0 + b * wstride, sw0 + b * BLOCK_COLS * 4,
+                             ot + b * BLOCK_COLS * 4)
+
+
+@nb.njit(parallel=True, cache=True, fastmath={"contract"})
+def gemm_packed_silu_512(xp, sx, wp, sw, out, M):
+    """gemm_packed_silu on AVX-512 VNNI: one tile computes gate block j and up block j together."""
+    panels, kpairs = xp.shape[0], xp.shape[1]
+    half = wp.shape[0] // 2
+    x0, w0, sx0, sw0 = np.int64(xp.ctypes.data), np.int64(wp.ctypes.data), np.int64(sx.ctypes.data), \
+        np.int64(sw.ctypes.data)
+    xstride, wstride = _strides(kpairs)
+    mgroups = _panel_groups(panels)
+    for it in nb.prange(mgroups * half):
+        g, j = it // half, it % half
+        gu = np.empty((2, PANEL_ROWS, BLOCK_COLS), np.float32)
+        ga, ua = np.int64(gu.ctypes.data), np.int64(gu[1].ctypes.data)
+        for t in range(g * panels // mgroups, (g + 1) * panels // mgroups):
+            m0 = t * PANEL_ROWS
+            rows = min(PANEL_ROWS, M - m0)
+            _tile512(rows, x0 + t * xstride, kpairs, sx0 + m0 * 4, BLOCK_COLS,
+                     w0 + j * wstride, sw0 + j * BLOCK_COLS * 4, ga,
+                     w0 + (j + half) * wstride, sw0 + (j + half) * BLOCK_COLS * 4, ua)
+            for r in range(rows):
+                for c in range(BLOCK_COLS):
+                    v = gu[0, r, c]
+                    out[m0 + r, j * BLOCK_COLS + c] = v / (np.float32(1.0) + fast_exp(-v)) * gu[1, r, c]
+
+
 _quantize_parallel, _quantize_serial = quantize_rows.parallel, quantize_rows.serial
 
 
@@ -207,7 +297,7 @@ def quantized_x(x, xbuf, sx):
 
 
 @nb.njit(cache=True)
-def int8_matmul(x, wp, sw, out, xbuf, sx):
+def int8_matmul_avx2(x, wp, sw, out, xbuf, sx):
     """out[M, N] = x[M, K] @ (q * sw[:, None])^T for a weight packed by pack_weights. xbuf (int16) and
     sx (float32): buffers of at least x_buffer_sizes(M, K) elements, reused across calls (fresh pages
     would fault in on every call). Compiled, so that compiled code (fused.py) calls it too."""
@@ -215,10 +305,40 @@ def int8_matmul(x, wp, sw, out, xbuf, sx):
 
 
 @nb.njit(cache=True)
-def int8_matmul_silu(x, wp, sw, out, xbuf, sx):
+def int8_matmul_silu_avx2(x, wp, sw, out, xbuf, sx):
     """out[M, F] = silu(x @ Wg^T) * (x @ Wu^T) for a gate_up weight [Wg; Wu] ([2F, K], F % 16 == 0)
     packed by pack_weights (buffers as for int8_matmul)."""
     gemm_packed_silu(quantized_x(x, xbuf, sx), sx, wp, sw, out, x.shape[0])
+
+
+@nb.njit(cache=True)
+def int8_matmul_avx512(x, wp, sw, out, xbuf, sx):
+    """int8_matmul_avx2 on AVX-512 VNNI: the same bits."""
+    gemm_packed_512(quantized_x(x, xbuf, sx), sx, wp, sw, out, x.shape[0])
+
+
+@nb.njit(cache=True)
+def int8_matmul_silu_avx512(x, wp, sw, out, xbuf, sx):
+    """int8_matmul_silu_avx2 on AVX-512 VNNI: the same bits."""
+    gemm_packed_silu_512(quantized_x(x, xbuf, sx), sx, wp, sw, out, x.shape[0])
+
+
+# The entry points per path (isa.py's names); each is its own compiled function, so a cached build
+# of one path is never taken for another.
+PATHS = {isa.AVX512_VNNI: (int8_matmul_avx512, int8_matmul_silu_avx512),
+         isa.AVX2: (int8_matmul_avx2, int8_matmul_silu_avx2)}
+
+
+def path_for(features) -> str | None:
+    """The integer GEMM's path on a CPU with `features` (isa.py), None where it has none (no AVX2)."""
+    chosen = isa.select(set(features))
+    return chosen if chosen in PATHS else None
+
+
+PATH = path_for(isa.FEATURES)
+# int8_matmul, int8_matmul_silu: the entry points of this machine's path (the AVX2 ones where there
+# is none: available() is False and nothing calls them)
+int8_matmul, int8_matmul_silu = PATHS[PATH or isa.AVX2]
 
 
 def x_buffer_sizes(M: int, K: int) -> tuple[int, int]:
