@@ -134,7 +134,7 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
             return JSONResponse(await whole_response(link(), job))
         stream = ChunkStream(link(), job)
         await stream.start()
-        return _SSEResponse(EventStream(stream.events(), stream.abort))
+        return _SSEResponse(EventStream(stream.events()))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):

@@ -21,6 +21,7 @@ class EngineLink:
         self.addr = addr
         self.client = AsyncClient(addr, server_key=server_key, timeout_s=timeout_s)
         self._info: dict | None = None
+        self._texts = None
 
     def close(self) -> None:
         self.client.close()
@@ -40,12 +41,35 @@ class EngineLink:
             self._info = await self._control(self.client.model_info)
         return self._info
 
+    async def token_texts(self):
+        """The TokenTexts of the served model (loaded on first use)."""
+        if self._texts is None:
+            from rawinfer.frontends.http.logprobs import TokenTexts
+            self._texts = TokenTexts((await self.info()).get("model_path"))
+        return self._texts
+
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       add_special_tokens: bool = True, prompt_param: str = "prompt") -> list[int]:
+        try:
+            return await self._control(lambda: self.client.tokenize(prompt, messages=messages,
+                                                                    add_special_tokens=add_special_tokens))
+        except RequestError as e:
+            raise from_engine(e.code, e.message, prompt_param) from None
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        try:
+            return await self._control(lambda: self.client.detokenize(token_ids))
+        except RequestError as e:
+            raise from_engine(e.code, e.message, "tokens") from None
+
     async def stats(self) -> dict:
         return await self._control(self.client.stats)
 
     async def _control(self, call):
         try:
             return await asyncio.wait_for(call(), 5.0)
+        except RequestError:
+            raise
         except (asyncio.TimeoutError, ClientError) as e:
             raise APIError(503, f"the engine at {self.addr} does not answer ({type(e).__name__}); it may still be "
                            "loading or shutting down: retry later (GET /health says when it is ready)",
@@ -61,9 +85,10 @@ class EngineLink:
                 yield msg
         except RequestError as e:
             raise from_engine(e.code, e.message, prompt_param) from None
-        except ValueError as e:                          # over the engine's message size limit
-            raise APIError(413 if "bytes" in str(e) else 400, str(e), param=prompt_param,
-                           code="request_too_large") from None
+        except ValueError as e:           # over the engine's message size limit, or a message it would refuse
+            large = "limit" in str(e)
+            raise APIError(413 if large else 400, str(e), param=prompt_param if large else None,
+                           code="request_too_large" if large else "invalid_value") from None
         except ClientError as e:
             raise APIError(503, f"lost the engine at {self.addr}: {e}", code="engine_unavailable") from None
 

@@ -57,7 +57,7 @@ def from_engine(code: str, message: str, prompt_param: str = "prompt") -> APIErr
         param = m.group(1) if m else None
         message = message.replace("SamplingParams.", "")
     elif code in (ErrorCode.REJECTED.value, ErrorCode.INVALID_PROMPT.value):
-        param = prompt_param
+        param = "logit_bias" if "logit_bias" in message else prompt_param
         if "context" in message:
             api_code = "context_length_exceeded"
     return APIError(status, message, param=param, code=api_code)

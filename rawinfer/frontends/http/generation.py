@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from rawinfer.frontends.http.engine_link import EngineLink
 from rawinfer.frontends.http.errors import APIError
+from rawinfer.frontends.http.logprobs import CompletionLogprobs, TokenTexts, chat_content, merge
 from rawinfer.frontends.http.params import Job
 from rawinfer.frontends.server import protocol as P
 
@@ -56,31 +57,78 @@ async def job_messages(link: EngineLink, job: Job, stream: bool) -> AsyncIterato
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def prepare(link: EngineLink, job: Job) -> None:
+    """What a job needs from the engine before it starts: a chat without max_tokens gets what the context
+    leaves after its prompt (OpenAI's default); an echo gets each prompt's token ids (text prompts are then
+    sent as those ids, so the echoed tokens are the ones computed) and each prompt's text."""
+    if job.chat and "max_tokens" not in job.params:
+        ids = await link.tokenize(messages=job.prompts[0]["messages"], prompt_param="messages")
+        limit = (await link.info()).get("max_model_len") or 0
+        job.params["max_tokens"] = max(1, limit - len(ids))
+    if job.echo is not None:
+        job.prompt_ids = []
+        texts = await link.token_texts()
+        for i, p in enumerate(job.prompts):
+            ids = p["prompt"] if not isinstance(p["prompt"], str) else await link.tokenize(p["prompt"])
+            job.prompt_ids.append(list(ids))
+            job.prompts[i] = {"prompt": list(ids)}
+            if job.echo[i] is None:
+                job.echo[i] = texts.decode(list(ids))
+
+
+@dataclass
+class Choice:
+    """One choice so far: its text and finish reason, and its logprobs in the job's shape."""
+    text: str = ""
+    finish: str | None = None
+    started: bool = False
+    logprobs: Any = None                # completions: a dict of parallel lists; chat: a list of entries
+    builder: CompletionLogprobs | None = None
+
+
 @dataclass
 class Totals:
-    """What a job's choices have produced so far."""
+    """What a job's choices have produced so far; add() also returns what one message adds, for a stream."""
     job: Job
-    texts: list[str] = field(default_factory=list)
-    finish: list[str | None] = field(default_factory=list)
+    texts: TokenTexts | None = None     # needed when the job asks for logprobs
+    choices: list[Choice] = field(default_factory=list)
     prompt_tokens: dict[int, int] = field(default_factory=dict)     # prompt index -> its length
     cached_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
     error: str | None = None            # the first `error` finish's sentence
 
     def __post_init__(self):
-        size = len(self.job.prompts) * self.job.n
-        self.texts, self.finish = [""] * size, [None] * size
+        self.choices = [Choice() for _ in range(len(self.job.prompts) * self.job.n)]
 
-    def add(self, index: int, msg: P.Chunk | P.Final) -> None:
-        self.texts[index] += msg.text
+    def add(self, index: int, msg: P.Chunk | P.Final) -> tuple[str, Any]:
+        """Record a message; (the text it adds, the logprobs it adds or None)."""
+        job, c, p = self.job, self.choices[index], index // self.job.n
+        text, lp = msg.text, None
+        if not c.started:
+            c.started = True
+            if job.echo is not None:
+                text = job.echo[p] + text
+            if job.logprobs is not None and not job.chat:
+                c.builder = CompletionLogprobs(self.texts)
+                if job.echo is not None:
+                    lp = c.builder.prompt(job.prompt_ids[p], msg.prompt_logprobs)
+        if msg.logprobs is not None and job.logprobs is not None:
+            if job.chat:
+                lp = chat_content(self.texts, msg.logprobs)
+                c.logprobs = (c.logprobs or []) + lp
+            else:
+                lp = merge(lp, c.builder.add(msg.logprobs))
+        if lp is not None and not job.chat:
+            c.logprobs = merge(c.logprobs, lp)
+        c.text += text
         if isinstance(msg, P.Final):
-            self.finish[index] = msg.finish_reason
-            self.prompt_tokens[index // self.job.n] = msg.usage.prompt_tokens
-            self.cached_tokens[index // self.job.n] = msg.usage.cached_prompt_tokens
+            c.finish = msg.finish_reason
+            self.prompt_tokens[p] = msg.usage.prompt_tokens
+            self.cached_tokens[p] = msg.usage.cached_prompt_tokens
             self.completion_tokens += msg.usage.completion_tokens
             if msg.finish_reason == "error" and self.error is None:
                 self.error = msg.error or "the engine failed on this request"
-
+        return text, lp
     def usage(self) -> dict:
         prompt = sum(self.prompt_tokens.values())
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
@@ -91,7 +139,7 @@ class Totals:
         """Why the job did not complete: an engine error (500), or an abort (the engine shutting down)."""
         if self.error is not None:
             return APIError(500, f"the engine failed: {self.error}", code="engine_error")
-        if "abort" in self.finish:
+        if any(c.finish == "abort" for c in self.choices):
             return APIError(503, "the request was aborted in the engine (it is shutting down); retry later",
                             code="aborted")
         return None

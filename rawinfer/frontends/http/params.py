@@ -40,8 +40,9 @@ class Job:
     priority: int
     stream: bool
     include_usage: bool
-    echo: list[str] | None           # completions with echo: each prompt's text, put before its choices' text
+    echo: list[str] | None           # completions with echo: each prompt's text (None for token ids until prepared)
     logprobs: int | None             # alternatives per token asked for (None: no logprobs)
+    prompt_ids: list[list[int]] | None = None    # with echo, each prompt's token ids (generation.prepare)
 
     @property
     def prompt_param(self) -> str:
@@ -68,7 +69,7 @@ def _sampling(req, max_tokens: int | None, max_tokens_name: str, known: set[str]
         if "logit_bias" not in known:
             raise unsupported("logit_bias")
         try:
-            params["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+            params["logit_bias"] = {str(int(k)): v for k, v in req.logit_bias.items()}   # msgpack maps key by str
         except ValueError:
             raise invalid("logit_bias", "'logit_bias' keys must be token ids written as strings, like \"50256\"") \
                 from None
@@ -88,10 +89,10 @@ def _logprobs(job_params: dict, count: int | None, echo: bool, known: set[str], 
     """Ask the engine for `count` alternatives per generated token (and per prompt token with echo)."""
     if count is None:
         return
-    if "logprobs" not in known:
-        raise unsupported(param, "logprobs")
     if not 0 <= count <= 20:
         raise invalid(param, f"{param!r} must be an integer from 0 to 20")
+    if "logprobs" not in known:
+        raise unsupported(param, "logprobs")
     job_params["logprobs"] = count
     if echo:
         if "prompt_logprobs" not in known:
@@ -116,15 +117,9 @@ def completion_job(req: CompletionRequest, model: str) -> Job:
         raise unsupported("best_of", "best_of other than n")
     prompts = _prompt_list(req.prompt)
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    if max_tokens == 0:               # prompt log-probabilities alone: the engine generates at least one token
-        raise unsupported("max_tokens", "max_tokens 0")
     params = _sampling(req, max_tokens, "max_tokens", known)
     _logprobs(params, req.logprobs, bool(req.echo), known, "logprobs")
-    echo = None
-    if req.echo:
-        if any(not isinstance(p, str) for p in prompts):
-            raise unsupported("echo", "echo of a prompt given as token ids")
-        echo = list(prompts)
+    echo = [p if isinstance(p, str) else None for p in prompts] if req.echo else None
     return Job(chat=False, prompts=[{"prompt": p} for p in prompts], params=params, n=params["n"], echo=echo,
                logprobs=req.logprobs, **_common(req, model, "cmpl"))
 

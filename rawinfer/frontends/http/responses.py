@@ -3,11 +3,11 @@ from a Job's engine messages (generation.py)."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from rawinfer.frontends.http.engine_link import EngineLink
 from rawinfer.frontends.http.errors import APIError
-from rawinfer.frontends.http.generation import Totals, job_messages
+from rawinfer.frontends.http.generation import Totals, job_messages, prepare
 from rawinfer.frontends.http.params import Job
 from rawinfer.frontends.http.sse import DONE, event
 from rawinfer.frontends.server import protocol as P
@@ -20,24 +20,31 @@ def _head(job: Job, chunk: bool) -> dict:
     return {"id": job.id, "object": kind, "created": job.created, "model": job.model}
 
 
+async def _totals(link: EngineLink, job: Job) -> Totals:
+    await prepare(link, job)
+    return Totals(job, await link.token_texts() if job.logprobs is not None else None)
+
+
+def _chat_logprobs(value: Any) -> dict | None:
+    return None if value is None else {"content": value}
+
+
 async def whole_response(link: EngineLink, job: Job) -> dict:
-    """The non-streaming response: every choice's text, finish reason and the usage."""
-    totals = Totals(job)
+    """The non-streaming response: every choice's text, finish reason and logprobs, and the usage."""
+    totals = await _totals(link, job)
     async for index, msg in job_messages(link, job, stream=False):
         totals.add(index, msg)
     failure = totals.failure()
     if failure is not None:
         raise failure
     choices = []
-    for i, text in enumerate(totals.texts):
-        reason = _FINISH[totals.finish[i]]
+    for i, c in enumerate(totals.choices):
+        reason = _FINISH[c.finish]
         if job.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                            "finish_reason": reason})
+            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": _chat_logprobs(c.logprobs), "finish_reason": reason})
         else:
-            if job.echo is not None:
-                text = job.echo[i // job.n] + text
-            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": reason})
     return {**_head(job, False), "choices": choices, "usage": totals.usage()}
 
 
@@ -47,12 +54,13 @@ class ChunkStream:
 
     def __init__(self, link: EngineLink, job: Job):
         self.link, self.job = link, job
-        self.totals = Totals(job)
-        self.messages = job_messages(link, job, stream=True)
+        self.totals: Totals | None = None
+        self.messages: AsyncIterator | None = None
         self.first: tuple[int, P.Chunk | P.Final] | None = None
-        self.started = [False] * len(self.totals.texts)     # a choice's first chunk carries the role / echo
 
     async def start(self) -> None:
+        self.totals = await _totals(self.link, self.job)
+        self.messages = job_messages(self.link, self.job, stream=True)
         try:
             self.first = await self.messages.__anext__()
         except StopAsyncIteration:
@@ -61,40 +69,36 @@ class ChunkStream:
             await self.messages.aclose()
             raise
 
-    async def abort(self) -> None:
-        await self.link.abort(self.job.engine_ids())
-
     def _chunk(self, index: int, msg: P.Chunk | P.Final) -> dict:
-        job, text = self.job, msg.text
+        job = self.job
+        first = not self.totals.choices[index].started
+        text, lp = self.totals.add(index, msg)
         reason = _FINISH.get(msg.finish_reason) if isinstance(msg, P.Final) else None
         if job.chat:
             delta = {"content": text} if text or not isinstance(msg, P.Final) else {}
-            if not self.started[index]:
-                delta = {"role": "assistant", **({"content": ""} if not delta else delta)}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            if first:
+                delta = {"role": "assistant", "content": text}
+            choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(lp), "finish_reason": reason}
         else:
-            if not self.started[index] and job.echo is not None:
-                text = job.echo[index // job.n] + text
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-        self.started[index] = True
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
         body = {**_head(job, True), "choices": [choice]}
         if job.include_usage:
             body["usage"] = None
         return body
 
+    async def _all(self) -> AsyncIterator:
+        if self.first is not None:
+            yield self.first
+        async for item in self.messages:
+            yield item
+
     async def events(self) -> AsyncIterator[bytes]:
         try:
-            pending = [] if self.first is None else [self.first]
             try:
-                async def all_messages():
-                    for item in pending:
-                        yield item
-                    async for item in self.messages:
-                        yield item
-                async for index, msg in all_messages():
-                    self.totals.add(index, msg)
+                async for index, msg in self._all():
                     if isinstance(msg, P.Final) and msg.finish_reason not in _FINISH:
-                        continue                        # reported once, below
+                        self.totals.add(index, msg)         # reported once, below
+                        continue
                     yield event(self._chunk(index, msg))
             except APIError as e:
                 yield event(e.body())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 DONE = b"data: [DONE]\n\n"
 
@@ -15,35 +15,36 @@ def event(obj: Any) -> bytes:
 
 
 class EventStream:
-    """A 200 text/event-stream response of `events`. When the client disconnects, `on_disconnect` runs
-    (it aborts the engine requests, which ends `events`) and nothing more is sent; `events` is closed
-    whatever happens, so its own cleanup runs before the response ends."""
+    """A 200 text/event-stream response of `events`. The sending runs in a task of its own; when the client
+    disconnects that task is cancelled, which closes `events` where it waits, and closing it aborts the
+    engine requests behind it (the client library sends `abort` for a stream left before its end)."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], Awaitable[None]]):
-        self.events, self.on_disconnect = events, on_disconnect
+    def __init__(self, events: AsyncIterator[bytes]):
+        self.events = events
 
-    async def __call__(self, scope, receive, send) -> None:
-        gone = asyncio.Event()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-            await self.on_disconnect()
-
-        watcher = asyncio.create_task(watch())
+    async def _send_all(self, send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                     (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
             async for data in self.events:
-                if gone.is_set():
-                    break
                 await send({"type": "http.response.body", "body": data, "more_body": True})
-            if not gone.is_set():
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:                     # the connection broke under a send
-            await self.on_disconnect()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            watcher.cancel()
             await self.events.aclose()
+
+    @staticmethod
+    async def _disconnect(receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def __call__(self, scope, receive, send) -> None:
+        sender = asyncio.create_task(self._send_all(send))
+        watcher = asyncio.create_task(self._disconnect(receive))
+        try:
+            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (watcher, sender):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(sender, watcher, return_exceptions=True)

@@ -1,21 +1,27 @@
 """POST /tokenize and /detokenize: the engine's own tokenizer and chat template, reached through the
-protocol, so that counts agree with what a generate request would be charged."""
+protocol (answered on the server's admission thread), so counts agree with what a generate request is
+charged."""
 
 from __future__ import annotations
 
 from rawinfer.frontends.http.engine_link import EngineLink
-from rawinfer.frontends.http.errors import APIError
+from rawinfer.frontends.http.errors import invalid
 from rawinfer.frontends.http.schemas import DetokenizeRequest, TokenizeRequest
 
 
-def _not_yet(what: str) -> APIError:
-    return APIError(501, f"{what} is not supported by this server yet: the engine's protocol has no such request",
-                    code="not_implemented")
-
-
 async def tokenize(link: EngineLink, body: TokenizeRequest) -> dict:
-    raise _not_yet("POST /tokenize")
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("prompt", "give exactly one of 'prompt' and 'messages'")
+    if body.messages is not None:
+        if body.add_generation_prompt is False:
+            raise invalid("add_generation_prompt", "chats are rendered as a generate request renders them, with "
+                          "the generation prompt; leave 'add_generation_prompt' out")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = await link.tokenize(messages=messages, prompt_param="messages")
+    else:
+        ids = await link.tokenize(body.prompt)
+    return {"count": len(ids), "max_model_len": (await link.info()).get("max_model_len"), "tokens": ids}
 
 
 async def detokenize(link: EngineLink, body: DetokenizeRequest) -> dict:
-    raise _not_yet("POST /detokenize")
+    return {"prompt": await link.detokenize(body.tokens)}
