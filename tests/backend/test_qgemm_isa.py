@@ -45,6 +45,9 @@ def test_features_are_numba_target_features(monkeypatch):
     assert isa.select(isa.target_features()) == isa.AVX2
     monkeypatch.setattr(config, "CPU_FEATURES", "")
     assert isa.select(isa.target_features()) == isa.PORTABLE
+    monkeypatch.setattr(config, "CPU_FEATURES", None)            # the host's, with NUMBA_ENABLE_AVX=0
+    monkeypatch.setattr(config, "ENABLE_AVX", False)
+    assert not any(f.startswith("avx") for f in isa.target_features())
 
 
 def test_the_cache_key_carries_the_features_the_paths_use():

@@ -24,15 +24,15 @@ def parse_features(spec: str) -> set[str]:
 
 
 def target_features() -> set[str]:
-    """The features Numba's code generator compiles for: NUMBA_CPU_FEATURES where set (a named CPU's
-    implied features are not expanded: an explicit list without avx2 gets the portable paths), else
-    the host's. Empty where neither can be read (not x86-64, no query): the portable paths."""
+    """The features Numba's code generator compiles for (numba.core.codegen's choice): NUMBA_CPU_FEATURES
+    where set (a named CPU's implied features are not expanded: an explicit list without avx2 gets
+    the portable paths), else the host's, less every AVX feature where NUMBA_ENABLE_AVX is off.
+    Empty where neither can be read (not x86-64, no query): the portable paths."""
     try:
-        from numba.core import config
+        from numba.core import codegen, config
         if config.CPU_FEATURES is not None:
             return parse_features(config.CPU_FEATURES)
-        import llvmlite.binding as llvm
-        return parse_features(llvm.get_host_cpu_features().flatten())
+        return parse_features(codegen.get_host_cpu_features())
     except Exception:  # noqa: BLE001 - no feature query on this platform: take the portable paths
         return set()
 
