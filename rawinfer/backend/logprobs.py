@@ -59,9 +59,11 @@ def logprob_rows(xp: Any, to_host, logits: Any, rows: np.ndarray, token_ids: np.
         lp[i] = chosen - lse
         ranks[i] = (x > chosen).sum() + 1
         if k:
-            idx = xp.argpartition(-x, k - 1)[:k] if k < V else xp.arange(V)
+            # every token at least as likely as the k-th: more than k where the k-th value is tied
+            kth = x[xp.argpartition(-x, k - 1)[k - 1]] if k < V else x.min()
+            idx = xp.nonzero(x >= kth)[0]
             vals = x[idx]
-            order = xp.lexsort(xp.stack([idx, -vals]))     # the last key sorts first
+            order = xp.lexsort(xp.stack([idx, -vals]))[:k]     # the last key sorts first
             top_ids[i] = idx[order]
             top_lp[i] = vals[order] - lse
     return LogprobRows(to_host(lp), to_host(ranks), to_host(top_ids), to_host(top_lp))

@@ -114,7 +114,10 @@ class Scheduler:
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         if seq.chunk_sizes is not None:
             seq.chunk_index += 1
-        return ScheduledSeq(seq, n, samples=not seq.is_scoring and seq.num_computed_tokens + n == seq.num_tokens)
+        start = seq.num_computed_tokens
+        prompt_rows = max(0, min(start + n, seq.num_prompt_tokens - 1) - start) if seq.wants_prompt_logprobs else 0
+        return ScheduledSeq(seq, n, samples=not seq.is_scoring and start + n == seq.num_tokens,
+                            prompt_logprob_rows=prompt_rows)
 
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
@@ -149,7 +152,8 @@ class Scheduler:
                and len(self.running) < self.ecfg.max_num_seqs and len(out.seqs) < self.ecfg.max_num_seqs):
             seq = self.waiting[0]
             cached: list[int] = []
-            if self.ecfg.enable_prefix_caching and not seq.is_scoring:   # scoring computes every position
+            # scoring and prompt log-probabilities need every position computed
+            if self.ecfg.enable_prefix_caching and not seq.is_scoring and not seq.wants_prompt_logprobs:
                 cached = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes)
             num_cached = len(cached) * self.bm.block_size
             seq.num_computed_tokens = num_cached

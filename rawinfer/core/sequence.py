@@ -82,6 +82,12 @@ class Sequence:
         return self.chunk_sizes is not None
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its request asked for prompt log-probabilities and they have not gone out yet (they go with the
+        first output): every prompt position must be computed, none read from the prefix cache."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0 and not self.is_scoring
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -14,6 +14,8 @@ A step of B sequences whose new tokens total T rows, S of which need sampled log
     query_start_loc[B+1]           rows of sequence b: query_start_loc[b] : query_start_loc[b+1]
     logits_indices[S]              the last row of each sequence whose next token is sampled, in batch order
     score_rows[R]                  every row of a scoring (teacher-forced) sequence, in batch order
+    prompt_rows[Q]                 rows whose next token is a prompt token of a sequence that wants prompt
+    prompt_targets[Q]              log-probabilities, and that token (prompt_top: alternatives to compute)
     copies                         copy-on-write (src, dst) block pairs to copy before the forward pass
     graph_bucket                   a pure decode step that fits a captured graph: the graph's batch size
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rawinfer.core.sequence import Sequence
+from rawinfer.sampling import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     samples: bool            # the chunk reaches the last known token and the next one is to be sampled
+    prompt_logprob_rows: int = 0   # the chunk's first rows whose next token is a prompt token whose
+                                   # log-probability the request wants (Sequence.wants_prompt_logprobs)
 
     @property
     def scores(self) -> bool:
@@ -66,6 +71,9 @@ class StepPlan:
     max_query_len: int
     max_context_len: int
     graph_bucket: int | None
+    prompt_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))      # [Q] int32
+    prompt_targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))   # [Q] int32
+    prompt_top: int = 0            # alternatives per prompt row: MAX_LOGPROBS when any wants some, else 0
 
     @property
     def num_tokens(self) -> int:
@@ -114,14 +122,16 @@ def build_step_plan(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], copies:
     with block table tables[b] (already grown for this step)."""
     if not scheduled:
         raise ValueError("a step plan needs at least one scheduled sequence")
-    decode = all(s.num_new_tokens == 1 and not s.scores for s in scheduled)
+    decode = all(s.num_new_tokens == 1 and not s.scores and not s.prompt_logprob_rows for s in scheduled)
     build = _decode_arrays if decode else _chunk_arrays
     arrays = build(scheduled, tables, layout)
     B = len(scheduled)
     bucket = None
     if decode and layout.graph_buckets and B <= layout.graph_buckets[-1]:
         bucket = bucket_for(B, layout.graph_buckets)
-    return StepPlan(**arrays, copies=tuple(copies),
+    # NOTE: always MAX_LOGPROBS alternatives when any row wants some, so a row's do not depend on the others
+    top = MAX_LOGPROBS if any(s.prompt_logprob_rows and s.seq.params.prompt_logprobs for s in scheduled) else 0
+    return StepPlan(**arrays, copies=tuple(copies), prompt_top=top,
                     max_query_len=max(s.num_new_tokens for s in scheduled),
                     max_context_len=int(arrays["context_lens"].max()), graph_bucket=bucket)
 
@@ -151,14 +161,15 @@ def _decode_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: 
     return dict(token_ids=np.asarray(ids, np.int32), positions=pos, slot_mapping=np.asarray(slots, np.int32),
                 block_tables=_padded_tables(tables, layout.pad_block), context_lens=pos + 1,
                 query_start_loc=np.arange(B + 1, dtype=np.int32), logits_indices=np.asarray(logits, np.int32),
-                score_rows=np.zeros(0, np.int32))
+                score_rows=np.zeros(0, np.int32), prompt_rows=np.zeros(0, np.int32),
+                prompt_targets=np.zeros(0, np.int32))
 
 
 def _chunk_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: PlanLayout) -> dict:
     """Any step: prefill chunks, decode tokens and scoring chunks mixed."""
     BS = layout.block_size
     B = len(scheduled)
-    ids, positions, slots, logits, score = [], [], [], [], []
+    ids, positions, slots, logits, score, prompt_rows, targets = [], [], [], [], [], [], []
     context_lens = np.zeros(B, np.int32)
     qsl = np.zeros(B + 1, np.int32)
     row = 0
@@ -175,8 +186,13 @@ def _chunk_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: P
             score.extend(range(row, row + n))
         elif s.samples:
             logits.append(row + n - 1)
+        if s.prompt_logprob_rows:
+            q = s.prompt_logprob_rows
+            prompt_rows.extend(range(row, row + q))
+            targets.extend(seq.token_ids[start + 1:start + 1 + q])
         row += n
     return dict(token_ids=np.concatenate(ids), positions=np.concatenate(positions),
                 slot_mapping=np.concatenate(slots).astype(np.int32), block_tables=_padded_tables(tables, layout.pad_block),
                 context_lens=context_lens, query_start_loc=qsl, logits_indices=np.asarray(logits, np.int32),
-                score_rows=np.asarray(score, np.int32))
+                score_rows=np.asarray(score, np.int32), prompt_rows=np.asarray(prompt_rows, np.int32),
+                prompt_targets=np.asarray(targets, np.int32))

@@ -30,6 +30,7 @@ from rawinfer.core.block_manager import BlockManager
 from rawinfer.core.scheduler import Scheduler
 from rawinfer.core.sequence import FinishReason, Sequence, SequenceTimings
 from rawinfer.core.step_plan import ScheduledBatch
+from rawinfer.engine.logprobs import Logprobs, store_prompt_logprobs, take_prompt_logprobs, token_logprobs
 from rawinfer.engine.metrics import EngineStats, request_metrics
 from rawinfer.engine.outputs import OutputRules, RequestOutput, SampleState
 from rawinfer.engine.sampler import Sampler, make_generator, sample_row
@@ -173,6 +174,10 @@ class LLMEngine:
         if not is_int(priority):
             raise RequestRejected("priority must be an integer")
         ids = self.encode_prompt(prompt)
+        V = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias if t >= V]
+        if bad:
+            raise RequestRejected(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {V})")
         self._check_fits(len(ids) + params.max_tokens, params.n,
                          f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens})")
         seq = Sequence(seq_id=request_id, request_id=request_id, index=0, prompt_token_ids=ids,
@@ -188,7 +193,10 @@ class LLMEngine:
         else:
             self._seed_counter += 1
             rng = make_generator(self.config.seed * 1_000_003 + self._seed_counter, seq.index)
-        return self.rules.new_state(seq, rng)
+        st = self.rules.new_state(seq, rng)
+        if p.prompt_logprobs is not None:
+            st.prompt_logprobs = Logprobs()
+        return st
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request at once and free its blocks. Returns its final outputs ([] if unknown)."""
@@ -228,18 +236,30 @@ class LLMEngine:
         return outputs
 
     def _process(self, batch: ScheduledBatch, result: StepOutput, started: float) -> list[RequestOutput]:
-        """Sample the sampled rows, store the scored rows, finish what is done."""
+        """Sample the sampled rows, store the scored rows and prompt log-probabilities, finish what is done."""
         to_sample = [s.seq for s in batch.seqs if s.samples]
         states = [self._state(seq) for seq in to_sample]
-        histories = [s.token_ids if s.params.repetition_penalty != 1.0 else None for s in to_sample]
-        tokens = self.sampler.sample(result.logits, [s.params for s in to_sample], histories, [st.rng for st in states])
+        edits = [s.params.edits_logits for s in to_sample]
+        tokens = self.sampler.sample(result.logits, [s.params for s in to_sample],
+                                     [s.token_ids if e else None for s, e in zip(to_sample, edits)],
+                                     [st.rng for st in states], [s.num_prompt_tokens for s in to_sample])
         self._store_scores(batch, result)
+        store_prompt_logprobs(batch, result.prompt_logprobs, self._state)
         now = time.monotonic()
-        outputs: list[RequestOutput] = []
+        picks: list[tuple[SampleState, int, int]] = []     # (sample, logits row, its new token)
+        prompt_only: list[SampleState] = []
         for row, (seq, st, tok) in enumerate(zip(to_sample, states, tokens)):
+            if seq.params.max_tokens == 0:
+                prompt_only.append(st)
+                continue
             if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0:
-                outputs.extend(self._fork_samples(seq, result.logits, row, now))
-            outputs.append(self._add_token(st, tok, now))
+                picks += self._fork_samples(st, result.logits, row)
+            picks.append((st, row, tok))
+        logprobs = token_logprobs(self.backend, result.logits, [(st.seq.params.logprobs, row, tok)
+                                                                for st, row, tok in picks])
+        outputs = [self._add_token(st, tok, now, lp) for (st, _, tok), lp in zip(picks, logprobs)]
+        for st in prompt_only:
+            outputs += self._finish_prompt_only(st)
         self.stats_tracker.on_step(now, started, batch.num_tokens, len(to_sample), self.block_manager.usage)
         return outputs
 
@@ -249,11 +269,12 @@ class LLMEngine:
                 return st
         raise KeyError(seq.seq_id)
 
-    def _fork_samples(self, parent: Sequence, logits, row: int, now: float) -> list[RequestOutput]:
+    def _fork_samples(self, parent_st: SampleState, logits, row: int) -> list[tuple[SampleState, int, int]]:
         """n > 1: the prompt is computed; the scheduler forks n-1 samples that share its blocks, and each
-        draws its own first token from the same logits row."""
+        draws its own first token from the same logits row. Returns (sample, row, token) of each."""
+        parent = parent_st.seq
         host_row = self.backend.to_host(logits)[row]
-        outs = []
+        picks = []
         for i in range(1, parent.params.n):
             t = parent.timings
             child = Sequence(seq_id=f"{parent.request_id}#{i}", request_id=parent.request_id, index=i,
@@ -261,27 +282,40 @@ class LLMEngine:
                              priority=parent.priority, timings=SequenceTimings(arrival=t.arrival, scheduled=t.scheduled))
             self.scheduler.fork(parent, child)
             st = self._new_state(child)
+            st.prompt_logprobs = parent_st.prompt_logprobs          # the same prompt: read only from here on
             self._requests[parent.request_id].append(st)
-            tok = sample_row(host_row, child.params, child.token_ids, st.rng)
-            outs.append(self._add_token(st, tok, now))
+            picks.append((st, row, sample_row(host_row, child.params, child.token_ids, st.rng, child.num_prompt_tokens)))
+        return picks
+
+    def _finish_prompt_only(self, st: SampleState) -> list[RequestOutput]:
+        """max_tokens 0: the prompt is computed (its log-probabilities taken); every sample ends, no token."""
+        seq = st.seq
+        self.scheduler.finish(seq, FinishReason.LENGTH)
+        first = self._final(st, [], "")
+        outs = [first]
+        for index in range(1, seq.params.n):
+            self.stats_tracker.count_finish(str(FinishReason.LENGTH))
+            outs.append(RequestOutput(seq.request_id, index, [], "", True, first.finish_reason, first.metrics,
+                                      prompt_logprobs=first.prompt_logprobs))
         return outs
 
-    def _add_token(self, st: SampleState, tok: int, now: float) -> RequestOutput:
+    def _add_token(self, st: SampleState, tok: int, now: float, logprobs: Logprobs | None = None) -> RequestOutput:
         text, reason = self.rules.add_token(st, tok, now)
         self.stats_tracker.on_token(st.seq)
         if reason is None:
-            return RequestOutput(st.seq.request_id, st.seq.index, [tok], text, False)
+            return RequestOutput(st.seq.request_id, st.seq.index, [tok], text, False, logprobs=logprobs,
+                                 prompt_logprobs=take_prompt_logprobs(st))
         self.scheduler.finish(st.seq, reason)
-        return self._final(st, [tok], text)
+        return self._final(st, [tok], text, logprobs)
 
-    def _final(self, st: SampleState, new_ids: list[int], text: str) -> RequestOutput:
+    def _final(self, st: SampleState, new_ids: list[int], text: str, logprobs: Logprobs | None = None) -> RequestOutput:
         seq = st.seq
         states = self._requests.get(seq.request_id)
         if states is not None and all(s.seq.is_finished for s in states):
             del self._requests[seq.request_id]
         self.stats_tracker.on_finish(seq)
         return RequestOutput(seq.request_id, seq.index, new_ids, text, True, str(seq.finish_reason),
-                             request_metrics(seq))
+                             request_metrics(seq), logprobs, take_prompt_logprobs(st))
 
     # ---- scoring (teacher forcing) ------------------------------------------------------------
     def score(self, token_ids: list[int], chunk_sizes: int | Iterable[int] | None = None) -> np.ndarray:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from rawinfer.config import DEFAULT_MODEL
 from rawinfer.engine.engine import LLMEngine
+from rawinfer.engine.logprobs import Logprobs
 from rawinfer.engine.metrics import RequestMetrics
 from rawinfer.sampling import SamplingParams
 
@@ -18,6 +19,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
+    logprobs: Logprobs | None = None   # of token_ids, when params.logprobs was set
 
 
 @dataclass
@@ -26,6 +28,7 @@ class GenerationResult:
     prompt: str | list[int]
     prompt_token_ids: list[int]
     outputs: list[Completion]          # n completions (index order)
+    prompt_logprobs: Logprobs | None = None   # of prompt_token_ids[1:], when params.prompt_logprobs was set
 
     # The first completion's fields, for the common n == 1 case.
     @property
@@ -81,6 +84,11 @@ class LLM:
                     c = results[out.request_id].outputs[out.index]
                     c.token_ids.extend(out.new_token_ids)
                     c.text += out.text_delta
+                    if out.logprobs is not None:
+                        c.logprobs = c.logprobs or Logprobs()
+                        c.logprobs.extend(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        results[out.request_id].prompt_logprobs = out.prompt_logprobs
                     if out.finished:
                         c.finish_reason, c.metrics = out.finish_reason, out.metrics
                         if bar is not None and all(x.finish_reason for x in results[out.request_id].outputs):

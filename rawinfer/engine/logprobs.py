@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rawinfer.backend.logprobs import LogprobRows
 from rawinfer.sampling import MAX_LOGPROBS
 
@@ -52,3 +54,46 @@ def entries(rows: LogprobRows, token_ids, start: int, stop: int, k: int) -> Logp
     """Entries start..stop of a backend.logprobs result as a Logprobs with k alternatives each."""
     return Logprobs([int(t) for t in token_ids], rows.logprobs[start:stop].tolist(), rows.ranks[start:stop].tolist(),
                     rows.top_ids[start:stop, :k].tolist(), rows.top_logprobs[start:stop, :k].tolist())
+
+
+def token_logprobs(backend, logits, picks: list[tuple[int | None, int, int]]) -> list[Logprobs | None]:
+    """For (params.logprobs, logits row, chosen token) per new token: the records of the tokens whose request
+    asked, computed on the device in one call; None for the others, which cost nothing."""
+    want = [i for i, (k, _, _) in enumerate(picks) if k is not None]
+    out: list[Logprobs | None] = [None] * len(picks)
+    if not want:
+        return out
+    top = LOGPROB_TOP if any(picks[i][0] for i in want) else 0
+    rows = backend.logprobs(logits, np.asarray([picks[i][1] for i in want], np.int64),
+                            np.asarray([picks[i][2] for i in want], np.int64), top)
+    for j, i in enumerate(want):
+        k, _, tok = picks[i]
+        out[i] = entries(rows, [tok], j, j + 1, k)
+    return out
+
+
+def store_prompt_logprobs(batch, rows: LogprobRows | None, state_of) -> None:
+    """File a step's prompt log-probabilities (the runner's rows, in batch order) under their samples' states
+    (state_of(seq)), by prompt position: a prefill restarted by preemption overwrites what it computed before.
+    After scheduler.advance()."""
+    row = 0
+    for s in batch.seqs:
+        q = s.prompt_logprob_rows
+        if not q:
+            continue
+        seq = s.seq
+        start = seq.num_computed_tokens - s.num_new_tokens       # advance() has moved it past this chunk
+        acc = state_of(seq).prompt_logprobs
+        acc.truncate(start)
+        acc.extend(entries(rows, seq.token_ids[start + 1:start + 1 + q], row, row + q, seq.params.prompt_logprobs))
+        row += q
+
+
+def take_prompt_logprobs(st) -> Logprobs | None:
+    """A sample's (SampleState's) prompt log-probabilities, once, with its first output, when they are complete
+    (an abort mid-prefill sends none)."""
+    lp = st.prompt_logprobs
+    if lp is None or len(lp) != st.seq.num_prompt_tokens - 1:
+        return None
+    st.prompt_logprobs = None
+    return lp

@@ -47,6 +47,7 @@ class SampleState:
     rng: np.random.Generator
     detok: IncrementalDetokenizer | None = None
     stop: StopChecker | None = None
+    prompt_logprobs: Logprobs | None = None    # filled during prefill when asked for; handed out once
 
 
 class OutputRules:

@@ -1,17 +1,19 @@
-"""Sampler: logits rows -> next token ids (greedy, temperature, top-k, top-p, min-p, repetition penalty).
+"""Sampler: logits rows -> next token ids (greedy, temperature, top-k, top-p, min-p, penalties, logit bias).
 
 Order of the transforms for one row: repetition penalty (on prompt + output tokens, the Hugging Face
-rule: a positive logit is divided by the penalty, a negative one multiplied), then greedy argmax, or
+rule: a positive logit is divided by the penalty, a negative one multiplied), frequency and presence
+penalties (OpenAI's rule, on output tokens: logit -= frequency * count + presence * [count > 0]), the
+logit bias (added), then greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> a draw from the sequence's own random generator. Every
 sequence owns its generator (seeded from the request's seed and the sample index), so a sequence's
 draws do not depend on what else is in the batch: same seed, same output.
 
 Where the rows are transformed.  Plain greedy rows: one device argmax, no logits copy.  On a backend
 with a device sampler (`backend.sample`, CUDA: cuda/sampling.cu applies the same rule, top-k, then
-top-p, then min-p, then the inverse CDF at u) the rows without a repetition penalty are drawn on the
+top-p, then min-p, then the inverse CDF at u) the rows without logit edits (penalties, bias) are drawn on the
 device with u = one draw of the sequence's generator, exactly what the host path consumes, so seeds
 stay batch-invariant and a row picks the same token on either path except where float32 rounding
-decides a boundary.  Rows with a repetition penalty, and every non-greedy row on a backend without a
+decides a boundary.  Rows with logit edits, and every non-greedy row on a backend without a
 device sampler (the CPU), are copied to the host and sampled by `sample_row`.
 """
 
@@ -33,6 +35,18 @@ def apply_repetition_penalty(row: np.ndarray, token_ids, penalty: float) -> None
     ids = np.unique(np.asarray(token_ids, dtype=np.int64))
     vals = row[ids]
     row[ids] = np.where(vals > 0, vals / penalty, vals * penalty)
+
+
+def apply_logit_edits(row: np.ndarray, p: SamplingParams, history, num_prompt: int) -> None:
+    """In place on row[V]: the repetition penalty (history = prompt + output ids), the frequency and presence
+    penalties (history[num_prompt:], the output), the logit bias."""
+    apply_repetition_penalty(row, history, p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and len(history) > num_prompt:
+        ids, counts = np.unique(np.asarray(history[num_prompt:], dtype=np.int64), return_counts=True)
+        row[ids] -= (p.frequency_penalty * counts + p.presence_penalty).astype(row.dtype)
+    if p.logit_bias:
+        ids = np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias))
+        row[ids] += np.fromiter(p.logit_bias.values(), np.float64, len(p.logit_bias)).astype(row.dtype)
 
 
 def filtered_probs(row: np.ndarray, p: SamplingParams) -> np.ndarray:
@@ -58,11 +72,13 @@ def filtered_probs(row: np.ndarray, p: SamplingParams) -> np.ndarray:
     return probs
 
 
-def sample_row(row: np.ndarray, p: SamplingParams, history, rng: np.random.Generator | None) -> int:
-    """One token from one logits row [V] (row is not modified)."""
-    if p.repetition_penalty != 1.0:
+def sample_row(row: np.ndarray, p: SamplingParams, history, rng: np.random.Generator | None,
+               num_prompt: int = 0) -> int:
+    """One token from one logits row [V] (row is not modified); history: prompt + output ids, the first
+    num_prompt of them the prompt's (read only when p.edits_logits)."""
+    if p.edits_logits:
         row = row.copy()
-        apply_repetition_penalty(row, history, p.repetition_penalty)
+        apply_logit_edits(row, p, history, num_prompt)
     if p.greedy:
         return int(np.argmax(row))
     probs = filtered_probs(row, p)
@@ -101,18 +117,20 @@ class Sampler:
         self.backend = backend
         self._device_sample = backend.sample if backend.capabilities.device_sampling else None
 
-    def sample(self, logits, params: list[SamplingParams], histories: list, rngs: list) -> list[int]:
-        """logits: device [S, V]; one (params, token history, generator) per row -> S token ids. A row's
-        history is read only when its params have a repetition penalty (the engine passes None otherwise).
+    def sample(self, logits, params: list[SamplingParams], histories: list, rngs: list,
+               prompt_lens: list[int] | None = None) -> list[int]:
+        """logits: device [S, V]; one (params, token history, generator, prompt length) per row -> S token
+        ids. A row's history is read only when its params edit logits (the engine passes None otherwise).
 
-        Plain greedy rows are reduced on the device (no logits copy); so are sampled rows without a
-        repetition penalty where the backend has a device sampler; the other rows are copied to the
-        host and transformed there."""
+        Plain greedy rows are reduced on the device (no logits copy); so are sampled rows without logit
+        edits where the backend has a device sampler; the other rows are copied to the host and
+        transformed there."""
         S = len(params)
         if S == 0:
             return []
-        plain = [p.greedy and p.repetition_penalty == 1.0 for p in params]
-        drawn = [i for i, p in enumerate(params) if not p.greedy and p.repetition_penalty == 1.0]
+        prompt_lens = prompt_lens or [0] * S
+        plain = [p.greedy and not p.edits_logits for p in params]
+        drawn = [i for i, p in enumerate(params) if not p.greedy and not p.edits_logits]
         on_device = plain[:]
         out = [0] * S
         if drawn and self._device_sample is not None:
@@ -133,5 +151,5 @@ class Sampler:
             host = self.backend.to_host(logits)
             for i in range(S):
                 if not on_device[i]:
-                    out[i] = sample_row(host[i], params[i], histories[i], rngs[i])
+                    out[i] = sample_row(host[i], params[i], histories[i], rngs[i], prompt_lens[i])
         return out

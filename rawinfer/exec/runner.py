@@ -5,10 +5,12 @@ The runner reads nothing but the plan: the scheduler has already decided everyth
 
     plan (host int32 arrays) --as_index_array--> FlatBatch (device) --model.forward_hidden--> hidden rows
     hidden[score_rows]     --LM head, workspace-sized pieces--> host logits [R, V]   (scoring)
+    hidden[prompt_rows]    --LM head, pieces, backend.logprobs--> host [Q], [Q, K]  (prompt log-probabilities)
     hidden[logits_indices] --LM head-->                         device logits [S, V] (sampling)
 
-The scoring rows go first: the sampled rows' logits are a workspace view that the next LM head call
-would overwrite, and they must survive until the sampler has read them.
+The scoring and prompt rows go first: the sampled rows' logits are a workspace view that the next LM head
+call would overwrite, and they must survive until the sampler has read them. Prompt rows' logits never
+leave the device; only their log-probability summaries do.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from rawinfer.backend.base import FlatBatch
+from rawinfer.backend.logprobs import LogprobRows
 from rawinfer.core.step_plan import PlanLayout, StepPlan
 from rawinfer.exec.graphs import DecodeGraphs
 from rawinfer.exec.model import DecoderModel
@@ -28,6 +31,7 @@ from rawinfer.exec.model import DecoderModel
 class StepOutput:
     logits: Any                        # device [S, V] float32: the rows of plan.logits_indices (a workspace view)
     score_logits: np.ndarray | None    # host [R, V] float32: the rows of plan.score_rows (None when R = 0)
+    prompt_logprobs: LogprobRows | None = None   # host, the rows of plan.prompt_rows (None when Q = 0)
 
 
 class ModelRunner:
@@ -69,7 +73,21 @@ class ModelRunner:
         flat = self.flat_batch(plan)
         self.model.forward_hidden(flat)
         score = self._host_logits(plan.score_rows) if plan.score_rows.size else None
-        return StepOutput(self.model.compute_logits(flat.logits_indices), score)
+        prompt = self._prompt_logprobs(plan) if plan.prompt_rows.size else None
+        return StepOutput(self.model.compute_logits(flat.logits_indices), score, prompt)
+
+    def _prompt_logprobs(self, plan: StepPlan) -> LogprobRows:
+        """Log-probabilities of plan.prompt_targets under the logits of hidden rows plan.prompt_rows (and
+        plan.prompt_top alternatives), the LM head run in pieces of the workspace's logits rows."""
+        piece = self.model.pool.logits_rows
+        parts = []
+        for a in range(0, plan.prompt_rows.shape[0], piece):
+            idx = self.backend.as_index_array(plan.prompt_rows[a:a + piece])
+            targets = plan.prompt_targets[a:a + piece]
+            parts.append(self.backend.logprobs(self.model.compute_logits(idx), np.arange(targets.shape[0]),
+                                               targets, plan.prompt_top))
+        return LogprobRows(*(np.concatenate([getattr(p, f) for p in parts])
+                             for f in ("logprobs", "ranks", "top_ids", "top_logprobs")))
 
     def _host_logits(self, rows: np.ndarray) -> np.ndarray:
         """Host logits [R, V] float32 of hidden rows `rows` of the last forward pass, the LM head run in

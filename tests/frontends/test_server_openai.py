@@ -76,3 +76,23 @@ def test_stats_carry_the_metrics_series(addr):
         assert h["counts"] == sorted(h["counts"]) and h["counts"][-1] <= h["count"]
     assert hist["inter_token_latency_seconds"]["count"] - before["histograms"]["inter_token_latency_seconds"]["count"] == 2
     assert P.decode_reply(P.encode(P.StatsReply({"metrics": m}))).stats["metrics"] == m
+
+
+def test_logprobs_travel_in_chunks_and_finals(addr, smol_engine):
+    prompt = [504, 3575, 282, 4649, 314]
+    params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "logprobs": 2, "prompt_logprobs": 1}
+    with Client(addr, timeout_s=60) as c:
+        streamed = list(c.generate(prompt, params=params))
+        whole = c.complete(prompt, params=params).outputs[0]
+        echo = c.complete(prompt, params={"max_tokens": 0, "prompt_logprobs": 0}).outputs[0]
+        plain = list(c.generate(prompt, params={"max_tokens": 2, "temperature": 0.0}))
+    ids = [t for m in streamed for t in m.token_ids]
+    lp = [x for m in streamed if m.logprobs for x in m.logprobs.logprobs]
+    assert ids == whole.token_ids and lp == whole.logprobs.logprobs and len(lp) == 4
+    assert all(m.logprobs is not None and len(m.logprobs.token_ids) == len(m.token_ids) for m in streamed)
+    assert [m.prompt_logprobs is not None for m in streamed] == [True] + [False] * (len(streamed) - 1)
+    assert streamed[0].prompt_logprobs == whole.prompt_logprobs and whole.prompt_logprobs.token_ids == prompt[1:]
+    assert all(len(t) == 2 for t in whole.logprobs.top_token_ids)
+    assert echo.token_ids == [] and echo.finish_reason == "length"
+    assert echo.prompt_logprobs.logprobs == whole.prompt_logprobs.logprobs
+    assert all(m.logprobs is None and m.prompt_logprobs is None for m in plain)
