@@ -187,3 +187,21 @@ def test_penalties_and_logit_bias_change_the_choice(smol):
     assert len(set(ids)) >= 8                  # the penalties push away from repeating
     with pytest.raises(ValueError, match="logit_bias names token id"):
         smol.add_request("bad", prompt, SamplingParams(logit_bias={10**6: 1}))
+
+
+def test_prompt_logprobs_survive_preemption(tiny_llama_dir):
+    """A pool too small for every request at once: prefills are preempted and recomputed, and each request's
+    prompt log-probabilities are still complete and equal to those it gets alone."""
+    p = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    prompts = {f"r{i}": [3 + i + 7 * j % 500 for j in range(60)] for i in range(4)}
+    alone = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="16MiB", warmup=False)
+    want = {rid: run(alone, {rid: (pr, p)})[rid] for rid, pr in prompts.items()}
+    small = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4, warmup=False,
+                      max_num_batched_tokens=32)
+    got = run(small, {rid: (pr, p) for rid, pr in prompts.items()})
+    assert small.stats()["num_preemptions"] > 0
+    for rid in prompts:
+        a, b = prompt_lp(want[rid]), prompt_lp(got[rid])
+        assert b.token_ids == prompts[rid][1:] and np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+        assert [t for o in got[rid] for t in o.new_token_ids] == [t for o in want[rid] for t in o.new_token_ids]
+        assert sum(o.prompt_logprobs is not None for o in got[rid]) == 1
