@@ -15,21 +15,40 @@ advance() moves each sequence's num_computed_tokens and registers the blocks tha
 Every change to the queues and to a sequence's blocks goes through here: admission, the samples of an
 n > 1 request forked from their parent (fork), scoring sequences (Sequence.chunk_sizes), finishing.
 
-Invariants (NOTE, checked by check_invariants): a sequence is in at most one queue, and in none once
-finished; a waiting sequence owns no KV blocks; between steps a running one owns exactly the
-ceil(num_computed_tokens / BS) blocks that cover its computed tokens.
+Remote prefill (prefill/decode disaggregation, engine/kv_transfer.py): reserve_remote moves a waiting
+sequence into `receiving` with blocks for all but its last prompt token (after its own prefix-cache hit);
+another engine computes their K/V and the bytes are written straight into those blocks. They are not
+scheduled (nobody reads them) and not registered in the prefix cache until complete_remote, after the
+transfer is whole and checked, puts the sequence in `running` with everything but its last prompt token
+computed: that token is computed here, so its logits, sampling and stop rules are this engine's own.
+cancel_remote frees the blocks and queues the sequence again, to be prefilled here.
+
+Invariants (NOTE, checked by check_invariants): a sequence is in at most one queue (waiting, running,
+receiving), and in none once finished; a waiting sequence owns no KV blocks; between steps a running
+one owns exactly the ceil(num_computed_tokens / BS) blocks that cover its computed tokens, a receiving
+one the ceil((P - 1) / BS) blocks of its first P - 1 prompt tokens.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from dataclasses import dataclass
 
 from rawinfer.config import EngineConfig
 from rawinfer.core.block_hashes import BlockHashes
 from rawinfer.core.block_manager import BlockManager
 from rawinfer.core.sequence import FinishReason, Sequence
 from rawinfer.core.step_plan import PlanLayout, ScheduledBatch, ScheduledSeq, build_step_plan
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks of a receiving sequence that a remote prefill fills."""
+
+    start_block: int            # first logical block to fill: those before it are this engine's prefix-cache hit
+    block_ids: list[int]        # physical ids of logical blocks start_block, start_block + 1, ...
+    num_tokens: int             # prompt tokens whose K/V arrive (positions 0 .. num_tokens - 1): all but the last
 
 
 class Scheduler:
@@ -46,6 +65,7 @@ class Scheduler:
                              f"manager's {block_manager.block_size}")
         self.waiting: list[Sequence] = []     # sorted by (priority, arrival_order); preempted go first
         self.running: list[Sequence] = []     # admission order
+        self.receiving: dict[str, Sequence] = {}   # seq id -> sequence whose prompt K/V a remote prefill sends
         self.num_preemptions = 0
         self._ticket = 0
 
@@ -54,6 +74,9 @@ class Scheduler:
         """Queue a new sequence (it owns no blocks yet)."""
         self._ticket += 1
         seq.arrival_order = self._ticket
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         keys = [(s.priority, s.arrival_order) for s in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, (seq.priority, seq.arrival_order)), seq)
 
@@ -82,8 +105,54 @@ class Scheduler:
             self.bm.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif self.receiving.get(seq.seq_id) is seq:
+            del self.receiving[seq.seq_id]
+            self.bm.free(seq.seq_id)
         seq.finish_reason = reason
         seq.timings.finished = time.monotonic()
+
+    # ---- remote prefill ---------------------------------------------------------------------------
+    def reserve_remote(self, seq: Sequence, min_blocks: int = 1) -> Reservation | None:
+        """Move waiting `seq` to `receiving` with blocks for its first P - 1 prompt tokens, its prefix-cache
+        hit first. None (nothing changed) when fewer than min_blocks blocks would be filled remotely or the
+        pool lacks them: the sequence then prefills here as usual."""
+        if seq not in self.waiting or seq.is_scoring or seq.num_output_tokens or seq.wants_prompt_logprobs:
+            raise ValueError(f"{seq.seq_id!r} cannot prefill remotely: only a new, waiting request that samples "
+                             "and wants no prompt log-probabilities can")
+        if self.sliding_window:
+            raise ValueError("a sliding-window model gives blocks back while it prefills; prefill it locally")
+        bs, num_tokens = self.bm.block_size, seq.num_prompt_tokens - 1
+        cached = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes) if self.ecfg.enable_prefix_caching else []
+        num_cached = len(cached) * bs
+        if -(-num_tokens // bs) - len(cached) < max(1, min_blocks):
+            return None
+        alloc = self.bm.allocate_slots(seq.seq_id, num_cached, num_tokens - num_cached, cached)
+        if alloc is None:
+            return None
+        self.waiting.remove(seq)
+        self.receiving[seq.seq_id] = seq
+        seq.timings.scheduled = time.monotonic()
+        seq.num_cached_prompt_tokens = num_cached
+        return Reservation(len(cached), self.bm.block_table(seq.seq_id)[len(cached):], num_tokens)
+
+    def complete_remote(self, seq: Sequence) -> None:
+        """The K/V of receiving `seq`'s first P - 1 tokens are in its blocks: it runs, its last prompt token next."""
+        if self.receiving.get(seq.seq_id) is not seq:
+            raise ValueError(f"{seq.seq_id!r} is not waiting for remote K/V")
+        del self.receiving[seq.seq_id]
+        seq.num_computed_tokens = seq.num_prompt_tokens - 1
+        if self.ecfg.enable_prefix_caching:
+            self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
+        self.running.append(seq)
+
+    def cancel_remote(self, seq: Sequence) -> None:
+        """Give receiving `seq`'s blocks back (their contents never became readable) and queue it again."""
+        if self.receiving.get(seq.seq_id) is not seq:
+            raise ValueError(f"{seq.seq_id!r} is not waiting for remote K/V")
+        del self.receiving[seq.seq_id]
+        self.bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        self._enqueue(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -193,6 +262,12 @@ class Scheduler:
         bs = self.bm.block_size
         running = {id(s) for s in self.running}
         assert len(running) == len(self.running), "a sequence is in the running queue twice"
+        for seq_id, seq in self.receiving.items():
+            assert id(seq) not in running and seq not in self.waiting, f"{seq_id!r} is receiving and queued"
+            assert not seq.is_finished, f"finished {seq_id!r} is still receiving"
+            table = self.bm.block_table(seq_id)
+            assert len(table) == -(-(seq.num_prompt_tokens - 1) // bs), \
+                f"receiving {seq_id!r} owns {len(table)} blocks for {seq.num_prompt_tokens - 1} prompt tokens"
         for seq in self.waiting:
             assert id(seq) not in running, f"{seq.seq_id!r} is both waiting and running"
             assert seq.seq_id not in self.bm, f"waiting {seq.seq_id!r} owns KV blocks"

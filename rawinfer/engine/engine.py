@@ -30,6 +30,7 @@ from rawinfer.core.block_manager import BlockManager
 from rawinfer.core.scheduler import Scheduler
 from rawinfer.core.sequence import FinishReason, Sequence, SequenceTimings
 from rawinfer.core.step_plan import ScheduledBatch
+from rawinfer.engine.kv_transfer import KVTransfer
 from rawinfer.engine.logprobs import Logprobs, store_prompt_logprobs, take_prompt_logprobs, token_logprobs
 from rawinfer.engine.metrics import EngineStats, request_metrics
 from rawinfer.engine.outputs import OutputRules, RequestOutput, SampleState
@@ -124,6 +125,7 @@ class LLMEngine:
         self._scores: dict[str, np.ndarray] = {}           # scoring sequence id -> host logits [T, V]
         self._pending: list[RequestOutput] = []            # outputs of steps that score() ran for others
         self.stats_tracker = EngineStats(max_model_len=self.max_model_len)
+        self.kv_transfer = KVTransfer(self)                # K/V exported to / received from another engine
 
     # ---- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -215,7 +217,7 @@ class LLMEngine:
                                       request_metrics(parent)))
         return outs
 
-    def has_unfinished(self) -> bool:
+    def has_unfinished(self) -> bool:   # NOTE: a request waiting for remote K/V is not (kv_transfer.py)
         return self.scheduler.has_unfinished or bool(self._pending)
 
     @property
@@ -232,6 +234,7 @@ class LLMEngine:
         t0 = time.monotonic()
         result = self.runner.run(batch.plan)
         self.scheduler.advance(batch)
+        self.kv_transfer.after_step(batch)
         outputs += self._process(batch, result, t0)
         return outputs
 
@@ -351,6 +354,7 @@ class LLMEngine:
                 t0 = time.monotonic()
                 result = self.runner.run(batch.plan)
                 self.scheduler.advance(batch)
+                self.kv_transfer.after_step(batch)
                 self._pending += self._process(batch, result, t0)
             return self._scores[sid]
         finally:
@@ -377,17 +381,13 @@ class LLMEngine:
         of kv_blocks_free): a hit takes it back, new data evicts it (prefix_cache_evictions)."""
         bm, pc = self.block_manager, self.block_manager.stats
         return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_blocks_free": bm.num_free_blocks,
-            "kv_blocks_total": bm.num_blocks,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "receiving_kv": len(self.scheduler.receiving),      # waiting for K/V from a prefill instance
+            "kv_blocks_used": bm.num_used_blocks, "kv_blocks_free": bm.num_free_blocks, "kv_blocks_total": bm.num_blocks,
             "kv_usage": bm.usage,
-            "prefix_cache_blocks": bm.num_cached_blocks,
-            "prefix_cache_free_blocks": pc.cached_free_blocks,
+            "prefix_cache_blocks": bm.num_cached_blocks, "prefix_cache_free_blocks": pc.cached_free_blocks,
             "prefix_cache_evictions": pc.evicted_blocks,
-            "prefix_cache_hit_tokens": pc.hit_tokens,
-            "prefix_cache_query_tokens": pc.query_tokens,
+            "prefix_cache_hit_tokens": pc.hit_tokens, "prefix_cache_query_tokens": pc.query_tokens,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             **self.stats_tracker.snapshot(),

@@ -146,6 +146,24 @@ class KVCache:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def read_blocks(self, xp, layer: int, block_ids: list[int]) -> np.ndarray:
+        """Host copy of one layer's K and V of block_ids: [2, n, Hkv, R, D] in the cache's storage dtype
+        (raw bytes, int8 scale rows included). xp: the backend's array module (a GPU copy goes to the host)."""
+        ids = xp.asarray(block_ids, dtype=xp.int64)
+        kv = xp.stack([self.k[layer][ids], self.v[layer][ids]])
+        return kv if xp is np else xp.asnumpy(kv)
+
+    def write_blocks(self, xp, layer: int, block_ids: list[int], data: np.ndarray) -> None:
+        """Store read_blocks' array (same shape, storage dtype) into one layer's block_ids."""
+        want = (2, len(block_ids)) + tuple(self.k[layer].shape[1:])
+        if tuple(data.shape) != want or data.dtype != self.k[layer].dtype:
+            raise ValueError(f"KV data of shape {tuple(data.shape)} {data.dtype} does not fit {want} "
+                             f"{self.k[layer].dtype}")
+        ids = xp.asarray(block_ids, dtype=xp.int64)
+        src = data if xp is np else xp.asarray(data)
+        self.k[layer][ids] = src[0]
+        self.v[layer][ids] = src[1]
+
 
 def kv_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype) -> tuple:
     """Shape of one layer's K (or V) cache: [blocks, kv heads, tokens, head_dim]. An int8 cache (CPU)
