@@ -1,0 +1,248 @@
+"""Prefill/decode disaggregation over the prefill link (frontends/disagg/): outputs equal to a colocated
+engine's, and every fault ending with the request completed or failed cleanly and no block left on either
+side. Prefill servers and the decode connector are pumped from the test's one thread (no timing races, and
+no two engines computing at once)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from rawinfer import LLMEngine, SamplingParams
+from rawinfer.frontends.disagg import wire
+from rawinfer.frontends.disagg.connector import DecodeConfig, DecodeConnector
+from rawinfer.frontends.disagg.prefill import PrefillConfig, PrefillServer
+
+OPTS = dict(device="cpu", kv_cache_memory="4MiB", max_num_batched_tokens=256, max_num_seqs=48, warmup=False)
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+FAST = dict(min_remote_tokens=16, heartbeat_s=0.02, peer_timeout_s=0.4, transfer_timeout_s=2.0)
+
+
+class Faulty(PrefillServer):
+    """A prefill server whose `kv` replies go wrong in one chosen way."""
+
+    mode: str | None = None
+
+    def _reply(self, ident, *frames):
+        if self.mode is None or wire.decode(frames[0]).type != "kv":
+            return super()._reply(ident, *frames)
+        if self.mode == "drop_frame":
+            frames = frames[:-1]
+        elif self.mode == "dup_frame":
+            frames = (*frames, frames[-1])
+        elif self.mode == "dup_message":
+            super()._reply(ident, *frames)
+        elif self.mode == "fingerprint":
+            h = wire.decode(frames[0])
+            frames = (wire.encode("kv", **{**h.fields, "fingerprint": {**h.fields["fingerprint"], "weights": "f" * 32}}),
+                      *frames[1:])
+        elif self.mode == "silent":
+            return True
+        elif self.mode == "die":
+            self.sock.close(0)
+            self.dead = True
+            return False
+        return super()._reply(ident, *frames)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    """(colocated, prefill A, prefill B, decode) over the same tiny model."""
+    return tuple(LLMEngine(tiny_llama_dir, **OPTS) for _ in range(4))
+
+
+@pytest.fixture
+def link(engines):
+    """A decode connector to two Faulty prefill servers (every engine emptied of cached prefixes first)."""
+    colo, pa, pb, decode = engines
+    for e in engines:
+        e.reset_state()
+    servers = [Faulty(e, PrefillConfig(bind="tcp://127.0.0.1:*")) for e in (pa, pb)]
+    for s in servers:
+        s.dead = False
+    conn = DecodeConnector(decode, DecodeConfig(prefill=[s.endpoint for s in servers], **FAST))
+    pump(servers, conn, until=lambda: len(conn.peers_up()) == 2)
+    yield servers, conn
+    conn.close()
+    for s in servers:
+        if not s.dead:
+            s.close()
+
+
+def pump(servers, conn, until, limit_s: float = 20.0) -> list:
+    """Run the prefill servers, the connector and the decode engine in turn until `until()`; returns the
+    requests the connector failed."""
+    failed, end = [], time.monotonic() + limit_s
+    while not until():
+        assert time.monotonic() < end, "the link did not settle in time"
+        for s in servers:
+            if not s.dead:
+                s.run_once(0)
+        failed += conn.poll(0.002)
+    return failed
+
+
+def generate(servers, conn, requests, remote=True) -> tuple[dict, list]:
+    decode = conn.engine
+    out: dict[str, list[int]] = {}
+    for rid, prompt, params in requests:
+        decode.add_request(rid, prompt, params)
+        if remote:
+            conn.submit(rid)
+
+    def done():
+        for o in decode.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return not decode.has_unfinished() and not conn.num_inflight and not decode.stats()["receiving_kv"]
+    failed = pump(servers, conn, done)
+    return out, failed
+
+
+def colocated(engine, requests) -> dict:
+    out: dict[str, list[int]] = {}
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def assert_no_leak(*engines):
+    for e in engines:
+        e.scheduler.check_invariants()
+        s = e.stats()
+        assert s["kv_blocks_used"] == 0 and s["receiving_kv"] == 0 and s["running"] == 0 and s["waiting"] == 0, s
+
+
+def reqs(prompts, tag, max_tokens=5):
+    return [(f"{tag}{i}", p, SamplingParams(max_tokens=max_tokens, **GREEDY)) for i, p in enumerate(prompts)]
+
+
+def test_32_mixed_prompts_equal_the_colocated_engine(engines, link):
+    servers, conn = link
+    colo, pa, pb, decode = engines
+    rng = np.random.default_rng(3)
+    x, y = rng.integers(3, 500, 48).tolist(), rng.integers(3, 500, 40).tolist()
+
+    def tail(lo, hi):
+        return rng.integers(3, 500, int(rng.integers(lo, hi))).tolist()
+    # phase 1: neither side holds anything; x reaches both sides' caches, y only the decode side's (local)
+    phase1 = [x + tail(1, 30) for _ in range(4)] + [tail(20, 90) for _ in range(6)] + [tail(1, 15) for _ in range(3)]
+    local_y = [y + tail(1, 5)]
+    # phase 2: x hits both, y the decode side only; then the decode side forgets x: a prefill-side hit only
+    phase2 = [x + tail(1, 30) for _ in range(4)] + [y + tail(20, 40) for _ in range(4)] + [[9] * 5, [11]]
+    phase3 = [x + tail(17, 40) for _ in range(5)] + [tail(30, 60) for _ in range(4)]
+    want = colocated(colo, reqs(phase1, "a") + reqs(local_y, "y") + reqs(phase2, "b") + reqs(phase3, "c"))
+    got, failed = generate(servers, conn, reqs(phase1, "a"))
+    got.update(generate(servers, conn, reqs(local_y, "y"), remote=False)[0])
+    got.update(generate(servers, conn, reqs(phase2, "b"))[0])
+    decode.block_manager.reset_prefix_cache()
+    hits_before = sum(e.stats()["prefix_cache_hit_tokens"] for e in (pa, pb))
+    got.update(generate(servers, conn, reqs(phase3, "c"))[0])
+    assert len(want) >= 32 and got == want and not failed
+    assert conn.counters["remote"] >= 16 and conn.counters["local"] >= 4 and conn.counters["fallbacks"] == 0
+    assert sum(e.stats()["prefix_cache_hit_tokens"] for e in (pa, pb)) > hits_before      # prefill-side hits
+    assert decode.stats()["prefix_cache_hit_tokens"] > 0
+    assert all(s.counters["prefills"] > 0 for s in servers)                              # load spread over both
+    assert_no_leak(pa, pb, decode)
+
+
+@pytest.mark.parametrize("mode", ["drop_frame", "dup_frame", "dup_message", "silent", "fingerprint", "die"])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_faults_complete_or_fail_cleanly(engines, link, mode, policy):
+    servers, conn = link
+    colo, pa, pb, decode = engines
+    conn.cfg.policy = policy
+    conn.cfg.transfer_timeout_s = 0.5
+    prompts = [list(range(40 + i, 100 + i)) for i in range(4)]
+    want = colocated(colo, reqs(prompts, "f"))
+    for s in servers:
+        s.mode = mode
+    got, failed = generate(servers, conn, reqs(prompts, "f"))
+    if mode == "dup_message" or policy == "recompute":
+        assert got == want and not failed
+        assert conn.counters["fallbacks"] == (0 if mode == "dup_message" else 4)
+    else:
+        assert sorted(r for r, _ in failed) == sorted(want) and conn.counters["failed"] == 4
+        reason = failed[0][1]
+        expect = {"drop_frame": "lost or repeated", "dup_frame": "lost or repeated", "silent": "within",
+                  "fingerprint": "weights", "die": "stopped answering"}[mode]
+        assert expect in reason, reason
+        if mode == "fingerprint":
+            assert "f" * 32 in reason and decode.kv_transfer.fingerprint.weights in reason
+    assert conn.counters["stale"] >= (4 if mode == "dup_message" else 0)
+    if mode == "die":
+        assert conn.peers_up() == []
+    assert_no_leak(pa, pb, decode)
+
+
+def test_client_abort_during_transfer_frees_both_sides(engines, link):
+    servers, conn = link
+    _, pa, pb, decode = engines
+    for rid, prompt, params in reqs([list(range(50, 120)), list(range(60, 130))], "ab"):
+        decode.add_request(rid, prompt, params)
+        assert conn.submit(rid)
+    for s in servers:
+        s.run_once(0)                   # the prompts are queued on the prefill side
+    decode.abort("ab0")
+    conn.abort("ab0")
+    assert decode.stats()["receiving_kv"] == 1
+    out, failed = generate(servers, conn, [])
+    assert list(out) == ["ab1"] and not failed
+    assert_no_leak(pa, pb, decode)
+
+
+def test_losing_one_prefill_instance_leaves_the_other_serving(engines, link):
+    servers, conn = link
+    colo, pa, pb, decode = engines
+    servers[0].close()
+    servers[0].dead = True
+    prompts = [list(range(30 + i, 90 + i)) for i in range(6)]
+    want = colocated(colo, reqs(prompts, "l"))
+    pump(servers, conn, until=lambda: conn.peers_up() == [servers[1].endpoint])
+    got, failed = generate(servers, conn, reqs(prompts, "l"))
+    assert got == want and not failed and conn.counters["remote"] == 6 and servers[1].counters["prefills"] == 6
+    assert_no_leak(pb, decode)
+
+
+def test_prefill_side_refuses_another_models_fingerprint(engines, link):
+    servers, conn = link
+    fp = dataclasses.replace(conn.fingerprint, block_size=32, kv_dtype="float16")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(servers[0].endpoint)
+    sock.send(wire.encode("prefill", id="t1", prompt=list(range(80)), start_block=0, fingerprint=fp.to_dict()))
+    sock.send(b"not json")
+    replies = []
+    end = time.monotonic() + 10
+    while len(replies) < 2 and time.monotonic() < end:
+        servers[0].run_once(0.01)
+        while sock.poll(0):
+            replies.append(wire.decode(sock.recv()))
+    sock.close(0)
+    err = replies[0]
+    assert err.type == "error" and err.fields["code"] == "fingerprint"
+    assert "block_size 16 here vs 32 there" in err.fields["message"] and "float16" in err.fields["message"]
+    assert replies[1].fields["code"] == "rejected"
+    assert_no_leak(engines[1])
+
+
+def test_no_prefill_instance_up_or_bounds_reached_prefills_locally(engines, tiny_llama_dir):
+    decode = engines[3]
+    decode.reset_state()
+    conn = DecodeConnector(decode, DecodeConfig(prefill=["tcp://127.0.0.1:9"], **FAST))   # nobody there
+    decode.add_request("n", list(range(70)), SamplingParams(max_tokens=2, **GREEDY))
+    assert not conn.submit("n") and conn.counters["local"] == 1
+    conn.poll(0)
+    conn.close()
+    with pytest.raises(ValueError, match="choose one of"):
+        DecodeConfig(prefill=["x"], policy="maybe").validate()
+    with pytest.raises(ValueError, match="--prefill"):
+        DecodeConfig().validate()
+    while decode.has_unfinished():
+        decode.step()
+    assert_no_leak(decode)
