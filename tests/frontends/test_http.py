@@ -215,3 +215,17 @@ def test_tokenize_and_detokenize_round_trip(http_server):
                                                    "max_tokens": 1}).json()
     assert chat["count"] == r["usage"]["prompt_tokens"]
     assert post(http_server, "/detokenize", {"tokens": [10 ** 7]}).status_code == 400
+
+
+def test_bench_serve_drives_the_http_api(http_server, tmp_path):
+    out = tmp_path / "serve.json"
+    r = rawinfer("bench", "serve", "--backend", "openai", "--base-url", http_server.base_url, "--api-key", API_KEY,
+                 "--num-requests", "4", "--input-len", "8", "--output-len", "4", "--request-rate", "20",
+                 "--json", str(out), "--figure", "", "-q", timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["completed"] == 4 and result["failed"] == 0 and result["output_tokens"] == 16
+    assert result["ttft_ms"]["p50"] > 0 and "api_key" not in result["config"]
+    r = rawinfer("bench", "serve", "--backend", "openai", "--base-url", http_server.base_url, "--num-requests", "1",
+                 "--output-dir", str(tmp_path), timeout=60)
+    assert r.returncode == 1 and "401" in r.stderr

@@ -109,6 +109,8 @@ async def _poll_stats(client, t0: float, interval: float, samples: list[dict], s
 async def run_load(args, progress: bool = False) -> dict:
     """Send the workload of the options of `rawinfer bench serve`; with progress, a bar of finished
     requests on stderr (when it is a terminal)."""
+    if getattr(args, "backend", "zmq") == "openai":
+        return await run_http_load(args, progress)
     from tqdm import tqdm
 
     from rawinfer.frontends.server.client import AsyncClient
@@ -138,6 +140,44 @@ async def run_load(args, progress: bool = False) -> dict:
         stats_client.close()
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config.update(model=info.get("model"), device=info.get("device"), kv_blocks_total=info.get("kv_blocks_total"))
+    return summarize_run(records, duration, samples, config)
+
+
+async def run_http_load(args, progress: bool = False) -> dict:
+    """run_load over the OpenAI HTTP API at args.base_url (http_load.py)."""
+    import httpx
+    from tqdm import tqdm
+
+    from rawinfer.frontends.bench import http_load
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    client = httpx.AsyncClient(base_url=args.base_url, headers=http_load.headers(args.api_key), limits=limits,
+                               timeout=httpx.Timeout(args.timeout, connect=10.0))
+    try:
+        card = await http_load.model_card(client)
+        V, limit = int(card["vocab_size"]), int(card["max_model_len"])
+        check_lengths(args, limit, output_counts=False)
+        wl = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, V, args.seed)
+        if args.warmup:
+            r = await client.post("/v1/completions", json={"model": card["id"], "prompt": [int(t) for t in
+                                  wl.prompts[0][:8]], "max_tokens": 4, "temperature": 0.0})
+            r.raise_for_status()
+        records = [RequestRecord(len(p), max(1, min(n, limit - len(p)))) for p, n in zip(wl.prompts, wl.output_lens)]
+        delays = arrival_times(args.num_requests, args.request_rate, args.seed + 1)
+        samples: list[dict] = []
+        stop = asyncio.Event()
+        t0 = time.monotonic()
+        poller = asyncio.create_task(http_load.poll_metrics(client, t0, args.stats_interval, samples, stop))
+        with tqdm(total=len(records), desc="requests", unit="req", leave=False,
+                  disable=None if progress else True) as bar:
+            await asyncio.gather(*(http_load.one_request(client, card["id"], r, p, d, t0, bar)
+                                   for r, p, d in zip(records, wl.prompts, delays)))
+        duration = time.monotonic() - t0
+        stop.set()
+        await poller
+    finally:
+        await client.aclose()
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    config.update(model=card.get("id"), device=None, kv_blocks_total=None)
     return summarize_run(records, duration, samples, config)
 
 

@@ -79,7 +79,14 @@ def add_parser(sub) -> None:
     t.set_defaults(func=cmd_throughput)
 
     s = add_command(bsub, "serve", "online: Poisson load against a running `rawinfer serve`")
-    s.add_argument("--addr", default=DEFAULT_ADDR, metavar="ENDPOINT", help=f"server endpoint (default: {DEFAULT_ADDR})")
+    s.add_argument("--backend", choices=("zmq", "openai"), default="zmq",
+                   help="zmq: the ZeroMQ protocol at --addr; openai: the OpenAI HTTP API at --base-url (default: zmq)")
+    s.add_argument("--addr", default=DEFAULT_ADDR, metavar="ENDPOINT",
+                   help=f"server endpoint of --backend zmq (default: {DEFAULT_ADDR})")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", metavar="URL",
+                   help="server of --backend openai, without /v1 (default: http://127.0.0.1:8000)")
+    s.add_argument("--api-key", default=os.environ.get("RAWINFER_API_KEY"), metavar="KEY",
+                   help="API key of --backend openai (default: $RAWINFER_API_KEY, else none)")
     s.add_argument("--server-key", default=None, metavar="FILE",
                    help="the server's public key when it uses CurveZMQ (default: none)")
     _add_workload(s, 200)
@@ -148,7 +155,10 @@ def cmd_serve_bench(args) -> int:
 
     from rawinfer.frontends.bench import serve
     _output_path(args, "serve", "json", args.json)
-    ping_server(args.addr, args.server_key)
+    if args.backend == "openai":
+        _check_http(args.base_url, args.api_key)
+    else:
+        ping_server(args.addr, args.server_key)
     r = asyncio.run(serve.run_load(args, progress=not is_quiet(args)))
     serve.print_report(r)
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate   # JSON has no infinity
@@ -165,6 +175,20 @@ def cmd_serve_bench(args) -> int:
         raise CLIError(f"{r['failed']} of {r['failed'] + r['completed']} requests failed; first error: "
                        f"{(r['errors'] or ['unknown'])[0]}", EXIT_FAILED)
     return 0
+
+
+def _check_http(base_url: str, api_key: str | None) -> None:
+    """CLIError (exit 1) unless an OpenAI-compatible server answers GET /v1/models at base_url within seconds."""
+    import httpx
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=3.0,
+                      headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    except httpx.HTTPError as e:
+        raise CLIError(f"no HTTP server answered at {base_url} ({type(e).__name__}): start one with `rawinfer serve`, "
+                       "or check --base-url", EXIT_FAILED) from None
+    if r.status_code != 200:
+        raise CLIError(f"{base_url}/v1/models answered {r.status_code}: {r.text[:200]} (an API key? --api-key)",
+                       EXIT_FAILED)
 
 
 def cmd_roofline(args) -> int:

@@ -122,7 +122,8 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
     async def models():
         info = await link().info()
         return {"object": "list", "data": [{"id": await model_name(), "object": "model", "created": state["started"],
-                                            "owned_by": "rawinfer", "max_model_len": info.get("max_model_len")}]}
+                                            "owned_by": "rawinfer", "max_model_len": info.get("max_model_len"),
+                                            "vocab_size": info.get("vocab_size")}]}
 
     @app.get("/metrics")
     async def metrics_page():
