@@ -112,10 +112,10 @@ class Scheduler:
         seq.timings.finished = time.monotonic()
 
     # ---- remote prefill ---------------------------------------------------------------------------
-    def reserve_remote(self, seq: Sequence, min_blocks: int = 1) -> Reservation | None:
+    def reserve_remote(self, seq: Sequence, min_tokens: int = 1) -> Reservation | None:
         """Move waiting `seq` to `receiving` with blocks for its first P - 1 prompt tokens, its prefix-cache
-        hit first. None (nothing changed) when fewer than min_blocks blocks would be filled remotely or the
-        pool lacks them: the sequence then prefills here as usual."""
+        hit first. None (nothing changed) when fewer than min_tokens of them are uncached or the pool lacks
+        the blocks: the sequence then prefills here as usual."""
         if seq not in self.waiting or seq.is_scoring or seq.num_output_tokens or seq.wants_prompt_logprobs:
             raise ValueError(f"{seq.seq_id!r} cannot prefill remotely: only a new, waiting request that samples "
                              "and wants no prompt log-probabilities can")
@@ -124,7 +124,7 @@ class Scheduler:
         bs, num_tokens = self.bm.block_size, seq.num_prompt_tokens - 1
         cached = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes) if self.ecfg.enable_prefix_caching else []
         num_cached = len(cached) * bs
-        if -(-num_tokens // bs) - len(cached) < max(1, min_blocks):
+        if num_tokens - num_cached < max(1, min_tokens):
             return None
         alloc = self.bm.allocate_slots(seq.seq_id, num_cached, num_tokens - num_cached, cached)
         if alloc is None:

@@ -169,12 +169,13 @@ class KVTransfer:
         seq = states[0].seq
         return seq in self.engine.scheduler.waiting and not seq.wants_prompt_logprobs and not seq.num_output_tokens
 
-    def reserve(self, request_id: str, min_blocks: int = 1) -> Reservation | None:
-        """Blocks for a queued request's prompt K/V to arrive into (None: it prefills here as usual)."""
+    def reserve(self, request_id: str, min_tokens: int = 1) -> Reservation | None:
+        """Blocks for a queued request's prompt K/V to arrive into, if at least min_tokens of them are not
+        in this engine's prefix cache (None: it prefills here as usual)."""
         if not self.can_receive(request_id):
             return None
         seq = self.engine._requests[request_id][0].seq
-        r = self.engine.scheduler.reserve_remote(seq, min_blocks)
+        r = self.engine.scheduler.reserve_remote(seq, min_tokens)
         if r is not None:
             self._receiving[request_id] = _Receiving(r, set())
         return r

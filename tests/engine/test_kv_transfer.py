@@ -121,7 +121,7 @@ def test_fingerprint_mismatch_names_both_values(engines, tiny_qwen2_dir):
 def test_short_or_fully_cached_prompts_stay_local(engines):
     _, _, decode = engines
     decode.add_request("s", [4, 5, 6], SamplingParams(max_tokens=1, **GREEDY))
-    assert decode.kv_transfer.reserve("s", min_blocks=2) is None
+    assert decode.kv_transfer.reserve("s", min_tokens=3) is None
     decode.add_request("lp", list(range(40)), SamplingParams(max_tokens=1, prompt_logprobs=1, **GREEDY))
     assert decode.kv_transfer.reserve("lp") is None
     drain(decode)

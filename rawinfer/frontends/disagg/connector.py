@@ -49,6 +49,15 @@ class DecodeConfig:
         return self
 
 
+@dataclass(frozen=True)
+class Failed:
+    """A request whose transfer failed under policy `fail`: aborted, its blocks freed."""
+
+    request_id: str
+    reason: str
+    outputs: list                   # the engine's final RequestOutputs (reason `abort`; report `reason`)
+
+
 @dataclass
 class _Peer:
     addr: str
@@ -109,10 +118,9 @@ class DecodeConnector:
         """Start a remote prefill of a request just added to the engine; False: it prefills here."""
         now = time.monotonic()
         peers = [p for p in self.peers if p.up(now, self.cfg.peer_timeout_s) and len(p.inflight) < self.cfg.max_per_peer]
-        bs = self.engine.config.block_size
         if not peers or len(self._transfers) >= self.cfg.max_inflight:
             return self._local()
-        r = self.kvt.reserve(request_id, min_blocks=-(-self.cfg.min_remote_tokens // bs))
+        r = self.kvt.reserve(request_id, min_tokens=self.cfg.min_remote_tokens)
         if r is None:
             return self._local()
         nbytes = self.kvt.block_bytes(len(r.block_ids))
@@ -143,11 +151,11 @@ class DecodeConnector:
             _send(t.peer, wire.encode("abort", id=tid))
 
     # ---- the link ------------------------------------------------------------------------------
-    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, str]]:
+    def poll(self, timeout_s: float = 0.0) -> list[Failed]:
         """Read what the prefill instances sent (waiting up to timeout_s for the first message), write
-        arriving K/V, check deadlines and heartbeats. Returns (request id, reason) of requests failed under
-        policy `fail` (already aborted in the engine: tell their clients)."""
-        failed: list[tuple[str, str]] = []
+        arriving K/V, check deadlines and heartbeats. Returns the requests failed under policy `fail`
+        (already aborted in the engine, with its final outputs: tell their clients)."""
+        failed: list[Failed] = []
         poller = zmq.Poller()
         for p in self.peers:
             poller.register(p.sock, zmq.POLLIN)
@@ -175,7 +183,7 @@ class DecodeConnector:
                 _send(p, wire.encode("ping", seq=int(now * 1000)))
         return failed
 
-    def _on_message(self, peer: _Peer, frames) -> list[tuple[str, str]]:
+    def _on_message(self, peer: _Peer, frames) -> list[Failed]:
         try:
             h = wire.decode(frames[0].bytes)
         except wire.WireError as e:
@@ -243,7 +251,7 @@ class DecodeConnector:
             log.error("prefill instance %s cannot serve this decode instance: %s", peer.addr, problem)
         peer.refusal = problem
 
-    def _fail(self, t: _Transfer, reason: str, recompute: bool = False) -> list[tuple[str, str]]:
+    def _fail(self, t: _Transfer, reason: str, recompute: bool = False) -> list[Failed]:
         self._end(t.tid)
         _send(t.peer, wire.encode("abort", id=t.tid))
         if not self.kvt.is_receiving(t.request_id):      # aborted meanwhile: its blocks are already free
@@ -254,9 +262,8 @@ class DecodeConnector:
             self.counters["fallbacks"] += 1
             return []
         log.warning("request %s failed: %s", t.request_id, reason)
-        self.engine.abort(t.request_id)
         self.counters["failed"] += 1
-        return [(t.request_id, reason)]
+        return [Failed(t.request_id, reason, self.engine.abort(t.request_id))]
 
     def _end(self, tid: str) -> _Transfer:
         t = self._transfers.pop(tid)

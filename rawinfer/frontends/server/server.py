@@ -59,7 +59,8 @@ SHUTDOWN_WAIT_S = 60.0        # for the engine thread to finish its step and abo
 class Server:
     """Serve one engine on one endpoint until shutdown() or SIGINT/SIGTERM. Not thread-safe except shutdown()."""
 
-    def __init__(self, engine, config: ServerConfig, context: zmq.Context | None = None):
+    def __init__(self, engine, config: ServerConfig, context: zmq.Context | None = None, kv_connector=None):
+        """kv_connector: the decode role's prefill link (frontends/disagg/connector.py), run by the engine thread."""
         check_bind_security(config)
         self.engine, self.cfg = engine, config
         self._own_ctx = context is None
@@ -76,7 +77,7 @@ class Server:
         self._wake = Wakeup.create()
         self._stopping = False                               # set by shutdown(), read by the loop
         self._outbound = Outbound(self._wake.set)
-        self._worker = EngineWorker(engine, self._outbound)
+        self._worker = EngineWorker(engine, self._outbound, kv_connector)
         self._limits = PromptLimits(engine)
         self._admission = Admission(engine, self._limits, self._worker.inbox, self._outbound)
         zmtp = config.zmtp_heartbeat_timeout_s

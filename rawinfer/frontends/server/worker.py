@@ -21,13 +21,16 @@ from rawinfer.frontends.server.inflight import Inflight
 log = logging.getLogger("rawinfer")
 
 MAX_TAKEN_PER_STEP = 512      # inbox items taken in between two steps (each is an add_request or an abort)
+LINK_POLL_S = 0.002           # decode role: how long an idle engine waits on the inbox while K/V are on the way
 
 
 class EngineWorker:
     """Runs the engine on its own thread; fed through `inbox` (Admit, Cancel, Stop), answering via `outbound`."""
 
-    def __init__(self, engine, outbound: Outbound):
-        self.engine, self.outbound = engine, outbound
+    def __init__(self, engine, outbound: Outbound, connector=None):
+        """connector: the decode role's prefill link (frontends/disagg/connector.py), used from this thread
+        only; None when colocated."""
+        self.engine, self.outbound, self.connector = engine, outbound, connector
         self.inbox: queue.Queue = queue.Queue()
         self._requests: dict[str, Inflight] = {}           # engine request id -> state
         self.snapshot: dict = engine.stats()               # replaced whole, read by the I/O thread
@@ -53,6 +56,8 @@ class EngineWorker:
                 if stop:
                     self._shutdown(out)
                     return
+                if self.connector is not None:
+                    out += self._poll_link()
                 self._publish(out)
                 if self.engine.has_unfinished():
                     self._publish(self._step())
@@ -63,7 +68,13 @@ class EngineWorker:
     def _take(self) -> list:
         """Block for the first item while the engine is idle; then everything waiting, up to a bound."""
         items = []
-        if not self.engine.has_unfinished():
+        if self.connector is not None and not self.engine.has_unfinished():
+            try:        # wake up for arriving K/V and the link's heartbeats
+                wait = LINK_POLL_S if self.connector.num_inflight else self.connector.cfg.heartbeat_s
+                items.append(self.inbox.get(timeout=wait))
+            except queue.Empty:
+                pass
+        elif not self.engine.has_unfinished():
             items.append(self.inbox.get())
         while len(items) < MAX_TAKEN_PER_STEP:
             try:
@@ -80,6 +91,8 @@ class EngineWorker:
         n = len(self._requests)
         for engine_id in list(self._requests):
             out += self._abort(engine_id)
+        if self.connector is not None:
+            self.connector.close()
         log.info("shut down; aborted %d request(s) in flight", n)
         self._publish(out)
 
@@ -90,19 +103,31 @@ class EngineWorker:
         except ValueError as e:         # RequestRejected: beyond the context or the pool
             return [refusal(a.client, a.engine_id, P.Error(str(P.ErrorCode.REJECTED), str(e), a.request_id))]
         self._requests[a.engine_id] = Inflight.start(a.client, a.request_id, a.stream, ids, a.params.n)
+        if self.connector is not None:
+            self.connector.submit(a.engine_id)
         return []
 
     def _cancel(self, c: Cancel) -> list[Outgoing]:
         if c.notify:
             return self._abort(c.engine_id)
         st = self._requests.pop(c.engine_id, None)
+        if self.connector is not None:
+            self.connector.abort(c.engine_id)
         self.engine.abort(c.engine_id)       # frees its KV blocks now; nobody is left to tell
         return [Outgoing(st.client if st else b"", None, c.engine_id, ends=True)]
 
     def _abort(self, engine_id: str, error: str | None = None) -> list[Outgoing]:
         """Abort in the engine; a final for every sample not finished yet (reason `abort`, or `error` with the
         reason given): the engine returns one per unfinished sample, forked or not."""
-        outs = self.engine.abort(engine_id)
+        if self.connector is not None:
+            self.connector.abort(engine_id)
+        return self._finals(engine_id, self.engine.abort(engine_id), error)
+
+    def _poll_link(self) -> list[Outgoing]:
+        """Arriving K/V let their requests run; a transfer failed under policy `fail` ends its request."""
+        return [o for f in self.connector.poll(0) for o in self._finals(f.request_id, f.outputs, f.reason)]
+
+    def _finals(self, engine_id: str, outs: list, error: str | None) -> list[Outgoing]:
         if engine_id not in self._requests:
             return []
         for out in outs:
