@@ -212,7 +212,7 @@ def main() -> int:
     log_path = os.path.join(folder, "serve.log")
     server = subprocess.Popen([sys.executable, "-m", "rawinfer", "serve", "--model", args.model, "--bind", addr,
                                "--device", "cpu", "--kv-cache-memory", args.kv_cache_memory,
-                               "--client-timeout", "2", "--heartbeat-interval", "0.5"],
+                               "--client-timeout", "2", "--heartbeat-interval", "0.5", "--no-http"],
                               stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
                               env={**os.environ, "PYTHONPATH": ROOT})
     try:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -109,3 +111,39 @@ def test_serve_refuses_a_regular_file_at_its_ipc_path_and_leaves_it(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "exists and is not a socket" in r.stderr and "Traceback" not in r.stderr
     assert target.read_text() == "keep me"
+
+
+def test_serve_roles_prefill_and_decode_answer_as_one_engine(smollm2_dir):
+    """`rawinfer serve --role prefill` and `--role decode --prefill ADDR`: the decode instance faces the
+    client, the prompt's K/V comes from the prefill instance, and the greedy answer is the colocated one."""
+    prompt = "Name three rivers of Europe and say where each one flows into the sea."
+    ask = ["--json", "--max-tokens", "24", "--temperature", "0", prompt]
+    alone = rawinfer("generate", "--model", smollm2_dir, "--device", "cpu", "--kv-cache-memory", "64MiB", *ask)
+    assert alone.returncode == 0, alone.stderr
+    link = f"tcp://127.0.0.1:{free_port()}"
+    log = tempfile.NamedTemporaryFile("w+", prefix="rawinfer-prefill-", suffix=".log", delete=False)
+    prefill = subprocess.Popen([sys.executable, "-m", "rawinfer", "serve", "--role", "prefill", "--prefill-bind",
+                                link, "--model", smollm2_dir, "--device", "cpu", "--kv-cache-memory", "64MiB"],
+                               stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
+
+    def prefill_log() -> str:
+        with open(log.name) as f:
+            return f.read()
+
+    decode = Server(smollm2_dir, "--role", "decode", "--prefill", link, "--min-remote-tokens", "1")
+    try:
+        decode.wait_ready()
+        deadline = time.monotonic() + 120
+        while "prefill instance on" not in prefill_log():
+            assert prefill.poll() is None and time.monotonic() < deadline, prefill_log()
+            time.sleep(0.2)
+        time.sleep(2.0)                   # the decode side sends work once the prefill side answered a heartbeat
+        r = rawinfer("client", "--addr", decode.addr, *ask)
+        assert r.returncode == 0, r.stderr + decode.output()
+        assert json.loads(r.stdout)["token_ids"] == json.loads(alone.stdout)["token_ids"]
+    finally:
+        decode.stop()
+        prefill.terminate()
+        prefill.wait(30)
+    m = re.search(r"'prefills': (\d+)", prefill_log())
+    assert m and int(m.group(1)) >= 1, prefill_log()

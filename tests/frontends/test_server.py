@@ -56,7 +56,7 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="rawinfer-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             rawinfer_cmd("serve", "--model", model, "--bind", addr, "--device", "cpu", "--kv-cache-memory", kv,
-                         *extra), stdout=self.log, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
+                         "--no-http", *extra), stdout=self.log, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
 
     def output(self) -> str:
         self.log.flush()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
 from rawinfer.frontends.cli.connect import PING_TIMEOUT_S, ping_server, probe_endpoint
 from rawinfer.frontends.cli.generate import parse_token_ids
 from rawinfer.frontends.cli.models import open_engine
+from rawinfer.frontends.cli.serve_roles import add_role_args, check_role_args, decode_connector, run_prefill_role
 from rawinfer.frontends.cli.stream import client_events, print_stream
 from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args, is_quiet,
                                         positive_float, read_prompt, sampling_params_from_args, size)
@@ -55,6 +55,7 @@ def add_parsers(sub) -> None:
     h.add_argument("--api-workers", type=_workers, default=1, metavar="N",
                    help="HTTP worker processes, each one more client of the engine (default: 1)")
     add_engine_args(p)
+    add_role_args(p)
     p.set_defaults(func=cmd_serve)
 
     c = add_command(sub, "client", "send one prompt to a running `rawinfer serve` and stream the answer")
@@ -113,14 +114,16 @@ def add_server_args(c, local_by_default: bool = False) -> None:
 
 
 def cmd_serve(args) -> int:
+    check_role_args(args)
+    if args.role == "prefill":         # reached by decode instances only: no client socket, no HTTP
+        return run_prefill_role(args, open_engine(args))
     from rawinfer.frontends.server.server import (SecurityError, Server, ServerConfig, check_bind_security,
                                                   is_loopback_endpoint, load_secret_key)
     cfg = ServerConfig(bind=args.bind, curve_secret_key_file=args.curve_secret_key,
                        curve_client_keys_dir=args.curve_client_keys, insecure=args.insecure,
                        max_message_bytes=args.max_message_size, heartbeat_interval_s=args.heartbeat_interval,
                        zmtp_heartbeat_timeout_s=args.client_timeout)
-    if "log_interval_s" in {f.name for f in dataclasses.fields(ServerConfig)}:
-        cfg.log_interval_s = args.log_interval
+    cfg.log_interval_s = args.log_interval
     try:                                 # refuse before spending time on loading the model
         check_bind_security(cfg)
         if cfg.curve_secret_key_file:
@@ -134,7 +137,7 @@ def cmd_serve(args) -> int:
     try:
         engine = open_engine(args)
         try:
-            server = Server(engine, cfg)
+            server = Server(engine, cfg, kv_connector=decode_connector(args, engine))
         except SecurityError as e:
             raise CLIError(str(e)) from None
         if workers is not None:
