@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Side-by-side CPU comparison on SmolLM2-135M-Instruct: rawinfer vs llama.cpp vs transformers.
+"""Side-by-side CPU comparison on SmolLM2-135M-Instruct (or, --preset gemma3, Gemma 3 270M): rawinfer vs
+llama.cpp vs transformers.
 
 Workloads (measured one after the other, each engine in its own process, 2 threads each):
   decode   single-stream greedy decode of 128 tokens              peer: llama.cpp (llama-cpp-python), same GGUF
@@ -26,22 +27,25 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+RAW_PROMPT = "Once upon a time, a lighthouse keeper found a message in a bottle. It said"
+# preset -> (folder under weights/, GGUF file in the cache, prompt mode: the chat template or raw text)
+PRESETS = {"smollm2": ("smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf", "chat"),
+           "gemma3": ("gemma3-270m", "gemma-3-270m-q4_k_m.gguf", "raw")}
 
 # ---- the measurement scripts (run in a fresh interpreter each) ----------------------------------
 RAWINFER = r'''
 import json, sys, time, numpy as np
 from rawinfer import LLM, SamplingParams
 model, workload, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-prompt = sys.argv[4]
+prompt, raw = sys.argv[4], sys.argv[5] == "raw"
 llm = LLM(model, device="cpu", num_threads=threads, kv_cache_memory="2GiB", max_num_batched_tokens=2048,
           max_num_seqs=64)
 V = llm.engine.model_config.vocab_size
 rng = np.random.default_rng(0)
 warm = llm.generate([[100, 200, 300]] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
 if workload == "decode":
-    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    text = prompt if raw else llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     r = llm.generate([text], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     m = r.metrics
     value = (m.generated_tokens - 1) / (m.finished_time - m.first_token_time)
@@ -64,10 +68,13 @@ print(json.dumps({"value": value}))
 LLAMA_CPP = r'''
 import json, sys, time
 from llama_cpp import Llama
-gguf, threads, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+gguf, threads, prompt, raw = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "raw"
 llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
-msgs = "<|im_start|>user\n" + prompt + "<|im_end|>\n<|im_start|>assistant\n"
-toks = llm.tokenize(msgs.encode(), add_bos=False, special=True)
+if raw:
+    toks = llm.tokenize(prompt.encode(), add_bos=True, special=False)
+else:
+    msgs = "<|im_start|>user\n" + prompt + "<|im_end|>\n<|im_start|>assistant\n"
+    toks = llm.tokenize(msgs.encode(), add_bos=False, special=True)
 best = 0.0
 for rep in range(2):
     llm.reset()
@@ -150,14 +157,13 @@ def has_module(python: str, *mods: str) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=os.path.join(ROOT, "weights", "smollm2-135m-instruct"),
-                    help="float32 rawinfer model")
-    ap.add_argument("--int8-model", default=os.path.join(ROOT, "weights", "smollm2-135m-instruct-int8"),
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="smollm2",
+                    help="the model: its folders under weights/, its GGUF in the cache, chat or raw prompt")
+    ap.add_argument("--model", default=None, help="float32 rawinfer model (default: the preset's)")
+    ap.add_argument("--int8-model", default=None,
                     help="int8 rawinfer model (converted with --quant int8 when missing)")
-    ap.add_argument("--q4-model", default=os.path.join(ROOT, "weights", "smollm2-135m-instruct-q4"),
-                    help="q4 rawinfer model (converted with --quant q4 when missing)")
-    ap.add_argument("--gguf", default=os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser(
-        "~/.cache/rawinfer")), GGUF_NAME), help="the GGUF the peers load")
+    ap.add_argument("--q4-model", default=None, help="q4 rawinfer model (converted with --quant q4 when missing)")
+    ap.add_argument("--gguf", default=None, help="the GGUF the peers load (default: the preset's, in the cache)")
     ap.add_argument("--peer-python", default=sys.executable, help="Python with llama_cpp / torch+transformers")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", default="float32,int8,q4", help="comma-separated rawinfer models to run")
@@ -168,6 +174,12 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     chosen = set(args.workloads.split(","))
+    folder, gguf_name, prompt_mode = PRESETS[args.preset]
+    args.model = args.model or os.path.join(ROOT, "weights", folder)
+    args.int8_model = args.int8_model or os.path.join(ROOT, "weights", folder + "-int8")
+    args.q4_model = args.q4_model or os.path.join(ROOT, "weights", folder + "-q4")
+    args.gguf = args.gguf or os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser("~/.cache/rawinfer")),
+                                          gguf_name)
 
     models = {"float32": args.model, "int8": args.int8_model, "q4": args.q4_model}
     unknown = set(args.models.split(",")) - set(models)
@@ -180,6 +192,7 @@ def main() -> int:
             print(f"converting {args.gguf} -> {models[quant]} ({quant})", file=sys.stderr)
             convert(args.gguf, models[quant], quant=quant, progress=False)
     th = str(args.threads)
+    prompt = RAW_PROMPT if prompt_mode == "raw" else PROMPT
     blas_info = blas_kernel()
     print(f"BLAS of the measured processes: {blas_info}", file=sys.stderr)
     have_llama = has_module(args.peer_python, "llama_cpp")
@@ -194,13 +207,13 @@ def main() -> int:
             tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
             for name, path in models.items():
                 print(f"[{workload}] rawinfer {name}{tag} ...", file=sys.stderr)
-                runs[f"rawinfer_{name}"].append(run_script(sys.executable, RAWINFER, path, workload, th, PROMPT))
+                runs[f"rawinfer_{name}"].append(run_script(sys.executable, RAWINFER, path, workload, th, prompt, prompt_mode))
             print(f"[{workload}] {peer_name}{tag} ...", file=sys.stderr)
             runs["peer_value"].append(peer())
         best = {k: max((v for v in vals if v is not None), default=None) for k, vals in runs.items()}
         rows.append({"workload": workload, "peer": peer_name, **best, "all_runs": runs})
 
-    measure("decode", "llama.cpp", lambda: run_script(args.peer_python, LLAMA_CPP, args.gguf, th, PROMPT)
+    measure("decode", "llama.cpp", lambda: run_script(args.peer_python, LLAMA_CPP, args.gguf, th, prompt, prompt_mode)
             if have_llama else None)
     measure("prefill", "transformers", lambda: run_script(args.peer_python, TRANSFORMERS, args.gguf, "prefill", th)
             if have_hf else None)
