@@ -22,8 +22,9 @@ def add_role_args(p: argparse.ArgumentParser) -> None:
     from rawinfer.frontends.disagg.prefill import PrefillConfig
     g = p.add_argument_group("prefill/decode disaggregation")
     g.add_argument("--role", choices=ROLES, default="colocated",
-                   help="colocated: one engine does both phases (default); prefill: compute prompts' K/V for "
-                        "decode instances on --prefill-bind; decode: serve clients, prompts prefilled on --prefill")
+                   help="colocated: one engine does both phases; prefill: compute prompts' K/V for decode instances "
+                        "on --prefill-bind; decode: serve clients, prompts prefilled on --prefill "
+                        "(default: colocated)")
     g.add_argument("--prefill", nargs="+", default=[], metavar="ADDR",
                    help="--role decode: the prefill instances' --prefill-bind endpoints")
     g.add_argument("--prefill-bind", default=PrefillConfig.bind, metavar="ENDPOINT",
@@ -31,8 +32,8 @@ def add_role_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-max-queued", type=int, default=PrefillConfig.max_queued, metavar="N",
                    help=f"--role prefill: prompts queued before it answers busy (default: {PrefillConfig.max_queued})")
     g.add_argument("--kv-transfer-policy", choices=POLICIES, default=DecodeConfig.policy,
-                   help="--role decode: a transfer that fails is prefilled here (recompute, default) or fails "
-                        "its request (fail)")
+                   help="--role decode: a transfer that fails is prefilled here (recompute) or fails its request "
+                        f"(fail) (default: {DecodeConfig.policy})")
     g.add_argument("--kv-transfer-timeout", type=positive_float, default=DecodeConfig.transfer_timeout_s,
                    metavar="SECONDS", help=f"--role decode: deadline of one transfer "
                                            f"(default: {DecodeConfig.transfer_timeout_s:g})")
