@@ -7,7 +7,9 @@ sustains. Each request streams its tokens; the client clock gives
     TTFT  send -> first token              TPOT  (e2e - TTFT) / (output tokens - 1), per request
     ITL   gaps between token messages (pooled over all requests)      e2e  send -> final message
 
-A side task polls `stats` for the KV-pool utilisation and the server's generation rate over time.
+A side task polls `stats` for the KV-pool utilisation and the server's generation rate over time. With
+--long-fraction some requests are long prompts; the short and long classes and the goodput under the
+stated objectives are reported on their own (mixed.py).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from rawinfer.frontends.bench.throughput import check_lengths, make_workload
 from rawinfer.engine.metrics import summarize
+from rawinfer.frontends.bench import mixed
 
 
 @dataclass
@@ -36,6 +38,7 @@ class RequestRecord:
     output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    long: bool = False                                          # of the long-prompt class (mixed.py)
 
     @property
     def ok(self) -> bool:
@@ -119,11 +122,12 @@ async def run_load(args, progress: bool = False) -> dict:
     try:
         info = await client.model_info()
         V, limit = int(info["vocab_size"]), int(info["max_model_len"])
-        check_lengths(args, limit, output_counts=False)
-        wl = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, V, args.seed)
+        mixed.check_mixed_lengths(args, limit)
+        wl, is_long = mixed.make_mixed_workload(args, V)
         if args.warmup:
             await client.complete(list(wl.prompts[0][:8]), params={"max_tokens": 4, "temperature": 0.0})
-        records = [RequestRecord(len(p), max(1, min(n, limit - len(p)))) for p, n in zip(wl.prompts, wl.output_lens)]
+        records = [RequestRecord(len(p), max(1, min(n, limit - len(p))), long=g)
+                   for p, n, g in zip(wl.prompts, wl.output_lens, is_long)]
         delays = arrival_times(args.num_requests, args.request_rate, args.seed + 1)
         samples: list[dict] = []
         stop = asyncio.Event()
@@ -155,13 +159,14 @@ async def run_http_load(args, progress: bool = False) -> dict:
     try:
         card = await http_load.model_card(client)
         V, limit = int(card["vocab_size"]), int(card["max_model_len"])
-        check_lengths(args, limit, output_counts=False)
-        wl = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, V, args.seed)
+        mixed.check_mixed_lengths(args, limit)
+        wl, is_long = mixed.make_mixed_workload(args, V)
         if args.warmup:
             r = await client.post("/v1/completions", json={"model": card["id"], "prompt": [int(t) for t in
                                   wl.prompts[0][:8]], "max_tokens": 4, "temperature": 0.0})
             r.raise_for_status()
-        records = [RequestRecord(len(p), max(1, min(n, limit - len(p)))) for p, n in zip(wl.prompts, wl.output_lens)]
+        records = [RequestRecord(len(p), max(1, min(n, limit - len(p))), long=g)
+                   for p, n, g in zip(wl.prompts, wl.output_lens, is_long)]
         delays = arrival_times(args.num_requests, args.request_rate, args.seed + 1)
         samples: list[dict] = []
         stop = asyncio.Event()
@@ -201,6 +206,7 @@ def summarize_run(records: list[RequestRecord], duration: float, samples: list[d
         "itl_ms": summarize([g for r in ok for g in r.itls], 1000), "e2e_ms": summarize([r.e2e for r in ok], 1000),
         "timeline": {"t": [float(x) for x in edges[:-1]], "output_tokens_per_s": [float(c / width) for c in counts],
                      "stats": samples},
+        **mixed.slo_report(records, duration, config),
         "requests": [asdict(r) | {"ttft": r.ttft, "e2e": r.e2e, "tpot": r.tpot} for r in records],
     }
 
@@ -223,3 +229,4 @@ def print_report(r: dict, file=sys.stdout) -> None:
     print(f"total tokens/s:          {r['total_tokens_per_s']:.1f}", file=file)
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "end-to-end")):
         print(f"{name + ' (ms):':<25}{_ms(r[key])}", file=file)
+    mixed.print_slo_report(r, file)

@@ -62,6 +62,33 @@ def _add_workload(p, num_requests: int) -> None:
                    help="seed of the random prompts and lengths (default: 0)")
 
 
+def _fraction(text: str) -> float:
+    import argparse
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
+    return value
+
+
+def _add_mixed(p) -> None:
+    from rawinfer.frontends.bench.mixed import DEFAULT_SLO_ITL_MS, DEFAULT_SLO_TTFT_MS
+    g = p.add_argument_group("mixed workload and service-level objectives")
+    g.add_argument("--long-fraction", type=_fraction, default=0.0, metavar="F",
+                   help="share of the requests that are long prompts, at seeded random places (default: 0)")
+    g.add_argument("--long-input-len", type=positive_int, default=2048, metavar="N",
+                   help="prompt tokens of a long request (default: 2048)")
+    g.add_argument("--long-output-len", type=positive_int, default=32, metavar="N",
+                   help="tokens to generate for a long request (default: 32)")
+    g.add_argument("--slo-ttft-ms", type=positive_float, default=DEFAULT_SLO_TTFT_MS, metavar="MS",
+                   help=f"goodput counts requests whose first token came within this (default: {DEFAULT_SLO_TTFT_MS:g})")
+    g.add_argument("--slo-itl-ms", type=positive_float, default=DEFAULT_SLO_ITL_MS, metavar="MS",
+                   help="... and whose every gap between tokens stayed within this "
+                        f"(default: {DEFAULT_SLO_ITL_MS:g})")
+
+
 def add_parser(sub) -> None:
     p = add_command(sub, "bench", "benchmarks: throughput, serve, roofline")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
@@ -92,6 +119,7 @@ def add_parser(sub) -> None:
     _add_workload(s, 200)
     s.add_argument("--request-rate", type=positive_float, default=float("inf"), metavar="RATE",
                    help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
+    _add_mixed(s)
     s.add_argument("--stats-interval", type=positive_float, default=0.25, metavar="SECONDS",
                    help="seconds between polls of the server's stats (default: 0.25)")
     s.add_argument("--timeout", type=positive_float, default=120.0, metavar="SECONDS",
