@@ -279,9 +279,13 @@ class ModelConfig:
 
 
 def resolve_max_model_len(model: ModelConfig, engine: "EngineConfig") -> int:
-    """The longest sequence (prompt + output) an engine allows: max_model_len, capped at the model's
-    context (its RoPE table ends there)."""
-    return min(engine.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+    """The longest sequence (prompt + output) an engine allows: max_model_len, else the model's context
+    (its RoPE table ends there); a max_model_len beyond the model's context is refused."""
+    if engine.max_model_len and engine.max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len {engine.max_model_len} exceeds the model's context of "
+                         f"{model.max_position_embeddings} tokens; give --max-model-len "
+                         f"{model.max_position_embeddings} or less")
+    return engine.max_model_len or model.max_position_embeddings
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)

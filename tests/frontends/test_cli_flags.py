@@ -166,3 +166,11 @@ def test_convert_messages_name_flags_and_commands(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         f"rawinfer: error: the model in {dst} has no tokenizer, so it cannot read text: give the prompt as token "
         "ids with --token-ids, or convert it from a source that has tokenizer files")
+
+
+def test_a_max_model_len_beyond_the_model_is_refused(tiny_llama_dir):
+    r = rawinfer("generate", "5", "--token-ids", "--model", tiny_llama_dir, "--device", "cpu",
+                 "--kv-cache-memory", "16MiB", "--max-model-len", "4096")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("rawinfer: error: max_model_len 4096 exceeds the model's context "
+                                                 "of 1024 tokens; give --max-model-len 1024 or less"), r.stderr
