@@ -76,15 +76,17 @@ def free_port() -> int:
 class Server:
     """`rawinfer serve` in a subprocess, its log in a file; stop() ends it whatever happens."""
 
-    def __init__(self, model: str, *extra: str, http: bool = False, **env_extra: str):
-        """With http, the OpenAI API on a free port (self.base_url); else ZeroMQ only."""
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
+    def __init__(self, model: str, *extra: str, http: bool = False, addr: str | None = None, kv: str = "16MiB",
+                 **env_extra: str):
+        """With http, the OpenAI API on a free port (self.base_url); else ZeroMQ only. addr: the ZeroMQ
+        endpoint (default: a free loopback port); kv: --kv-cache-memory."""
+        self.addr = addr or f"tcp://127.0.0.1:{free_port()}"
         self.http_port = free_port() if http else None
         self.base_url = f"http://127.0.0.1:{self.http_port}" if http else None
         web = ["--http-port", str(self.http_port)] if http else ["--no-http"]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="rawinfer-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "rawinfer", "serve", "--model", model, "--bind",
-                                      self.addr, "--device", "cpu", "--kv-cache-memory", "16MiB", *web, *extra],
+                                      self.addr, "--device", "cpu", "--kv-cache-memory", kv, *web, *extra],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env(**env_extra), cwd=ROOT)
 
     def output(self) -> str:
@@ -92,10 +94,11 @@ class Server:
         with open(self.log.name) as f:
             return f.read()
 
-    def wait_ready(self, timeout_s: float = 180.0) -> "Server":
+    def wait_ready(self, timeout_s: float = 180.0, **client_kw) -> "Server":
+        """Until the server answers a ping (client_kw: the Client's keys, for a Curve server)."""
         from rawinfer.server import Client, ServerTimeout
         deadline = time.monotonic() + timeout_s
-        with Client(self.addr, timeout_s=1.0) as c:
+        with Client(self.addr, timeout_s=1.0, **client_kw) as c:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.output()}")

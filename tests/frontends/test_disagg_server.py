@@ -20,7 +20,7 @@ from rawinfer.frontends.server.client import Client
 from rawinfer.frontends.server.server import Server, ServerConfig
 
 from conftest import ROOT
-from test_server import free_port
+from cli_util import free_port  # noqa: E402
 
 OPTS = dict(device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256, warmup=False)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

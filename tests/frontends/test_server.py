@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,14 +28,9 @@ from rawinfer.frontends.server import protocol as P
 from rawinfer.frontends.server.client import AsyncClient, Client, RequestError, ServerTimeout
 from rawinfer.frontends.server.server import ServerConfig, SecurityError, check_bind_security, is_loopback_endpoint
 
+from cli_util import Server as ServerProcess, env, free_port  # noqa: E402
 from conftest import ROOT  # noqa: E402
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rawinfer_cmd(*args: str) -> list[str]:
@@ -44,54 +38,9 @@ def rawinfer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "rawinfer", *args]
 
 
-def env() -> dict:
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-
-class ServerProcess:
-    """`rawinfer serve` in a subprocess; log in a temp file; killed by stop() whatever happens."""
-
-    def __init__(self, model: str, addr: str, *extra: str, kv: str = "16MiB"):
-        self.addr = addr
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="rawinfer-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            rawinfer_cmd("serve", "--model", model, "--bind", addr, "--device", "cpu", "--kv-cache-memory", kv,
-                         "--no-http", *extra), stdout=self.log, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
-
-    def output(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
-
-    def wait_ready(self, timeout_s: float = 120.0, **client_kw) -> None:
-        deadline = time.monotonic() + timeout_s
-        with Client(self.addr, timeout_s=1.0, **client_kw) as c:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()}")
-                try:
-                    c.ping()
-                    return
-                except ServerTimeout:
-                    continue
-        pytest.fail(f"server not ready after {timeout_s} s:\n{self.output()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
-
-
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama_dir):
-    srv = ServerProcess(tiny_llama_dir, f"tcp://127.0.0.1:{free_port()}", "--heartbeat-interval", "0.1",
-                        "--client-timeout", "1")
+    srv = ServerProcess(tiny_llama_dir, "--heartbeat-interval", "0.1", "--client-timeout", "1")
     try:
         srv.wait_ready()
         yield srv
@@ -441,8 +390,8 @@ def curve_server(tiny_llama_dir, tmp_path_factory):
     clients.mkdir()
     (clients / "alice.key").write_bytes((keys / "alice.key").read_bytes())
     assert oct(os.stat(keys / "server.key_secret").st_mode & 0o777) == "0o600"
-    srv = ServerProcess(tiny_llama_dir, f"tcp://127.0.0.1:{free_port()}", "--curve-secret-key",
-                        str(keys / "server.key_secret"), "--curve-client-keys", str(clients))
+    srv = ServerProcess(tiny_llama_dir, "--curve-secret-key", str(keys / "server.key_secret"),
+                        "--curve-client-keys", str(clients))
     try:
         srv.wait_ready(server_key=str(keys / "server.key"), client_key_file=str(keys / "alice.key_secret"))
         yield srv, keys
@@ -473,7 +422,7 @@ def test_curve_admits_the_right_keys_only(curve_server, tiny_llm):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_aborts_requests_in_flight_and_exits_0(tiny_llama_dir, sig):
     path = tempfile.mkdtemp(prefix="rwi")
-    srv = ServerProcess(tiny_llama_dir, f"ipc://{path}/s.sock")
+    srv = ServerProcess(tiny_llama_dir, addr=f"ipc://{path}/s.sock")
     try:
         srv.wait_ready()
         with Client(srv.addr, timeout_s=60) as c:
@@ -493,7 +442,7 @@ def test_signal_aborts_requests_in_flight_and_exits_0(tiny_llama_dir, sig):
 @pytest.fixture(scope="module")
 def smol_server(smollm2_dir):
     path = tempfile.mkdtemp(prefix="rwi")
-    srv = ServerProcess(smollm2_dir, f"ipc://{path}/s.sock", kv="128MiB")
+    srv = ServerProcess(smollm2_dir, addr=f"ipc://{path}/s.sock", kv="128MiB")
     try:
         srv.wait_ready(timeout_s=180)
         yield srv

@@ -29,21 +29,11 @@ from rawinfer.frontends.server import protocol as P
 from rawinfer.frontends.server.client import AsyncClient, Client
 from rawinfer.frontends.server.server import SecurityError, Server, ServerConfig, check_bind_security
 
-from test_server import GREEDY, ServerProcess, env, free_port, idle_stats  # noqa: E402
+from cli_util import Server as ServerProcess, env, free_port  # noqa: E402
+from test_server import GREEDY, idle_stats, tiny_server  # noqa: E402,F401  (tiny_server: the fixture)
 
 
 # ---- shared fixtures -----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_server(tiny_llama_dir):
-    srv = ServerProcess(tiny_llama_dir, f"tcp://127.0.0.1:{free_port()}", "--heartbeat-interval", "0.1",
-                        "--client-timeout", "1")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
-
-
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_llama_dir):
     from rawinfer import LLMEngine
@@ -112,7 +102,7 @@ def test_sigterm_delivered_to_another_thread_stops_an_idle_server(tiny_llama_dir
 
 def test_sigterm_stops_an_idle_rawinfer_serve(tiny_llama_dir, private_dir):
     for _ in range(2):
-        srv = ServerProcess(tiny_llama_dir, f"ipc://{private_dir}/s.sock")
+        srv = ServerProcess(tiny_llama_dir, addr=f"ipc://{private_dir}/s.sock")
         try:
             srv.wait_ready()
             time.sleep(0.2)
@@ -212,7 +202,7 @@ def test_every_request_is_accounted_for(tiny_server):
 @pytest.fixture(scope="module")
 def smol_server(smollm2_dir):
     path = tempfile.mkdtemp(prefix="rwi")
-    srv = ServerProcess(smollm2_dir, f"ipc://{path}/s.sock", kv="128MiB")
+    srv = ServerProcess(smollm2_dir, addr=f"ipc://{path}/s.sock", kv="128MiB")
     try:
         srv.wait_ready(timeout_s=180)
         yield srv
