@@ -61,14 +61,10 @@ class _Snapshot:
         m = s.get("metrics") if isinstance(s.get("metrics"), dict) else {}
         for name, v in sorted((m.get("gauges") or {}).items()):
             if (v := _number(v)) is not None:
-                g = GaugeMetricFamily(f"rawinfer:{name}", HELP.get(name, name), labels=names)
-                g.add_metric(values, v)
-                yield g
+                yield _single(GaugeMetricFamily, name, HELP.get(name, name), names, values, v)
         for name, (key, doc) in SERVER_GAUGES.items():
             if (v := _number(s.get(key))) is not None:
-                g = GaugeMetricFamily(f"rawinfer:{name}", doc, labels=names)
-                g.add_metric(values, v)
-                yield g
+                yield _single(GaugeMetricFamily, name, doc, names, values, v)
         label_names = m.get("labels") or {}
         for name, v in sorted((m.get("counters") or {}).items()):
             base = name[:-len("_total")] if name.endswith("_total") else name
@@ -80,17 +76,20 @@ class _Snapshot:
                         c.add_metric(values + [str(key)], x)
                 yield c
             elif (x := _number(v)) is not None:
-                c = CounterMetricFamily(f"rawinfer:{base}", HELP.get(base, base), labels=names)
-                c.add_metric(values, x)
-                yield c
+                yield _single(CounterMetricFamily, base, HELP.get(base, base), names, values, x)
         for name, (key, doc) in SERVER_COUNTERS.items():
             if (v := _number(s.get(key))) is not None:
-                c = CounterMetricFamily(f"rawinfer:{name}", doc, labels=names)
-                c.add_metric(values, v)
-                yield c
+                yield _single(CounterMetricFamily, name, doc, names, values, v)
         for name, h in sorted((m.get("histograms") or {}).items()):
             if isinstance(h, dict) and (fam := _histogram(name, h, names, values)) is not None:
                 yield fam
+
+
+def _single(family, name: str, doc: str, names: list, values: list, value: float):
+    """A gauge or counter family `rawinfer:<name>` with the one sample of this server's labels."""
+    f = family(f"rawinfer:{name}", doc, labels=names)
+    f.add_metric(values, value)
+    return f
 
 
 def _histogram(name: str, h: dict, names: list, values: list) -> HistogramMetricFamily | None:
