@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from rawinfer.backend.base import FlatBatch, LayerWeights
 from rawinfer.config import ModelConfig
 from rawinfer.exec.memory import MemoryPool
