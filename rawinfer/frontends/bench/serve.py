@@ -9,7 +9,9 @@ sustains. Each request streams its tokens; the client clock gives
 
 A side task polls `stats` for the KV-pool utilisation and the server's generation rate over time. With
 --long-fraction some requests are long prompts; the short and long classes and the goodput under the
-stated objectives are reported on their own (mixed.py).
+stated objectives are reported on their own (mixed.py). With --conversations the requests are the turns of
+multi-turn conversations that resend their history, and the server's prefix-cache hit rate is reported
+(multiturn.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from rawinfer.engine.metrics import summarize
-from rawinfer.frontends.bench import mixed
+from rawinfer.frontends.bench import mixed, multiturn
 
 
 @dataclass
@@ -39,6 +41,8 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     long: bool = False                                          # of the long-prompt class (mixed.py)
+    conversation: int | None = None                             # multi-turn workload (multiturn.py): which one
+    turn: int | None = None                                     # ... and which of its turns, from 1
 
     @property
     def ok(self) -> bool:
@@ -72,15 +76,19 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return [float(x) for x in np.cumsum(gaps) - gaps[0]]       # the first request leaves at once
 
 
-async def _one(client, rec: RequestRecord, prompt: list[int], delay: float, t0: float, bar) -> None:
+async def _one(client, rec: RequestRecord, prompt: list[int], delay: float, t0: float, bar) -> list[int]:
+    """Send `prompt` at t0 + delay and fill `rec` from its stream; the token ids it generated."""
     from rawinfer.frontends.server.client import ClientError
     await asyncio.sleep(max(0.0, t0 + delay - time.monotonic()))
     rec.sent = time.monotonic() - t0
+    rec.prompt_tokens = len(prompt)
     params = {"max_tokens": rec.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    generated: list[int] = []
     try:
         async for msg in client.generate(prompt, params=params, stream=True):
             now = time.monotonic() - t0
             if msg.token_ids:
+                generated.extend(msg.token_ids)
                 rec.token_times.extend([now] * len(msg.token_ids))
                 rec.message_times.append(now)
                 rec.output_tokens += len(msg.token_ids)
@@ -91,6 +99,7 @@ async def _one(client, rec: RequestRecord, prompt: list[int], delay: float, t0: 
         rec.error = str(e)
         rec.finished = time.monotonic() - t0
     bar.update(1)
+    return generated
 
 
 async def _poll_stats(client, t0: float, interval: float, samples: list[dict], stop: asyncio.Event) -> None:
@@ -112,6 +121,7 @@ async def _poll_stats(client, t0: float, interval: float, samples: list[dict], s
 async def run_load(args, progress: bool = False) -> dict:
     """Send the workload of the options of `rawinfer bench serve`; with progress, a bar of finished
     requests on stderr (when it is a terminal)."""
+    multiturn.check_options(args)
     if getattr(args, "backend", "zmq") == "openai":
         return await run_http_load(args, progress)
     from tqdm import tqdm
@@ -122,29 +132,46 @@ async def run_load(args, progress: bool = False) -> dict:
     try:
         info = await client.model_info()
         V, limit = int(info["vocab_size"]), int(info["max_model_len"])
-        mixed.check_mixed_lengths(args, limit)
-        wl, is_long = mixed.make_mixed_workload(args, V)
+        turns = multiturn.enabled(args)
+        if turns:
+            multiturn.check_fits(args, limit)
+            n = args.conversations * args.turns
+            convs = multiturn.plan(args, V, arrival_times(n, args.request_rate, args.seed + 1), RequestRecord)
+            records, prompts = [r for c in convs for r in c.records], [c.first_prompt for c in convs]
+        else:
+            mixed.check_mixed_lengths(args, limit)
+            wl, is_long = mixed.make_mixed_workload(args, V)
+            records, prompts = [RequestRecord(len(p), max(1, min(n, limit - len(p))), long=g)
+                                for p, n, g in zip(wl.prompts, wl.output_lens, is_long)], wl.prompts
+            delays = arrival_times(args.num_requests, args.request_rate, args.seed + 1)
         if args.warmup:
-            await client.complete(list(wl.prompts[0][:8]), params={"max_tokens": 4, "temperature": 0.0})
-        records = [RequestRecord(len(p), max(1, min(n, limit - len(p))), long=g)
-                   for p, n, g in zip(wl.prompts, wl.output_lens, is_long)]
-        delays = arrival_times(args.num_requests, args.request_rate, args.seed + 1)
+            await client.complete(list(prompts[0][:8]), params={"max_tokens": 4, "temperature": 0.0})
+        before = multiturn.cache_snapshot(await stats_client.stats()) if turns else None
         samples: list[dict] = []
         stop = asyncio.Event()
         t0 = time.monotonic()
         poller = asyncio.create_task(_poll_stats(stats_client, t0, args.stats_interval, samples, stop))
         with tqdm(total=len(records), desc="requests", unit="req", leave=False,
                   disable=None if progress else True) as bar:
-            await asyncio.gather(*(_one(client, r, p, d, t0, bar) for r, p, d in zip(records, wl.prompts, delays)))
+            if turns:
+                def send(rec, prompt, delay):
+                    return _one(client, rec, prompt, delay, t0, bar)
+                await asyncio.gather(*(multiturn.converse(c, send, bar) for c in convs))
+            else:
+                await asyncio.gather(*(_one(client, r, p, d, t0, bar) for r, p, d in zip(records, prompts, delays)))
         duration = time.monotonic() - t0
         stop.set()
         await poller
+        after = multiturn.cache_snapshot(await stats_client.stats()) if turns else None
     finally:
         client.close()
         stats_client.close()
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config.update(model=info.get("model"), device=info.get("device"), kv_blocks_total=info.get("kv_blocks_total"))
-    return summarize_run(records, duration, samples, config)
+    result = summarize_run(records, duration, samples, config)
+    if turns:
+        result["multi_turn"] = multiturn.report(records, args.conversations, args.turns, before, after)
+    return result
 
 
 async def run_http_load(args, progress: bool = False) -> dict:
@@ -230,3 +257,5 @@ def print_report(r: dict, file=sys.stdout) -> None:
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "end-to-end")):
         print(f"{name + ' (ms):':<25}{_ms(r[key])}", file=file)
     mixed.print_slo_report(r, file)
+    if r.get("multi_turn"):
+        multiturn.print_report(r["multi_turn"], file)

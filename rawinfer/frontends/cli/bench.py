@@ -89,6 +89,18 @@ def _add_mixed(p) -> None:
                         f"(default: {DEFAULT_SLO_ITL_MS:g})")
 
 
+def _add_multiturn(p) -> None:
+    g = p.add_argument_group("multi-turn conversations")
+    g.add_argument("--conversations", type=nonnegative_int, default=0, metavar="C",
+                   help="send C conversations whose turns resend the growing history, and report the server's "
+                        "prefix-cache hit rate; C * --turns requests, --num-requests is ignored (default: 0, off)")
+    g.add_argument("--turns", type=positive_int, default=4, metavar="T",
+                   help="turns per conversation; turn 1 is --input-len tokens (default: 4)")
+    g.add_argument("--turn-input-len", type=positive_int, default=64, metavar="N",
+                   help="new user tokens of each turn after the first, after the previous prompt and output "
+                        "(default: 64)")
+
+
 def add_parser(sub) -> None:
     p = add_command(sub, "bench", "benchmarks: throughput, serve, roofline")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
@@ -120,6 +132,7 @@ def add_parser(sub) -> None:
     s.add_argument("--request-rate", type=positive_float, default=float("inf"), metavar="RATE",
                    help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
     _add_mixed(s)
+    _add_multiturn(s)
     s.add_argument("--stats-interval", type=positive_float, default=0.25, metavar="SECONDS",
                    help="seconds between polls of the server's stats (default: 0.25)")
     s.add_argument("--timeout", type=positive_float, default=120.0, metavar="SECONDS",
@@ -181,7 +194,8 @@ def cmd_throughput(args) -> int:
 def cmd_serve_bench(args) -> int:
     import asyncio
 
-    from rawinfer.frontends.bench import serve
+    from rawinfer.frontends.bench import multiturn, serve
+    multiturn.check_options(args)
     _output_path(args, "serve", "json", args.json)
     if args.backend == "openai":
         _check_http(args.base_url, args.api_key)
