@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e '.[dev]'
+.venv/bin/python -m pip install -q -e '.[dev,ray]'
 PYTHON=.venv/bin/python bash tools/fetch_default_model.sh
 PYTHON=.venv/bin/python bash tools/fetch_model.sh gemma3-270m
 exec .venv/bin/python -m pytest -q "$@"

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub)
     chat.add_parser(sub)
-    serve.add_parsers(sub)               # serve, client, keygen
+    serve.add_parsers(sub)               # serve, client, keygen, scale
     models.add_parser(sub)
     fetch.add_parser(sub)
     convert.add_parser(sub)

@@ -8,10 +8,11 @@ import os
 from rawinfer.frontends.cli.connect import PING_TIMEOUT_S, ping_server, probe_endpoint
 from rawinfer.frontends.cli.generate import parse_token_ids
 from rawinfer.frontends.cli.models import open_engine
+from rawinfer.frontends.cli.serve_replicas import add_replica_args, check_replica_args, cmd_scale, run_replicas
 from rawinfer.frontends.cli.serve_roles import add_role_args, check_role_args, decode_connector, run_prefill_role
 from rawinfer.frontends.cli.stream import client_events, print_stream
 from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args, is_quiet,
-                                        positive_float, read_prompt, sampling_params_from_args, size)
+                                        positive_float, positive_int, read_prompt, sampling_params_from_args, size)
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
 log = logging.getLogger("rawinfer")
@@ -56,6 +57,7 @@ def add_parsers(sub) -> None:
                    help="HTTP worker processes, each one more client of the engine (default: 1)")
     add_engine_args(p)
     add_role_args(p)
+    add_replica_args(p)
     p.set_defaults(func=cmd_serve)
 
     c = add_command(sub, "client", "send one prompt to a running `rawinfer serve` and stream the answer")
@@ -77,6 +79,11 @@ def add_parsers(sub) -> None:
     k.add_argument("--name", default="server", help="file name stem (default: server)")
     k.add_argument("--force", action="store_true", help="replace existing key files (default: refuse)")
     k.set_defaults(func=cmd_keygen)
+
+    s = add_command(sub, "scale", "set the number of replicas of a running `rawinfer serve --replicas`")
+    s.add_argument("replicas", type=positive_int, help="the number of replicas to run")
+    add_server_args(s)
+    s.set_defaults(func=cmd_scale)
 
 
 def _port(text: str) -> int:
@@ -115,25 +122,13 @@ def add_server_args(c, local_by_default: bool = False) -> None:
 
 def cmd_serve(args) -> int:
     check_role_args(args)
+    check_replica_args(args)
+    if args.replicas is not None:
+        return run_replicas(args, open_front)
     if args.role == "prefill":         # reached by decode instances only: no client socket, no HTTP
         return run_prefill_role(args, open_engine(args))
-    from rawinfer.frontends.server.server import (SecurityError, Server, ServerConfig, check_bind_security,
-                                                  is_loopback_endpoint, load_secret_key)
-    cfg = ServerConfig(bind=args.bind, curve_secret_key_file=args.curve_secret_key,
-                       curve_client_keys_dir=args.curve_client_keys, insecure=args.insecure,
-                       max_message_bytes=args.max_message_size, heartbeat_interval_s=args.heartbeat_interval,
-                       zmtp_heartbeat_timeout_s=args.client_timeout)
-    cfg.log_interval_s = args.log_interval
-    try:                                 # refuse before spending time on loading the model
-        check_bind_security(cfg)
-        if cfg.curve_secret_key_file:
-            load_secret_key(cfg.curve_secret_key_file)
-    except SecurityError as e:
-        raise CLIError(str(e)) from None
-    probe_endpoint(args.bind)
-    if args.insecure and not is_loopback_endpoint(args.bind) and not args.curve_secret_key:
-        log.warning("serving %s unencrypted (--insecure): anyone who can reach it can use the engine", args.bind)
-    workers = _start_http(args)          # before the model loads: /health answers 503 meanwhile
+    from rawinfer.frontends.server.server import SecurityError, Server
+    cfg, workers = open_front(args)
     try:
         engine = open_engine(args)
         try:
@@ -147,6 +142,28 @@ def cmd_serve(args) -> int:
     finally:
         if workers is not None:
             workers.stop()
+
+
+def open_front(args):
+    """What faces clients, checked before any model loads: the ServerConfig of --bind and its keys, and the
+    HTTP workers (None with --no-http). CLIError for an unsafe or busy address."""
+    from rawinfer.frontends.server.server import (SecurityError, ServerConfig, check_bind_security,
+                                                  is_loopback_endpoint, load_secret_key)
+    cfg = ServerConfig(bind=args.bind, curve_secret_key_file=args.curve_secret_key,
+                       curve_client_keys_dir=args.curve_client_keys, insecure=args.insecure,
+                       max_message_bytes=args.max_message_size, heartbeat_interval_s=args.heartbeat_interval,
+                       zmtp_heartbeat_timeout_s=args.client_timeout)
+    cfg.log_interval_s = args.log_interval
+    try:
+        check_bind_security(cfg)
+        if cfg.curve_secret_key_file:
+            load_secret_key(cfg.curve_secret_key_file)
+    except SecurityError as e:
+        raise CLIError(str(e)) from None
+    probe_endpoint(args.bind)
+    if args.insecure and not is_loopback_endpoint(args.bind) and not args.curve_secret_key:
+        log.warning("serving %s unencrypted (--insecure): anyone who can reach it can use the engine", args.bind)
+    return cfg, _start_http(args)        # before the model loads: /health answers 503 meanwhile
 
 
 def _url_host(host: str) -> str:

@@ -152,6 +152,10 @@ class Client:
     def stats(self) -> dict:
         return self._call(P.Stats).stats
 
+    def scale(self, replicas: int) -> int:
+        """Ask a replica router (`rawinfer serve --replicas`) for this many replicas; the previous target."""
+        return self._call(P.Scale, replicas=replicas).previous
+
     def model_info(self) -> dict:
         return self._call(P.ModelInfo).info
 

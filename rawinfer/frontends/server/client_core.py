@@ -116,7 +116,8 @@ def destination(msg: P.ServerMessage) -> tuple[str, str] | None:
             return "stream", msg.request_id
         log.warning("the server reported: %s (%s)", msg.message, msg.code)
         return None
-    if isinstance(msg, (P.Pong, P.StatsReply, P.ModelInfoReply, P.TokenizeReply, P.DetokenizeReply)) \
+    if isinstance(msg, (P.Pong, P.StatsReply, P.ModelInfoReply, P.TokenizeReply, P.DetokenizeReply,
+                        P.ScaleReply)) \
             and msg.tag is not None:
         return "reply", msg.tag
     return None                               # heartbeats: they only show that the server is alive

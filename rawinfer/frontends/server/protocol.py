@@ -155,6 +155,14 @@ class Detokenize:
     tag: str | None = _f(_optional(_id), None)
 
 
+@dataclass
+class Scale:
+    """Set the number of engine replicas behind a replica router (`rawinfer serve --replicas`)."""
+    TYPE: ClassVar[str] = "scale"
+    replicas: int = _f(_count)
+    tag: str | None = _f(_optional(_id), None)
+
+
 # ---- server -> client -----------------------------------------------------------------------------------------
 @dataclass
 class Chunk:
@@ -236,19 +244,27 @@ class DetokenizeReply:
 
 
 @dataclass
+class ScaleReply:
+    TYPE: ClassVar[str] = "scale_reply"
+    replicas: int = _f(_count)                       # the new target
+    previous: int = _f(_count)                       # the target before
+    tag: str | None = _f(_optional(_id), None)
+
+
+@dataclass
 class Heartbeat:
     """Sent to a client with requests in flight that has heard nothing for a heartbeat interval; a send
     that fails tells the server the client is gone."""
     TYPE: ClassVar[str] = "heartbeat"
 
 
-ClientMessage = Generate | Abort | Stats | Ping | ModelInfo | Tokenize | Detokenize
+ClientMessage = Generate | Abort | Stats | Ping | ModelInfo | Tokenize | Detokenize | Scale
 ServerMessage = (Chunk | Final | Error | Pong | StatsReply | ModelInfoReply | TokenizeReply | DetokenizeReply
-                 | Heartbeat)
+                 | ScaleReply | Heartbeat)
 CLIENT_MESSAGES: dict[str, type] = {c.TYPE: c for c in (Generate, Abort, Stats, Ping, ModelInfo, Tokenize,
-                                                         Detokenize)}
+                                                         Detokenize, Scale)}
 SERVER_MESSAGES: dict[str, type] = {c.TYPE: c for c in (Chunk, Final, Error, Pong, StatsReply, ModelInfoReply,
-                                                         TokenizeReply, DetokenizeReply, Heartbeat)}
+                                                         TokenizeReply, DetokenizeReply, ScaleReply, Heartbeat)}
 
 
 # ---- the one encoder and decoder -----------------------------------------------------------------------------

@@ -1,0 +1,154 @@
+"""`rawinfer serve --replicas N`: engine replicas on a Ray cluster behind one router, and `rawinfer scale`.
+
+    rawinfer serve --replicas 2                          # a local Ray cluster started for the purpose
+    rawinfer serve --replicas 4 --ray-address auto       # the cluster this machine belongs to (`ray start`)
+    rawinfer scale 3 --addr tcp://127.0.0.1:5555         # while serving: replicas added, or drained and stopped
+
+The router (frontends/cluster/router.py) binds --bind as a single server would, and the HTTP front end
+connects to it, so clients see one endpoint. The replicas take every engine option given here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from rawinfer.frontends.options import CLIError, positive_float, positive_int
+
+log = logging.getLogger("rawinfer")
+
+
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    from rawinfer.frontends.cluster.routing import POLICIES
+    g = p.add_argument_group("replicas on a Ray cluster (pip install 'rawinfer[ray]')")
+    g.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="serve N engine replicas, each a Ray actor, behind one router on --bind (default: one engine "
+                        "in this process, no Ray)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (auto, HOST:6379 or ray://HOST:10001); the model path must exist on "
+                        "every node (default: start a local cluster on this machine)")
+    g.add_argument("--ray-num-cpus", type=positive_int, default=None, metavar="N",
+                   help="CPUs of the local Ray cluster (default: all of this machine's)")
+    g.add_argument("--replica-cpus", type=positive_float, default=None, metavar="N",
+                   help="CPUs each CPU replica reserves and computes on (default: the cluster's CPUs / replicas, "
+                        "at least 1)")
+    g.add_argument("--routing", choices=POLICIES, default="cache_aware",
+                   help="cache_aware: to the replica most likely to hold the prompt's prefix, balanced against load; "
+                        "round_robin; least_loaded (default: cache_aware)")
+    g.add_argument("--max-replicas", type=positive_int, default=None, metavar="N",
+                   help="`rawinfer scale` and autoscaling stay at or below N (default: --autoscale-max, else 64)")
+    g.add_argument("--autoscale-max", type=positive_int, default=None, metavar="N",
+                   help="add replicas up to N while requests per replica stay above --autoscale-queue-depth, and "
+                        "remove them down to --replicas when idle (default: no autoscaling)")
+    g.add_argument("--autoscale-queue-depth", type=positive_float, default=8.0, metavar="Q",
+                   help="requests in flight per serving replica that count as a queue (default: 8)")
+    g.add_argument("--autoscale-up-after", type=positive_float, default=10.0, metavar="SECONDS",
+                   help="how long the queue must last before a replica is added (default: 10)")
+    g.add_argument("--autoscale-down-after", type=positive_float, default=60.0, metavar="SECONDS",
+                   help="how long replicas must stay idle before one is removed (default: 60)")
+    g.add_argument("--replica-lost-after", type=positive_float, default=5.0, metavar="SECONDS",
+                   help="a replica silent this long is taken out of the rotation, its requests retried or ended "
+                        "(default: 5)")
+
+
+def check_replica_args(args) -> None:
+    """CLIError for options that do not go together (before anything starts)."""
+    if args.replicas is None:
+        given = [f for f, v in (("--ray-address", args.ray_address), ("--autoscale-max", args.autoscale_max),
+                                ("--max-replicas", args.max_replicas), ("--replica-cpus", args.replica_cpus))
+                 if v is not None]
+        if given:
+            raise CLIError(f"{given[0]} applies to replicas; add --replicas N")
+        return
+    if args.role != "colocated":
+        raise CLIError("--replicas runs colocated engines; run prefill and decode instances with --role separately "
+                       "(docs/scaling.md)")
+    if args.autoscale_max is not None and args.autoscale_max < args.replicas:
+        raise CLIError(f"--autoscale-max {args.autoscale_max} is below --replicas {args.replicas}; give at least "
+                       f"{args.replicas}")
+    top = args.max_replicas or args.autoscale_max or 64
+    if args.replicas > top or (args.autoscale_max or 0) > top:
+        raise CLIError(f"--max-replicas {top} is below --replicas or --autoscale-max; raise it")
+    if args.ray_address is not None and args.ray_num_cpus is not None:
+        raise CLIError("--ray-num-cpus sizes a local cluster; an existing one (--ray-address) has its own CPUs")
+
+
+def _replica_options(args, model_path: str, cpus: float, device: str) -> dict:
+    """The engine and server options every replica starts with (a plain dict: it travels to the actors)."""
+    opts = {k: v for k, v in vars(args).items() if k != "func"}
+    opts.update(model=model_path, device=device, http=False, role="colocated", prefill=[])
+    if device == "cpu" and opts.get("threads") is None:
+        opts["threads"] = max(1, int(cpus))
+    return opts
+
+
+def run_replicas(args, open_front) -> int:
+    """Start the replicas and serve the router until SIGINT/SIGTERM. open_front(args): the checked
+    ServerConfig of --bind and the started HTTP workers, as for one engine (cli/serve.py)."""
+    from rawinfer.frontends.cli.models import open_engine, resolve_model
+    from rawinfer.frontends.cluster.autoscale import AutoscaleConfig
+    from rawinfer.frontends.cluster.ray_pool import RayPool, RayPoolConfig
+    from rawinfer.frontends.cluster.router import ReplicaRouter, RouterConfig
+    from rawinfer.frontends.cluster.routing import RoutingConfig
+    from rawinfer.frontends.server.security import load_secret_key
+    import zmq
+
+    check_replica_args(args)
+    model_path = os.path.abspath(resolve_model(args.model, progress=not args.quiet))
+    local = args.ray_address is None
+    if not local and not args.curve_secret_key and not args.insecure:
+        raise CLIError("replicas on other machines are reached over the network: give --curve-secret-key FILE "
+                       "(the same file on every node; the router and replicas use it), or --insecure on a "
+                       "trusted network")
+    cfg, workers = open_front(args)
+    pool = None
+    try:
+        try:
+            pool = RayPool({}, RayPoolConfig(address=args.ray_address, num_cpus=args.ray_num_cpus, loopback=local),
+                           open_engine)
+        except RuntimeError as e:
+            raise CLIError(str(e)) from None
+        res = pool.resources()
+        gpus = res.get("GPU", 0)
+        device = args.device if args.device != "auto" else ("cuda" if gpus >= 1 else "cpu")
+        cpus = args.replica_cpus or max(1.0, float(int(res.get("CPU", 1) // args.replicas)))
+        pool.cfg.cpus, pool.cfg.gpus = (1.0, 1) if device == "cuda" else (cpus, 0)
+        pool.options = _replica_options(args, model_path, cpus, device)
+        curve = None
+        if args.curve_secret_key and not local:
+            public, _ = load_secret_key(args.curve_secret_key)
+            curve = (public, *zmq.curve_keypair())
+        auto = None
+        if args.autoscale_max is not None:
+            auto = AutoscaleConfig(args.replicas, args.autoscale_max, up_depth=args.autoscale_queue_depth,
+                                   up_after_s=args.autoscale_up_after, down_after_s=args.autoscale_down_after)
+        rcfg = RouterConfig(replicas=args.replicas, max_replicas=args.max_replicas or args.autoscale_max or 64,
+                            routing=RoutingConfig(policy=args.routing), lost_after_s=args.replica_lost_after,
+                            autoscale=auto, curve=curve)
+        log.info("Ray cluster: %g CPUs, %g GPUs; %d %s replica(s) of %s, %s each", res.get("CPU", 0), gpus,
+                 args.replicas, device, os.path.basename(model_path),
+                 "1 GPU" if device == "cuda" else f"{cpus:g} CPU(s)")
+        router = ReplicaRouter(cfg, pool, rcfg)
+        pool = None                      # the router closes it
+        return router.run()
+    finally:
+        if pool is not None:
+            pool.close()
+        if workers is not None:
+            workers.stop()
+
+
+def cmd_scale(args) -> int:
+    from rawinfer.frontends.cli.connect import ping_server
+    from rawinfer.frontends.server.client import Client, RequestError
+    ping_server(args.addr, args.server_key, args.client_key)
+    with Client(args.addr, server_key=args.server_key, client_key_file=args.client_key,
+                timeout_s=args.timeout) as client:
+        try:
+            previous = client.scale(args.replicas)
+        except RequestError as e:
+            raise CLIError(str(e)) from None
+    print(f"replicas: {previous} -> {args.replicas} (new ones serve once loaded; removed ones finish their "
+          "requests first)")
+    return 0

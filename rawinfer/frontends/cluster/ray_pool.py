@@ -1,0 +1,132 @@
+"""Engine replicas as Ray actors (`pip install 'rawinfer[ray]'`).
+
+Each replica is one actor that loads the model and runs the ordinary `Server` (ZeroMQ loop, engine thread)
+on a port of its node; the router reaches it there, so tokens never pass through Ray. Ray places the
+actors (a CPU replica reserves `cpus` cores, a CUDA replica one GPU) and restarts an actor whose process
+dies (`max_restarts`); the restarted actor loads the model again and binds a new port, which endpoint()
+reports. Ray is imported only here, so the rest of rawinfer runs without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("rawinfer")
+
+
+class ReplicaActor:
+    """The body of one replica actor (made a Ray actor class by RayPool)."""
+
+    def __init__(self, options: dict, slot: int, bind_host: str | None, open_engine):
+        """open_engine(argparse.Namespace of options) -> LLMEngine (the command line's, passed in so that this
+        package does not import the command line)."""
+        import ray
+        from rawinfer.frontends.server.server import Server, ServerConfig
+        level = logging.DEBUG if options.get("verbose") else logging.WARNING if options.get("quiet") else logging.INFO
+        logging.basicConfig(level=level, format=f"rawinfer replica {slot}: %(message)s", force=True)
+        bind_host = bind_host or ray.util.get_node_ip_address()
+        args = argparse.Namespace(**options)
+        engine = open_engine(args)
+        cfg = ServerConfig(bind=f"tcp://{bind_host}:0", curve_secret_key_file=options.get("curve_secret_key"),
+                           insecure=bool(options.get("insecure")), max_message_bytes=options["max_message_size"],
+                           heartbeat_interval_s=options["heartbeat_interval"],
+                           zmtp_heartbeat_timeout_s=options["client_timeout"])
+        cfg.log_interval_s = options["log_interval"]
+        self.server = Server(engine, cfg)
+        self.thread = threading.Thread(target=self.server.run, name="rawinfer-replica", daemon=True)
+        self.thread.start()
+        self.facts = {"pid": os.getpid(), "node": bind_host, "device": engine.backend.name}
+
+    def endpoint(self) -> tuple[str, dict]:
+        return self.server.endpoint, self.facts
+
+    def stop(self) -> bool:
+        """Abort what is in flight (the router has drained it already) and stop serving."""
+        self.server.shutdown()
+        self.thread.join(60)
+        return not self.thread.is_alive()
+
+
+@dataclass
+class RayPoolConfig:
+    address: str | None = None       # an existing cluster ("auto", "ray://HOST:10001", "HOST:6379"); None starts one
+    num_cpus: int | None = None      # CPUs of the local cluster started when address is None
+    cpus: float = 1.0                # per replica
+    gpus: int = 0                    # per replica (1 for CUDA replicas)
+    max_restarts: int = -1           # -1: Ray restarts a dead replica every time
+    loopback: bool = True            # replicas bind 127.0.0.1 (all on this machine) or their node's address
+
+
+class RayPool:
+    """ReplicaPool (pool.py) on Ray."""
+
+    def __init__(self, options: dict, cfg: RayPoolConfig, open_engine=None):
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeError("--replicas runs replicas on Ray, which is not installed: "
+                               "pip install 'rawinfer[ray]'") from None
+        self.ray, self.cfg, self.options, self.open_engine = ray, cfg, options, open_engine
+        self._started_ray = False
+        if not ray.is_initialized():
+            kw = {"address": cfg.address} if cfg.address else {"num_cpus": cfg.num_cpus or os.cpu_count()}
+            ray.init(include_dashboard=False, logging_level=logging.WARNING, **kw)
+            self._started_ray = True
+        self._actor_cls = ray.remote(ReplicaActor)
+        self.actors: dict[int, object] = {}
+
+    def resources(self) -> dict:
+        return dict(self.ray.cluster_resources())
+
+    def start(self, slot: int) -> None:
+        host = "127.0.0.1" if self.cfg.loopback else None      # None: the actor's own node's address
+        self.actors[slot] = self._actor_cls.options(
+            num_cpus=self.cfg.cpus, num_gpus=self.cfg.gpus, max_restarts=self.cfg.max_restarts,
+            max_concurrency=4).remote(self.options, slot, host, self.open_engine)
+
+    def endpoint(self, slot: int, timeout_s: float) -> tuple[str, dict]:
+        ray = self.ray
+        actor = self.actors.get(slot)
+        if actor is None:
+            raise RuntimeError(f"replica {slot} was never started")
+        deadline = time.monotonic() + timeout_s
+        last = "it did not answer"
+        while time.monotonic() < deadline:
+            try:
+                return tuple(ray.get(actor.endpoint.remote(), timeout=max(0.1, deadline - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                break
+            except ray.exceptions.ActorDiedError as e:
+                if "max_restarts" in str(e) or self.cfg.max_restarts == 0:
+                    raise RuntimeError(f"replica {slot} died and will not be restarted: {_short(e)}") from None
+                last = _short(e)
+            except ray.exceptions.RayActorError as e:    # restarting: ask again
+                last = _short(e)
+            time.sleep(0.5)
+        raise RuntimeError(f"replica {slot} did not serve within {timeout_s:g} s ({last}); is the cluster short "
+                           "of CPUs or GPUs for it? see `ray status`")
+
+    def stop(self, slot: int) -> None:
+        actor = self.actors.pop(slot, None)
+        if actor is None:
+            return
+        try:
+            self.ray.get(actor.stop.remote(), timeout=60)
+        except Exception as e:           # already dead, or stuck: it is killed below either way
+            log.debug("replica %d stop: %s", slot, e)
+        self.ray.kill(actor, no_restart=True)
+
+    def close(self) -> None:
+        for slot in list(self.actors):
+            self.ray.kill(self.actors.pop(slot), no_restart=True)
+        if self._started_ray:
+            self.ray.shutdown()
+
+
+def _short(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
