@@ -108,6 +108,15 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def size_cpu_pool(threads: int | None) -> None:
+    """With --threads N, make Numba's thread pool N workers (NUMBA_NUM_THREADS, read when Numba is
+    imported), not every core narrowed to N: a pool with idle workers makes each parallel region several
+    times slower whenever another process keeps the spare cores busy, e.g. two single-thread replicas on
+    two cores (docs/kernels.md). A no-op once Numba is imported, and where the user set the variable."""
+    if threads and "numba" not in sys.modules:
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
+
+
 def cpu_threads(text: str) -> int:
     value = positive_int(text)
     cores = os.cpu_count() or 1

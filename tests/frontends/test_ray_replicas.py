@@ -137,3 +137,32 @@ def test_scaling_from_one_to_two_replicas_and_back_loses_no_request(cluster, ref
     assert [g[0] for g in results] == expected * 3
     s = wait_serving(cluster.addr, 1)
     assert s["routing"]["scale_events"] >= 4
+
+
+def test_prefill_and_decode_pools_as_ray_actors(tiny_llama_dir):
+    """--prefill-replicas: the prefill instances are actors too, and the decode replicas send them prompts;
+    greedy outputs equal one engine's."""
+    from rawinfer import LLM, SamplingParams
+    srv = ServerProcess(tiny_llama_dir, "--replicas", "1", "--prefill-replicas", "1", "--ray-num-cpus", "2",
+                        "--min-remote-tokens", "8", RAY_AUTH_MODE="disabled")
+    try:
+        srv.wait_ready(timeout_s=300)
+        wait_serving(srv.addr, 1)
+        prompts = [list(range(3 + k, 60 + k)) for k in range(6)]
+        params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+        got, deadline = [], time.monotonic() + 60
+        with Client(srv.addr, timeout_s=60) as c:
+            for p in prompts:
+                got.append(c.complete(p, params=params).token_ids)
+            # the decode replica prefills locally until its link to the prefill instance is up
+            k = 0
+            while c.stats()["replicas"]["0"]["stats"]["kv_transfer"]["remote"] == 0 and time.monotonic() < deadline:
+                k += 1                   # a new prompt each time: a cached one would be prefilled locally
+                c.complete(list(range(100 + k, 160 + k)), params=params)
+                time.sleep(0.2)
+            transfers = c.stats()["replicas"]["0"]["stats"]["kv_transfer"]
+    finally:
+        srv.stop()
+    llm = LLM(tiny_llama_dir, device="cpu", kv_cache_memory="16MiB")
+    assert got == [r.token_ids for r in llm.generate(prompts, SamplingParams(**params), use_tqdm=False)]
+    assert transfers["remote"] >= 1 and transfers["bytes"] > 0 and transfers["failed"] == 0

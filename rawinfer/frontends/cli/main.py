@@ -10,7 +10,8 @@ import sys
 
 from rawinfer.config import VERSION, ModelFormatError
 from rawinfer.frontends.cli import bench, chat, convert, fetch, generate, models, serve, warmup
-from rawinfer.frontends.options import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, CLIError, Parser)
+from rawinfer.frontends.options import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, CLIError, Parser,
+                                        size_cpu_pool)
 
 EPILOG = """exit status: 0 done; 1 the run failed (no server answered, a request was aborted or failed, a
 benchmark request failed); 2 bad usage or input (a flag, a model path, a prompt); 130 interrupted.
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="rawinfer: %(message)s", stream=sys.stderr)
+    size_cpu_pool(getattr(args, "threads", None))
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
+from rawinfer.frontends.cli.models import open_engine
+from rawinfer.frontends.cli.serve_roles import decode_connector
 from rawinfer.frontends.options import CLIError, positive_float, positive_int
 
 log = logging.getLogger("rawinfer")
@@ -47,6 +50,14 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
                    help="how long the queue must last before a replica is added (default: 10)")
     g.add_argument("--autoscale-down-after", type=positive_float, default=60.0, metavar="SECONDS",
                    help="how long replicas must stay idle before one is removed (default: 60)")
+    g.add_argument("--prefill-replicas", type=positive_int, default=None, metavar="P",
+                   help="also run P prefill instances as actors; the --replicas then run as decode instances that "
+                        "send them their prompts (prefill/decode disaggregation; the --role decode options apply) "
+                        "(default: none, colocated replicas)")
+    g.add_argument("--prefill-port", type=positive_int, default=5600, metavar="PORT",
+                   help="with --prefill-replicas on a cluster (--ray-address): prefill instance i binds PORT + i on "
+                        "its node, the same port again after a restart (default: 5600; a local cluster picks free "
+                        "ports)")
     g.add_argument("--replica-lost-after", type=positive_float, default=5.0, metavar="SECONDS",
                    help="a replica silent this long is taken out of the rotation, its requests retried or ended "
                         "(default: 5)")
@@ -56,14 +67,14 @@ def check_replica_args(args) -> None:
     """CLIError for options that do not go together (before anything starts)."""
     if args.replicas is None:
         given = [f for f, v in (("--ray-address", args.ray_address), ("--autoscale-max", args.autoscale_max),
-                                ("--max-replicas", args.max_replicas), ("--replica-cpus", args.replica_cpus))
-                 if v is not None]
+                                ("--max-replicas", args.max_replicas), ("--replica-cpus", args.replica_cpus),
+                                ("--prefill-replicas", args.prefill_replicas)) if v is not None]
         if given:
             raise CLIError(f"{given[0]} applies to replicas; add --replicas N")
         return
-    if args.role != "colocated":
-        raise CLIError("--replicas runs colocated engines; run prefill and decode instances with --role separately "
-                       "(docs/scaling.md)")
+    if args.role != "colocated" or args.prefill:
+        raise CLIError("with --replicas the roles are placed for you: give --prefill-replicas P instead of --role "
+                       "and --prefill (docs/scaling.md)")
     if args.autoscale_max is not None and args.autoscale_max < args.replicas:
         raise CLIError(f"--autoscale-max {args.autoscale_max} is below --replicas {args.replicas}; give at least "
                        f"{args.replicas}")
@@ -74,19 +85,40 @@ def check_replica_args(args) -> None:
         raise CLIError("--ray-num-cpus sizes a local cluster; an existing one (--ray-address) has its own CPUs")
 
 
-def _replica_options(args, model_path: str, cpus: float, device: str) -> dict:
-    """The engine and server options every replica starts with (a plain dict: it travels to the actors)."""
+def _replica_options(args, model_path: str, cpus: float, device: str, prefill: list[str]) -> dict:
+    """The engine and server options every replica starts with (a plain dict: it travels to the actors);
+    with prefill endpoints, those of a decode instance."""
     opts = {k: v for k, v in vars(args).items() if k != "func"}
-    opts.update(model=model_path, device=device, http=False, role="colocated", prefill=[])
+    opts.update(model=model_path, device=device, http=False, role="decode" if prefill else "colocated",
+                prefill=list(prefill))
     if device == "cpu" and opts.get("threads") is None:
         opts["threads"] = max(1, int(cpus))
     return opts
 
 
+def replica_engine(args):
+    """What a replica actor serves: the engine of the options, and its prefill link when it decodes."""
+    engine = open_engine(args)
+    return engine, decode_connector(args, engine)
+
+
+def _prefill_ports(args, local: bool) -> list[int]:
+    if not local:
+        return [args.prefill_port + i for i in range(args.prefill_replicas)]
+    socks = [socket.socket() for _ in range(args.prefill_replicas)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def run_replicas(args, open_front) -> int:
     """Start the replicas and serve the router until SIGINT/SIGTERM. open_front(args): the checked
     ServerConfig of --bind and the started HTTP workers, as for one engine (cli/serve.py)."""
-    from rawinfer.frontends.cli.models import open_engine, resolve_model
+    from rawinfer.frontends.cli.models import resolve_model
     from rawinfer.frontends.cluster.autoscale import AutoscaleConfig
     from rawinfer.frontends.cluster.ray_pool import RayPool, RayPoolConfig
     from rawinfer.frontends.cluster.router import ReplicaRouter, RouterConfig
@@ -97,6 +129,9 @@ def run_replicas(args, open_front) -> int:
     check_replica_args(args)
     model_path = os.path.abspath(resolve_model(args.model, progress=not args.quiet))
     local = args.ray_address is None
+    if not local and args.prefill_replicas and not args.insecure:
+        raise CLIError("the prefill link has no encryption yet: --prefill-replicas on a cluster of several machines "
+                       "needs --insecure (a trusted, private network)")
     if not local and not args.curve_secret_key and not args.insecure:
         raise CLIError("replicas on other machines are reached over the network: give --curve-secret-key FILE "
                        "(the same file on every node; the router and replicas use it), or --insecure on a "
@@ -106,15 +141,25 @@ def run_replicas(args, open_front) -> int:
     try:
         try:
             pool = RayPool({}, RayPoolConfig(address=args.ray_address, num_cpus=args.ray_num_cpus, loopback=local),
-                           open_engine)
+                           replica_engine)
         except RuntimeError as e:
             raise CLIError(str(e)) from None
         res = pool.resources()
         gpus = res.get("GPU", 0)
         device = args.device if args.device != "auto" else ("cuda" if gpus >= 1 else "cpu")
-        cpus = args.replica_cpus or max(1.0, float(int(res.get("CPU", 1) // args.replicas)))
+        engines = args.replicas + (args.prefill_replicas or 0)
+        cpus = args.replica_cpus or max(1.0, float(int(res.get("CPU", 1) // engines)))
         pool.cfg.cpus, pool.cfg.gpus = (1.0, 1) if device == "cuda" else (cpus, 0)
-        pool.options = _replica_options(args, model_path, cpus, device)
+        prefill = []
+        if args.prefill_replicas:
+            log.info("starting %d prefill replica(s)", args.prefill_replicas)
+            try:
+                prefill = pool.start_prefill_pool(_replica_options(args, model_path, cpus, device, []),
+                                                  _prefill_ports(args, local), open_engine, 600.0)
+            except RuntimeError as e:
+                raise CLIError(str(e)) from None
+            log.info("prefill replicas serving on %s", " ".join(prefill))
+        pool.options = _replica_options(args, model_path, cpus, device, prefill)
         curve = None
         if args.curve_secret_key and not local:
             public, _ = load_secret_key(args.curve_secret_key)
@@ -126,8 +171,8 @@ def run_replicas(args, open_front) -> int:
         rcfg = RouterConfig(replicas=args.replicas, max_replicas=args.max_replicas or args.autoscale_max or 64,
                             routing=RoutingConfig(policy=args.routing), lost_after_s=args.replica_lost_after,
                             autoscale=auto, curve=curve)
-        log.info("Ray cluster: %g CPUs, %g GPUs; %d %s replica(s) of %s, %s each", res.get("CPU", 0), gpus,
-                 args.replicas, device, os.path.basename(model_path),
+        log.info("Ray cluster: %g CPUs, %g GPUs; %d %s%s replica(s) of %s, %s each", res.get("CPU", 0), gpus,
+                 args.replicas, device, " decode" if prefill else "", os.path.basename(model_path),
                  "1 GPU" if device == "cuda" else f"{cpus:g} CPU(s)")
         router = ReplicaRouter(cfg, pool, rcfg)
         pool = None                      # the router closes it

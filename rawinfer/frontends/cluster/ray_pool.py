@@ -22,22 +22,18 @@ log = logging.getLogger("rawinfer")
 class ReplicaActor:
     """The body of one replica actor (made a Ray actor class by RayPool)."""
 
-    def __init__(self, options: dict, slot: int, bind_host: str | None, open_engine):
-        """open_engine(argparse.Namespace of options) -> LLMEngine (the command line's, passed in so that this
-        package does not import the command line)."""
-        import ray
+    def __init__(self, options: dict, slot: int, bind_host: str | None, build):
+        """build(argparse.Namespace of options) -> (LLMEngine, the decode role's connector or None): the
+        command line's, passed in so that this package does not import the command line."""
+        bind_host = _actor_setup(options, f"replica {slot}", bind_host)
         from rawinfer.frontends.server.server import Server, ServerConfig
-        level = logging.DEBUG if options.get("verbose") else logging.WARNING if options.get("quiet") else logging.INFO
-        logging.basicConfig(level=level, format=f"rawinfer replica {slot}: %(message)s", force=True)
-        bind_host = bind_host or ray.util.get_node_ip_address()
-        args = argparse.Namespace(**options)
-        engine = open_engine(args)
+        engine, connector = build(argparse.Namespace(**options))
         cfg = ServerConfig(bind=f"tcp://{bind_host}:0", curve_secret_key_file=options.get("curve_secret_key"),
                            insecure=bool(options.get("insecure")), max_message_bytes=options["max_message_size"],
                            heartbeat_interval_s=options["heartbeat_interval"],
                            zmtp_heartbeat_timeout_s=options["client_timeout"])
         cfg.log_interval_s = options["log_interval"]
-        self.server = Server(engine, cfg)
+        self.server = Server(engine, cfg, kv_connector=connector)
         self.thread = threading.Thread(target=self.server.run, name="rawinfer-replica", daemon=True)
         self.thread.start()
         self.facts = {"pid": os.getpid(), "node": bind_host, "device": engine.backend.name}
@@ -65,20 +61,23 @@ class RayPoolConfig:
 class RayPool:
     """ReplicaPool (pool.py) on Ray."""
 
-    def __init__(self, options: dict, cfg: RayPoolConfig, open_engine=None):
+    def __init__(self, options: dict, cfg: RayPoolConfig, build=None):
         try:
             import ray
         except ImportError:
             raise RuntimeError("--replicas runs replicas on Ray, which is not installed: "
                                "pip install 'rawinfer[ray]'") from None
-        self.ray, self.cfg, self.options, self.open_engine = ray, cfg, options, open_engine
+        self.ray, self.cfg, self.options, self.build = ray, cfg, options, build
         self._started_ray = False
         if not ray.is_initialized():
             kw = {"address": cfg.address} if cfg.address else {"num_cpus": cfg.num_cpus or os.cpu_count()}
+            if not cfg.address:      # Ray lowers its workers' priority (nice 15); replicas are the machine's work
+                os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(include_dashboard=False, logging_level=logging.WARNING, **kw)
             self._started_ray = True
         self._actor_cls = ray.remote(ReplicaActor)
         self.actors: dict[int, object] = {}
+        self.prefill_actors: list = []
 
     def resources(self) -> dict:
         return dict(self.ray.cluster_resources())
@@ -87,7 +86,7 @@ class RayPool:
         host = "127.0.0.1" if self.cfg.loopback else None      # None: the actor's own node's address
         self.actors[slot] = self._actor_cls.options(
             num_cpus=self.cfg.cpus, num_gpus=self.cfg.gpus, max_restarts=self.cfg.max_restarts,
-            max_concurrency=4).remote(self.options, slot, host, self.open_engine)
+            max_concurrency=4).remote(self.options, slot, host, self.build)
 
     def endpoint(self, slot: int, timeout_s: float) -> tuple[str, dict]:
         ray = self.ray
@@ -121,11 +120,56 @@ class RayPool:
             log.debug("replica %d stop: %s", slot, e)
         self.ray.kill(actor, no_restart=True)
 
+    def start_prefill_pool(self, options: dict, ports: list[int], open_engine, timeout_s: float) -> list[str]:
+        """Prefill instances (--role prefill) as actors, one per port, each on a fixed port so that a restarted
+        one is found again where the decode replicas look; their endpoints, once all serve."""
+        host = "127.0.0.1" if self.cfg.loopback else None
+        cls = self.ray.remote(PrefillActor)
+        for i, port in enumerate(ports):
+            self.prefill_actors.append(cls.options(
+                num_cpus=self.cfg.cpus, num_gpus=self.cfg.gpus, max_restarts=self.cfg.max_restarts,
+                max_concurrency=2).remote(options, i, host, port, open_engine))
+        try:
+            return [e for e, _ in self.ray.get([a.endpoint.remote() for a in self.prefill_actors], timeout=timeout_s)]
+        except self.ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"the prefill replicas did not serve within {timeout_s:g} s; see `ray status`") from None
+
     def close(self) -> None:
         for slot in list(self.actors):
             self.ray.kill(self.actors.pop(slot), no_restart=True)
+        for actor in self.prefill_actors:
+            self.ray.kill(actor, no_restart=True)
         if self._started_ray:
             self.ray.shutdown()
+
+
+class PrefillActor:
+    """The body of one prefill instance's actor: the disaggregation's PrefillServer on a fixed port."""
+
+    def __init__(self, options: dict, index: int, bind_host: str | None, port: int, open_engine):
+        from rawinfer.frontends.disagg.prefill import PrefillConfig, PrefillServer
+        bind_host = _actor_setup(options, f"prefill {index}", bind_host)
+        engine = open_engine(argparse.Namespace(**options))
+        self.server = PrefillServer(engine, PrefillConfig(bind=f"tcp://{bind_host}:{port}",
+                                                          max_queued=options["prefill_max_queued"],
+                                                          insecure=bool(options.get("insecure"))))
+        self.thread = threading.Thread(target=self.server.run, name="rawinfer-prefill", daemon=True)
+        self.thread.start()
+        self.facts = {"pid": os.getpid(), "node": bind_host}
+
+    def endpoint(self) -> tuple[str, dict]:
+        return self.server.endpoint, self.facts
+
+
+def _actor_setup(options: dict, name: str, bind_host: str | None) -> str:
+    """Logging as the command line's, named after the actor; the address to bind (the node's, if not given)."""
+    import ray
+
+    from rawinfer.frontends.options import size_cpu_pool
+    size_cpu_pool(options.get("threads"))           # before anything of the engine imports Numba
+    level = logging.DEBUG if options.get("verbose") else logging.WARNING if options.get("quiet") else logging.INFO
+    logging.basicConfig(level=level, format=f"rawinfer {name}: %(message)s", force=True)
+    return bind_host or ray.util.get_node_ip_address()
 
 
 def _short(e: BaseException) -> str:

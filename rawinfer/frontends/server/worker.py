@@ -84,7 +84,10 @@ class EngineWorker:
         return items
 
     def _publish(self, out: list[Outgoing]) -> None:
-        self.snapshot = self.engine.stats()
+        snapshot = self.engine.stats()
+        if self.connector is not None:           # the decode role's transfers: remote, local, fallbacks, bytes
+            snapshot["kv_transfer"] = dict(self.connector.counters)
+        self.snapshot = snapshot
         self.outbound.put(out)
 
     def _shutdown(self, out: list[Outgoing]) -> None:
