@@ -181,6 +181,24 @@ def test_tokenize_and_scale_refusals_go_through_the_router(tiny_router):
             c.scale(65)
 
 
+def test_a_replica_that_stops_answering_gets_no_new_request_within_two_heartbeats(tiny_router, tiny_llm):
+    proc = tiny_router.pool.procs[0].proc
+    with Client(tiny_router.addr) as c:
+        before = {k: r["requests_routed"] for k, r in c.stats()["replicas"].items()}
+    os.kill(proc.pid, signal.SIGSTOP)            # alive, connection open, silent
+    try:
+        time.sleep(0.6)                          # heartbeat interval 0.2 s here
+        ps = prompts(6, seed=5)
+        got = run_concurrently(tiny_router.addr, ps, 8)
+        with Client(tiny_router.addr) as c:
+            after = {k: r["requests_routed"] for k, r in c.stats()["replicas"].items()}
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert [g.token_ids for g in got] == offline(tiny_llm, ps, 8)
+    assert after["0"] == before["0"] and after["1"] == before["1"] + 6
+    tiny_router.wait_serving(2)                  # answering again: back in the rotation
+
+
 def test_a_killed_replica_leaves_requests_completed_or_cleanly_failed_and_comes_back(tiny_router, tiny_llm):
     ps = prompts(16, seed=3)
     results: list = []

@@ -40,6 +40,11 @@ class Fleet:
     def serving(self) -> list[Link]:
         return [link for link in self.links.values() if link.state == UP]
 
+    def routable(self, now: float) -> list[Link]:
+        """The serving replicas that answered within two probe intervals: one that misses a heartbeat gets no
+        new request until it answers again (or is found lost, lost_after_s after it went silent)."""
+        return [link for link in self.serving() if now - link.last_heard <= 2 * self.cfg.probe_interval_s]
+
     def connected(self) -> list[Link]:
         return [link for link in self.links.values() if link.sock is not None]
 

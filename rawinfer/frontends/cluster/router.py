@@ -154,7 +154,7 @@ class ReplicaRouter(ClientFront):
 
     # ---- requests ------------------------------------------------------------------------------------
     def _place_pending(self, now: float) -> None:
-        ups = self.fleet.serving()
+        ups = self.fleet.routable(now)
         for _ in range(len(self._pending)):
             r = self.routed.get(self._pending.popleft())
             if r is None:
