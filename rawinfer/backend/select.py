@@ -7,6 +7,10 @@ from __future__ import annotations
 from rawinfer.backend.base import Backend
 
 
+class DeviceUnavailableError(RuntimeError):
+    """The device asked for (--device cuda) is not usable on this machine: for the command line, bad usage."""
+
+
 def cuda_usable() -> bool:
     """True when CuPy imports and sees at least one GPU. Never raises."""
     try:
@@ -27,7 +31,7 @@ def get_backend(device: str = "auto", num_threads: int | None = None, cpu_int_ge
         raise ValueError(f"--device {device!r} is not one of auto, cpu, cuda")
     if device == "cuda" or (device == "auto" and cuda_usable()):
         if device == "cuda" and not cuda_usable():
-            raise RuntimeError("--device cuda was asked for but no usable GPU was found (CuPy missing or no "
+            raise DeviceUnavailableError("--device cuda was asked for but no usable GPU was found (CuPy missing or no "
                                "device); install rawinfer[cuda12] or rawinfer[cuda13], or use --device cpu")
         from rawinfer.backend.cuda.backend import CUDABackend
         return CUDABackend()

@@ -174,3 +174,12 @@ def test_a_max_model_len_beyond_the_model_is_refused(tiny_llama_dir):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == ("rawinfer: error: max_model_len 4096 exceeds the model's context "
                                                  "of 1024 tokens; give --max-model-len 1024 or less"), r.stderr
+
+
+def test_device_cuda_without_a_usable_gpu_is_bad_usage(tiny_llama_dir):
+    from rawinfer.backend.select import cuda_usable
+    if cuda_usable():
+        pytest.skip("this machine has a usable GPU")
+    r = rawinfer("generate", "5", "--token-ids", "--model", tiny_llama_dir, "--device", "cuda")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--device cuda was asked for but no usable GPU was found" in r.stderr and "--device cpu" in r.stderr

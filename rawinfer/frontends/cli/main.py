@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from rawinfer.backend.select import DeviceUnavailableError
 from rawinfer.config import VERSION, ModelFormatError
 from rawinfer.frontends.cli import bench, chat, convert, fetch, generate, models, serve, warmup
 from rawinfer.frontends.options import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, CLIError, Parser,
@@ -69,7 +70,7 @@ def error_status(e: BaseException) -> int | None:
         return e.code
     if isinstance(e, MemoryError):       # the memory pool catches its own; this is any other allocation
         return EXIT_USAGE
-    if isinstance(e, (ModelFormatError, ValueError, OSError)):
+    if isinstance(e, (ModelFormatError, ValueError, OSError, DeviceUnavailableError)):
         return EXIT_USAGE
     if isinstance(e, RuntimeError):      # the client library's errors (ClientError), a failed engine step
         return EXIT_FAILED
