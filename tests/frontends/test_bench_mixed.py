@@ -73,3 +73,23 @@ def test_bench_serve_mixed_report(tiny_llama_dir, tmp_path):
     assert "short requests" in r.stdout and "goodput" in r.stdout
     r = rawinfer("bench", "serve", "--addr", "tcp://127.0.0.1:1", "--long-fraction", "2", timeout=60)
     assert r.returncode == 2 and "--long-fraction: must be a number in [0, 1], got 2" in r.stderr
+
+
+def test_kv_transfer_report_is_the_run_delta_of_the_decode_sides_counters():
+    import io
+
+    from rawinfer.frontends.bench.mixed import kv_transfer_report, print_kv_transfer
+    zero = {"remote": 0, "local": 0, "fallbacks": 0, "failed": 0, "stale": 0, "bytes": 0, "transfer_s": 0.0}
+    before = {"kv_transfer": {**zero, "remote": 2, "bytes": 1000, "transfer_s": 0.1}}
+    after = {"kv_transfer": {**zero, "remote": 6, "local": 1, "bytes": 9000, "transfer_s": 0.3}}
+    r = kv_transfer_report(before, after, duration=2.0)
+    assert r["remote"] == 4 and r["local"] == 1 and r["bytes"] == 8000
+    assert abs(r["mean_transfer_ms"] - 50.0) < 1e-9 and abs(r["mb_per_s"] - 0.004) < 1e-12
+    routed = {"replicas": {"0": {"stats": {"kv_transfer": {**zero, "remote": 3}}},
+                           "1": {"stats": {"kv_transfer": {**zero, "remote": 2, "fallbacks": 1}}}}}
+    r = kv_transfer_report({}, routed, duration=1.0)        # behind a router: summed over the replicas
+    assert r["remote"] == 5 and r["fallbacks"] == 1
+    assert kv_transfer_report({}, {"running": 0}, 1.0) is None      # colocated: nothing to report
+    out = io.StringIO()
+    print_kv_transfer(kv_transfer_report(before, after, 2.0), out)
+    assert "4 prompts remote, 1 local, 0 fallbacks, 0 failed; 0.0 MB" in out.getvalue()

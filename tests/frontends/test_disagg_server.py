@@ -64,6 +64,7 @@ def test_decode_server_with_a_prefill_process_that_gets_killed(tiny_llama_dir):
             assert got == want[4:]
             s = c.stats()
             assert s["kv_blocks_used"] == 0 and s["receiving_kv"] == 0
+            assert s["kv_transfer"]["remote"] == conn.counters["remote"] >= 4 and s["kv_transfer"]["bytes"] > 0
         assert conn.counters["bytes"] > 0 and conn.peers_up() == []
         assert conn.counters["fallbacks"] + conn.counters["local"] >= 4     # the last four: prefilled here
     finally:

@@ -111,3 +111,39 @@ def print_slo_report(r: dict, file) -> None:
     print(f"goodput:                 {r['goodput_requests_per_s']:.2f} req/s ({r['goodput_requests']} requests, "
           f"{100 * r['goodput_fraction']:.0f} %) with TTFT <= {slo['ttft_ms']:g} ms and every ITL <= "
           f"{slo['itl_ms']:g} ms", file=file)
+
+
+# ---- prefill/decode disaggregation: what the decode side's connector did over the run ---------------------
+_TRANSFER_KEYS = ("remote", "local", "fallbacks", "failed", "stale", "bytes", "transfer_s")
+
+
+def _transfer_totals(stats: dict) -> dict | None:
+    """The decode side's KV-transfer counters in a stats reply: a decode server's own, or summed over a
+    router's replicas; None where nothing disaggregates."""
+    parts = [stats.get("kv_transfer")] + [r.get("stats", {}).get("kv_transfer")
+                                          for r in (stats.get("replicas") or {}).values()]
+    parts = [p for p in parts if isinstance(p, dict)]
+    if not parts:
+        return None
+    return {k: sum(p.get(k, 0) for p in parts) for k in _TRANSFER_KEYS}
+
+
+def kv_transfer_report(before: dict, after: dict, duration: float) -> dict | None:
+    """Prompts prefilled remotely and locally during the run, fallbacks, failures, K/V bytes moved, the
+    mean time of one transfer and the rate over the run (None when the server does not disaggregate)."""
+    a, b = _transfer_totals(before), _transfer_totals(after)
+    if b is None:
+        return None
+    d = {k: b[k] - (a or {}).get(k, 0) for k in _TRANSFER_KEYS}
+    d["mean_transfer_ms"] = 1000 * d["transfer_s"] / d["remote"] if d["remote"] else None
+    d["mb_per_s"] = d["bytes"] / 1e6 / duration if duration > 0 else None
+    return d
+
+
+def print_kv_transfer(t: dict | None, file) -> None:
+    if not t:
+        return
+    mean = "-" if t["mean_transfer_ms"] is None else f"{t['mean_transfer_ms']:.1f} ms"
+    print(f"KV transfer:             {t['remote']} prompts remote, {t['local']} local, {t['fallbacks']} fallbacks, "
+          f"{t['failed']} failed; {t['bytes'] / 1e6:.1f} MB ({t['mb_per_s']:.2f} MB/s over the run), "
+          f"{mean} per transfer", file=file)

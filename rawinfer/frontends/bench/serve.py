@@ -146,7 +146,8 @@ async def run_load(args, progress: bool = False) -> dict:
             delays = arrival_times(args.num_requests, args.request_rate, args.seed + 1)
         if args.warmup:
             await client.complete(list(prompts[0][:8]), params={"max_tokens": 4, "temperature": 0.0})
-        before = multiturn.cache_snapshot(await stats_client.stats()) if turns else None
+        first = await stats_client.stats()
+        before = multiturn.cache_snapshot(first) if turns else None
         samples: list[dict] = []
         stop = asyncio.Event()
         t0 = time.monotonic()
@@ -162,7 +163,8 @@ async def run_load(args, progress: bool = False) -> dict:
         duration = time.monotonic() - t0
         stop.set()
         await poller
-        after = multiturn.cache_snapshot(await stats_client.stats()) if turns else None
+        last = await stats_client.stats()
+        after = multiturn.cache_snapshot(last) if turns else None
     finally:
         client.close()
         stats_client.close()
@@ -171,6 +173,7 @@ async def run_load(args, progress: bool = False) -> dict:
     result = summarize_run(records, duration, samples, config)
     if turns:
         result["multi_turn"] = multiturn.report(records, args.conversations, args.turns, before, after)
+    result["kv_transfer"] = mixed.kv_transfer_report(first, last, duration)
     return result
 
 
@@ -259,3 +262,4 @@ def print_report(r: dict, file=sys.stdout) -> None:
     mixed.print_slo_report(r, file)
     if r.get("multi_turn"):
         multiturn.print_report(r["multi_turn"], file)
+    mixed.print_kv_transfer(r.get("kv_transfer"), file)
