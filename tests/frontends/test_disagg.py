@@ -262,3 +262,46 @@ def test_role_options_are_checked_before_the_model_loads():
     for bad, says in ((["--role", "decode"], "needs --prefill"), (["--prefill", "x"], "add --role decode")):
         with pytest.raises(CLIError, match=says):
             check_role_args(p.parse_args(bad))
+
+
+def test_an_encrypted_link_serves_decode_instances_that_know_the_key_only(engines, tmp_path):
+    """--curve-secret-key on the prefill side: a decode instance with its public key (--prefill-key) gets the
+    colocated engine's tokens; one without it never sees the instance up, and prefills locally; a
+    non-loopback bind is allowed with the key and refused without key or --insecure."""
+    import zmq.auth
+
+    from rawinfer.frontends.server.security import SecurityError
+    colo, pa, _, decode = engines
+    for e in engines:
+        e.reset_state()
+    public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "prefill")
+    public, _ = zmq.auth.load_certificate(public_file)
+    server = Faulty(pa, PrefillConfig(bind="tcp://127.0.0.1:*", curve_secret_key_file=secret_file))
+    server.dead = False
+    keyed = DecodeConnector(decode, DecodeConfig(prefill=[server.endpoint], server_key=public, **FAST))
+    try:
+        pump([server], keyed, until=lambda: len(keyed.peers_up()) == 1)
+        prompts = [list(range(5 + i, 90 + i)) for i in range(4)]
+        out, failed = generate([server], keyed, reqs(prompts, "c"))
+        assert not failed and keyed.counters["remote"] == 4 and keyed.counters["bytes"] > 0
+        assert out == colocated(colo, reqs(prompts, "c"))
+    finally:
+        keyed.close()
+    stranger = DecodeConnector(decode, DecodeConfig(prefill=[server.endpoint], **FAST))    # no key: no handshake
+    try:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            server.run_once(0)
+            stranger.poll(0.01)
+        assert stranger.peers_up() == []
+        decode.add_request("s", list(range(80)), SamplingParams(max_tokens=2, **GREEDY))
+        assert not stranger.submit("s") and stranger.counters["local"] == 1
+        while decode.has_unfinished():
+            decode.step()
+    finally:
+        stranger.close()
+        server.close()
+    with pytest.raises(SecurityError, match="--curve-secret-key FILE"):
+        PrefillServer(pa, PrefillConfig(bind="tcp://0.0.0.0:*"))
+    PrefillServer(pa, PrefillConfig(bind="tcp://0.0.0.0:*", curve_secret_key_file=secret_file)).close()
+    assert_no_leak(colo, pa, decode)

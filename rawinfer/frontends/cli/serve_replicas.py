@@ -129,9 +129,6 @@ def run_replicas(args, open_front) -> int:
     check_replica_args(args)
     model_path = os.path.abspath(resolve_model(args.model, progress=not args.quiet))
     local = args.ray_address is None
-    if not local and args.prefill_replicas and not args.insecure:
-        raise CLIError("the prefill link has no encryption yet: --prefill-replicas on a cluster of several machines "
-                       "needs --insecure (a trusted, private network)")
     if not local and not args.curve_secret_key and not args.insecure:
         raise CLIError("replicas on other machines are reached over the network: give --curve-secret-key FILE "
                        "(the same file on every node; the router and replicas use it), or --insecure on a "

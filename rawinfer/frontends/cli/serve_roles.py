@@ -37,6 +37,10 @@ def add_role_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-timeout", type=positive_float, default=DecodeConfig.transfer_timeout_s,
                    metavar="SECONDS", help=f"--role decode: deadline of one transfer "
                                            f"(default: {DecodeConfig.transfer_timeout_s:g})")
+    g.add_argument("--prefill-key", default=None, metavar="FILE",
+                   help="--role decode: the prefill instances' public key (their server.key, or its Z85 text) when "
+                        "they run with --curve-secret-key (default: the public half of this instance's "
+                        "--curve-secret-key, if given; else unencrypted)")
     g.add_argument("--min-remote-tokens", type=int, default=DecodeConfig.min_remote_tokens, metavar="N",
                    help="--role decode: prompts with fewer uncached tokens are prefilled here "
                         f"(default: {DecodeConfig.min_remote_tokens})")
@@ -57,10 +61,26 @@ def decode_connector(args, engine):
     from rawinfer.frontends.disagg.connector import DecodeConfig, DecodeConnector
     try:
         cfg = DecodeConfig(prefill=list(args.prefill), policy=args.kv_transfer_policy,
-                           transfer_timeout_s=args.kv_transfer_timeout, min_remote_tokens=args.min_remote_tokens)
+                           transfer_timeout_s=args.kv_transfer_timeout, min_remote_tokens=args.min_remote_tokens,
+                           server_key=prefill_public_key(args))
         return DecodeConnector(engine, cfg)
     except ValueError as e:
         raise CLIError(str(e)) from None
+
+
+def prefill_public_key(args) -> bytes | None:
+    """The Curve public key decode instances expect of the prefill instances (--prefill-key, else the public
+    half of --curve-secret-key), or None for an unencrypted link."""
+    from rawinfer.frontends.server.client import ClientError, load_public_key
+    from rawinfer.frontends.server.security import SecurityError, load_secret_key
+    try:
+        if getattr(args, "prefill_key", None):
+            return load_public_key(args.prefill_key)
+        if args.curve_secret_key:
+            return load_secret_key(args.curve_secret_key)[0]
+    except (ClientError, SecurityError) as e:
+        raise CLIError(str(e)) from None
+    return None
 
 
 def run_prefill_role(args, engine) -> int:
@@ -69,12 +89,14 @@ def run_prefill_role(args, engine) -> int:
     from rawinfer.frontends.server.security import SecurityError
     try:
         server = PrefillServer(engine, PrefillConfig(bind=args.prefill_bind, max_queued=args.prefill_max_queued,
-                                                     insecure=args.insecure))
+                                                     insecure=args.insecure,
+                                                     curve_secret_key_file=args.curve_secret_key))
     except SecurityError as e:
         raise CLIError(str(e)) from None
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())
-    log.info("prefill instance on %s (reached by decode instances only)", server.endpoint)
+    log.info("prefill instance on %s (reached by decode instances only%s)", server.endpoint,
+             ", CurveZMQ" if args.curve_secret_key else "")
     server.run()
     log.info("prefill instance stopped: %s", server.counters)
     return 0

@@ -152,7 +152,8 @@ class PrefillActor:
         engine = open_engine(argparse.Namespace(**options))
         self.server = PrefillServer(engine, PrefillConfig(bind=f"tcp://{bind_host}:{port}",
                                                           max_queued=options["prefill_max_queued"],
-                                                          insecure=bool(options.get("insecure"))))
+                                                          insecure=bool(options.get("insecure")),
+                                                          curve_secret_key_file=options.get("curve_secret_key")))
         self.thread = threading.Thread(target=self.server.run, name="rawinfer-prefill", daemon=True)
         self.thread.start()
         self.facts = {"pid": os.getpid(), "node": bind_host}

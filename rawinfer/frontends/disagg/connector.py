@@ -40,6 +40,7 @@ class DecodeConfig:
     max_inflight: int = 32                               # transfers at once, all instances together
     max_inflight_bytes: int = 1024**3                    # K/V bytes reserved for transfers at once
     max_per_peer: int = 16
+    server_key: bytes | None = None                      # the prefill instances' Curve public key (Z85)
 
     def validate(self) -> "DecodeConfig":
         if self.policy not in POLICIES:
@@ -102,6 +103,9 @@ class DecodeConnector:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_inflight_bytes + (1 << 20))
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self.cfg.server_key is not None:      # CurveZMQ, with a fresh key pair of our own
+            sock.curve_serverkey = self.cfg.server_key
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         sock.connect(addr)
         return _Peer(addr, sock)
 

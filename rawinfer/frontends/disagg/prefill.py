@@ -19,7 +19,7 @@ import zmq
 
 from rawinfer.engine.kv_transfer import Fingerprint
 from rawinfer.frontends.disagg import wire
-from rawinfer.frontends.server.security import SecurityError, is_loopback_endpoint
+from rawinfer.frontends.server.security import SecurityError, is_loopback_endpoint, load_secret_key
 
 log = logging.getLogger("rawinfer")
 
@@ -30,16 +30,18 @@ class PrefillConfig:
     max_queued: int = 64                     # prompts accepted and not yet sent; beyond: `busy`
     max_message_bytes: int = 8 * 1024**2     # inbound (a prompt's token ids); the K/V go the other way
     send_queue_messages: int = 16            # per decode instance; a full queue drops the transfer
-    insecure: bool = False                   # allow a non-loopback bind (no CurveZMQ on this link yet)
+    insecure: bool = False                   # allow a non-loopback bind without CurveZMQ
+    curve_secret_key_file: str | None = None # CurveZMQ: this instance's key pair (`rawinfer keygen`)
     poll_s: float = 0.05                     # how long an idle loop waits for a message
 
 
 class PrefillServer:
     def __init__(self, engine, cfg: PrefillConfig | None = None, ctx: zmq.Context | None = None):
         self.engine, self.cfg = engine, cfg or PrefillConfig()
-        if not is_loopback_endpoint(self.cfg.bind) and not self.cfg.insecure:
-            raise SecurityError(f"the prefill link has no encryption yet: bind {self.cfg.bind} on a loopback or "
-                                "ipc:// endpoint, or pass --insecure on a network you trust")
+        if not is_loopback_endpoint(self.cfg.bind) and not self.cfg.insecure and not self.cfg.curve_secret_key_file:
+            raise SecurityError(f"{self.cfg.bind} is not a loopback address: give --curve-secret-key FILE (decode "
+                                "instances then need --prefill-key with its public key), or --insecure on a "
+                                "network you trust")
         self.fingerprint = engine.kv_transfer.fingerprint.to_dict()
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -47,6 +49,9 @@ class PrefillServer:
         self.sock.setsockopt(zmq.SNDHWM, self.cfg.send_queue_messages)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if self.cfg.curve_secret_key_file:     # encrypted, and only decode instances that know our key get in
+            public, secret = load_secret_key(self.cfg.curve_secret_key_file)
+            self.sock.curve_secretkey, self.sock.curve_publickey, self.sock.curve_server = secret, public, True
         self.sock.bind(self.cfg.bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._jobs: dict[str, tuple[bytes, str]] = {}      # engine request id -> (decode identity, transfer id)
