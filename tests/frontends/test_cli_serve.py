@@ -76,6 +76,10 @@ def test_bench_serve_then_a_stream_the_server_aborts(smollm2_dir, tmp_path):
         assert "requests in the server" in titles and "TTFT" in titles
         for ax in fig.axes[:2]:                       # histograms count whole requests and gaps
             assert all(float(t).is_integer() for t in ax.get_yticks())
+        assert result["kv_transfer"] is None and not any("KV transfer" in t.get_text() for t in fig.texts)
+        result["kv_transfer"] = {"remote": 3, "local": 1, "fallbacks": 0, "failed": 0, "bytes": 2e6,
+                                 "mean_transfer_ms": 12.0}        # as against a disaggregated server
+        assert any("KV transfer: 3 prompts remote, 1 local" in t.get_text() for t in figure.draw(result).texts)
 
         client = subprocess.Popen([sys.executable, "-m", "rawinfer", "client", "--addr", srv.addr, "--max-tokens",
                                    "1000", "--ignore-eos", "Write a very long story about the sea."],

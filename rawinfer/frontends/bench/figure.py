@@ -4,7 +4,8 @@
     output tokens/s over time                  KV-cache utilisation over time
     running / waiting requests over time       TTFT of each request against its send time
 
-Histograms count whole requests (or gaps): their y axes carry integer ticks only.
+Histograms count whole requests (or gaps): their y axes carry integer ticks only. Against a
+disaggregated server a line under the title says what the KV-transfer link did (serve.py's kv_transfer).
 """
 
 from __future__ import annotations
@@ -70,5 +71,13 @@ def draw(r: dict):
     rate = "all at once" if rate in ("inf", float("inf")) else f"{rate:g} req/s"
     fig.suptitle(f"rawinfer bench serve: {c.get('model')}, {c['num_requests']} requests, {rate}, "
                  f"in {c['input_len']} / out {c['output_len']} tokens")
-    fig.tight_layout()
+    t = r.get("kv_transfer")
+    if t:        # a disaggregated server: what its prefill link moved, under the title
+        mean = "-" if t["mean_transfer_ms"] is None else f"{t['mean_transfer_ms']:.0f} ms"
+        fig.text(0.5, 0.955, f"KV transfer: {t['remote']} prompts remote, {t['local']} local, {t['fallbacks']} "
+                             f"fallbacks, {t['failed']} failed; {t['bytes'] / 1e6:.1f} MB, {mean} per transfer",
+                 ha="center", fontsize=9)
+        fig.tight_layout(rect=(0, 0, 1, 0.95))
+    else:
+        fig.tight_layout()
     return fig
