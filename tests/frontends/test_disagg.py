@@ -305,3 +305,35 @@ def test_an_encrypted_link_serves_decode_instances_that_know_the_key_only(engine
         PrefillServer(pa, PrefillConfig(bind="tcp://0.0.0.0:*"))
     PrefillServer(pa, PrefillConfig(bind="tcp://0.0.0.0:*", curve_secret_key_file=secret_file)).close()
     assert_no_leak(colo, pa, decode)
+
+
+def test_a_prefill_step_longer_than_a_few_heartbeats_still_transfers(engines):
+    """The prefill instance answers pings between engine steps; a long prompt's step (3.5 s here) must not
+    make the decode side give up on it (the old 3 s silence limit did: every long prompt fell back)."""
+    import threading
+    colo, pa, _, decode = engines
+    for e in engines:
+        e.reset_state()
+    server = PrefillServer(pa, PrefillConfig(bind="tcp://127.0.0.1:*"))
+    real_step = pa.step
+
+    def slow_step():
+        if pa.has_unfinished():
+            time.sleep(3.5)
+        return real_step()
+    pa.step = slow_step
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    conn = DecodeConnector(decode, DecodeConfig(prefill=[server.endpoint], min_remote_tokens=16, heartbeat_s=0.05))
+    try:
+        pump([], conn, until=lambda: len(conn.peers_up()) == 1)
+        prompts = [list(range(30 + i, 110 + i)) for i in range(2)]
+        out, failed = generate([], conn, reqs(prompts, "s"))
+        assert not failed and conn.counters["remote"] == 2 and conn.counters["fallbacks"] == 0
+        assert out == colocated(colo, reqs(prompts, "s"))
+    finally:
+        server.stop()
+        thread.join(10)
+        del pa.step
+        conn.close()
+    assert_no_leak(colo, pa, decode)

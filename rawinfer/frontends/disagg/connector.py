@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from rawinfer.engine.kv_transfer import Fingerprint
 from rawinfer.frontends.disagg import wire
@@ -36,7 +37,8 @@ class DecodeConfig:
     min_remote_tokens: int = 64                          # uncached prompt tokens below which prefill stays here
     transfer_timeout_s: float = 30.0                     # deadline of one transfer
     heartbeat_s: float = 0.5
-    peer_timeout_s: float = 3.0                          # an instance silent this long counts as down
+    peer_timeout_s: float = 10.0                         # an instance silent this long counts as down (it
+                                                         # answers between steps: keep a step shorter)
     max_inflight: int = 32                               # transfers at once, all instances together
     max_inflight_bytes: int = 1024**3                    # K/V bytes reserved for transfers at once
     max_per_peer: int = 16
@@ -63,6 +65,7 @@ class Failed:
 class _Peer:
     addr: str
     sock: zmq.Socket
+    monitor: zmq.Socket                 # ZeroMQ's events of `sock`: a closed connection is seen at once
     last_seen: float = 0.0          # 0: never answered
     last_ping: float = 0.0
     queued: int = 0                 # prompts queued there, from its last pong
@@ -106,8 +109,9 @@ class DecodeConnector:
         if self.cfg.server_key is not None:      # CurveZMQ, with a fresh key pair of our own
             sock.curve_serverkey = self.cfg.server_key
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(addr)
-        return _Peer(addr, sock)
+        return _Peer(addr, sock, monitor)
 
     @property
     def num_inflight(self) -> int:
@@ -179,9 +183,14 @@ class DecodeConnector:
             failed += self._fail(t, f"the prefill instance {t.peer.addr} did not send the K/V within "
                                     f"{self.cfg.transfer_timeout_s:g} s")
         for p in self.peers:
-            if p.inflight and p.last_seen and now - p.last_seen > self.cfg.peer_timeout_s:
+            closed = _disconnected(p)
+            if closed:                    # its process died or closed the socket: down until it answers again
+                p.last_seen = 0.0
+            if p.inflight and (closed or p.last_seen and now - p.last_seen > self.cfg.peer_timeout_s):
+                why = "its connection closed" if closed else f"silent for {now - p.last_seen:.1f} s"
                 for tid in list(p.inflight):
-                    failed += self._fail(self._transfers[tid], f"the prefill instance {p.addr} stopped answering")
+                    failed += self._fail(self._transfers[tid], f"the prefill instance {p.addr} stopped answering "
+                                                               f"({why})")
             if now - p.last_ping >= self.cfg.heartbeat_s:
                 p.last_ping = now
                 _send(p, wire.encode("ping", seq=int(now * 1000)))
@@ -282,7 +291,16 @@ class DecodeConnector:
             if self.kvt.is_receiving(t.request_id):
                 self.kvt.cancel(t.request_id)
         for p in self.peers:
+            p.sock.disable_monitor()
+            p.monitor.close(0)
             p.sock.close(0)
+
+
+def _disconnected(peer: _Peer) -> bool:
+    seen = False
+    while peer.monitor.poll(0):
+        seen = recv_monitor_message(peer.monitor)["event"] == zmq.EVENT_DISCONNECTED or seen
+    return seen
 
 
 def _send(peer: _Peer, header: bytes) -> None:
