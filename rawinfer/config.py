@@ -367,6 +367,7 @@ class EngineConfig:
                                             # user cache for compiled kernels (None: Numba's own places)
     warmup: bool = True                     # run every step shape once at start, so that no request
                                             # waits for a kernel to compile
+    batch_invariant: bool = False           # CPU: one attention kernel for every query count (docs/kernels.md)
 
     def validate(self) -> "EngineConfig":
         if isinstance(self.kv_cache_memory, str):
@@ -390,6 +391,7 @@ class EngineConfig:
             ("cpu_int_gemm", isinstance(self.cpu_int_gemm, bool), "true or false"),
             ("cache_dir", self.cache_dir is None or isinstance(self.cache_dir, str), "a folder path or None"),
             ("warmup", isinstance(self.warmup, bool), "true or false"),
+            ("batch_invariant", isinstance(self.batch_invariant, bool), "true or false"),
         ]
         for name, ok, what in checks:
             if not ok:

@@ -24,16 +24,22 @@ def cuda_usable() -> bool:
 
 
 def get_backend(device: str = "auto", num_threads: int | None = None, cpu_int_gemm: bool = True,
-                cache_dir: str | None = None) -> Backend:
-    """The backend for `device` (EngineConfig.device); num_threads, cpu_int_gemm and cache_dir (where
-    compiled kernels are kept) configure the CPU one."""
+                cache_dir: str | None = None, batch_invariant: bool = False) -> Backend:
+    """The backend for `device` (EngineConfig.device); num_threads, cpu_int_gemm, cache_dir (where
+    compiled kernels are kept) and batch_invariant (one attention kernel for every query count: CPU only)
+    configure the CPU one."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device {device!r} is not one of auto, cpu, cuda")
     if device == "cuda" or (device == "auto" and cuda_usable()):
         if device == "cuda" and not cuda_usable():
-            raise DeviceUnavailableError("--device cuda was asked for but no usable GPU was found (CuPy missing or no "
-                               "device); install rawinfer[cuda12] or rawinfer[cuda13], or use --device cpu")
+            raise DeviceUnavailableError("--device cuda was asked for but no usable GPU was found (CuPy missing or "
+                                         "no device); install rawinfer[cuda12] or rawinfer[cuda13], or use "
+                                         "--device cpu")
+        if batch_invariant:
+            raise ValueError("batch_invariant (--batch-invariant) is built for the CPU backend only; use "
+                             "--device cpu, or leave it off on a GPU")
         from rawinfer.backend.cuda.backend import CUDABackend
         return CUDABackend()
     from rawinfer.backend.cpu.backend import CPUBackend
-    return CPUBackend(num_threads=num_threads, int_gemm=cpu_int_gemm, cache_dir=cache_dir)
+    return CPUBackend(num_threads=num_threads, int_gemm=cpu_int_gemm, cache_dir=cache_dir,
+                      one_attention=batch_invariant)

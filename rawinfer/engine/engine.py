@@ -92,7 +92,8 @@ class LLMEngine:
     def _setup(self, cfg: ModelConfig, ecfg: EngineConfig) -> None:
         self.model_config, self.config = cfg, ecfg
         self.max_model_len = resolve_max_model_len(cfg, ecfg)
-        self.backend = get_backend(ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm, ecfg.cache_dir)
+        self.backend = get_backend(ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm, ecfg.cache_dir,
+                                   ecfg.batch_invariant)
         if cfg.quant is not None and cfg.quant not in self.backend.capabilities.quantized_weights:
             raise ValueError(f"{cfg.quant} weight-only models run on the CPU backend; convert without --quant "
                              f"for --device {self.backend.name} (or run this model with --device cpu)")

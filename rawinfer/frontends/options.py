@@ -158,6 +158,10 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="cap on prompt + output tokens (default: the model's context length)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="turn prefix caching off (default: on, identical prompt prefixes share KV blocks)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="CPU: every query through one attention kernel, so that a request's greedy output does "
+                        "not depend on prefix-cache hits, chunking or preemption; prefill is slower "
+                        "(docs/kernels.md) (default: off, each sequence's query count picks its kernel)")
     g.add_argument("--threads", type=cpu_threads, default=None, metavar="N",
                    help="CPU threads (default: all cores, fewer while other processes keep cores busy)")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
@@ -178,7 +182,8 @@ def engine_config_from_args(args) -> EngineConfig:
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                        device=args.device, num_threads=args.threads,
                        gpu_memory_utilization=args.gpu_memory_utilization,
-                       use_cuda_graphs=not args.no_cuda_graphs)
+                       use_cuda_graphs=not args.no_cuda_graphs,
+                       batch_invariant=getattr(args, "batch_invariant", False))
     try:
         return cfg.validate()
     except ValueError as e:              # "engine option block_size=0 is invalid" -> "--block-size=0 is invalid"

@@ -335,3 +335,31 @@ def test_kernel_cache_folder_follows_the_sources_not_the_checkout(tmp_path):
     finally:
         from rawinfer.config import EngineConfig
         cpu_cache.install(EngineConfig().cache_dir)                                        # back to the suite's
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,H,Hkv,D,BS", [
+    ([5, 1, 1], [5, 40, 17], 4, 2, 16, 16),
+    ([37, 3, 1], [37, 50, 100], 9, 3, 64, 16),
+    ([130, 1, 40], [150, 60, 40], 9, 3, 64, 16),
+    ([7, 7], [7, 14], 6, 1, 8, 3),
+])
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16, np.int8])
+def test_one_attention_kernel_gives_a_query_the_same_bits_however_many_queries_run(q_lens, ctx_lens, H, Hkv, D,
+                                                                                  BS, kv_dtype, monkeypatch):
+    """--batch-invariant (one_attention): every query through the decode kernel, so the last k queries of
+    a sequence computed alone (after a prefix-cache hit, a chunk boundary, a preemption's recompute) get
+    exactly the bits they get inside the whole run; and the values match the reference."""
+    monkeypatch.setattr(be, "one_attention", True)
+    qkv, kc, vc, tables, ctx, qsl = paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 11, kv_dtype=kv_dtype)
+    scale = D ** -0.5
+    out = np.empty((qkv.shape[0], H * D), np.float32)
+    be.paged_attention(qkv, kc, vc, tables, ctx, qsl, scale, out, max(q_lens), max(ctx_lens))
+    ref = paged_attention_ref(qkv, float_cache(kc, BS), float_cache(vc, BS), tables, ctx, qsl, scale, H)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    for b, n in enumerate(q_lens):
+        for k in sorted({1, min(n, 5), max(1, n - 3)}):
+            rows = slice(qsl[b + 1] - k, qsl[b + 1])
+            tail = np.empty((k, H * D), np.float32)
+            be.paged_attention(np.ascontiguousarray(qkv[rows]), kc, vc, tables[b:b + 1].copy(), ctx[b:b + 1].copy(),
+                               np.array([0, k], np.int32), scale, tail, k, ctx_lens[b])
+            np.testing.assert_array_equal(out[rows], tail, err_msg=f"sequence {b}: its last {k} of {n} queries")

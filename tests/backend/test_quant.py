@@ -159,3 +159,23 @@ def test_smollm2_int8_greedy_is_batch_invariant(smollm2_int8_dir):
     batched = [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
     alone = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
     assert alone == batched
+
+
+def test_smollm2_int8_batch_invariant_mode_survives_prefix_hits_and_preemption(smollm2_int8_dir):
+    """batch_invariant: the same greedy tokens in a batch (cold prompts), alone after the batch (each
+    prompt's full blocks now prefix-cache hits, its remainder a short query run) and in a pool so small
+    that sequences are preempted and recomputed. Without it, a cache hit changed a request's tokens
+    (docs/kernels.md)."""
+    from rawinfer import LLM, SamplingParams
+    rng = np.random.default_rng(0)
+    prompts = [[int(x) for x in rng.integers(100, 40000, int(rng.integers(5, 60)))] for _ in range(16)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    llm = LLM(smollm2_int8_dir, device="cpu", kv_cache_memory="256MiB", batch_invariant=True)
+    batched = [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+    assert alone == batched
+    small = LLM(smollm2_int8_dir, device="cpu", kv_cache_memory="4MiB", max_num_batched_tokens=256,
+                batch_invariant=True)
+    assert [r.token_ids for r in small.generate(prompts, params, use_tqdm=False)] == batched
+    assert small.engine.stats()["num_preemptions"] > 0

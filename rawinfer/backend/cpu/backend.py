@@ -52,12 +52,16 @@ class CPUBackend(QuantizedProducts):
             return 0
         return INT8_GEMV_MAX_ROWS if quant in ("int8", "q4") else 0
 
-    def __init__(self, num_threads: int | None = None, int_gemm: bool = True, cache_dir: str | None = None):
+    def __init__(self, num_threads: int | None = None, int_gemm: bool = True, cache_dir: str | None = None,
+                 one_attention: bool = False):
         """num_threads: the Numba pool's size (None: every core). int_gemm: int8 models' GEMMs (more than
         INT8_GEMV_MAX_ROWS rows) in integer arithmetic on int16-quantized activations (qgemm.py) where
         the CPU has AVX2; False dequantizes the weights to float32 for BLAS instead
         (EngineConfig.cpu_int_gemm, RAWINFER_CPU_INT_GEMM=0). cache_dir: the user cache whose kernels/
-        folder keeps the compiled kernels (EngineConfig.cache_dir; None: Numba's own locations)."""
+        folder keeps the compiled kernels (EngineConfig.cache_dir; None: Numba's own locations).
+        one_attention: every query of every step through the decode attention kernel, whatever its
+        sequence's query count (EngineConfig.batch_invariant)."""
+        self.one_attention = one_attention
         # before any kernel of this process compiles or loads
         self.kernel_cache = cpu_cache.install(cache_dir) if cache_dir is not None else None
         self.blas_on_numba_pool = cpu_blas.available()   # else np.matmul on OpenBLAS's (or MKL's) own pool
@@ -203,6 +207,9 @@ class CPUBackend(QuantizedProducts):
         # the batch picks: the kernels round differently, and a request's output must not depend on its
         # batch. Every kernel computes each (query tile, kv head) work item on its own.
         q_lens = np.diff(query_start_loc)
+        if self.one_attention:
+            return self._per_query(q_lens, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                   scale, H, Hkv, window, out)
         one = q_lens == 1
         long = q_lens >= ATTN_BLAS_MIN_QUERY if self.blas_on_numba_pool else np.zeros_like(one)
         if one.any():
@@ -216,6 +223,22 @@ class CPUBackend(QuantizedProducts):
             seqs, q0, q1 = _items_of(short, query_start_loc, ATTN_QUERY_TILE)   # [W] each
             A.paged_attention_kernel(len(seqs) * Hkv, qkv, k_cache, v_cache, block_tables, context_lens,
                                      query_start_loc, seqs, q0, q1, np.float32(scale), H, int(window), out)
+
+    @staticmethod
+    def _per_query(q_lens, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, H, Hkv,
+                   window, out) -> None:
+        """Batch-invariant attention: every query as a one-query sequence of the decode kernel (its own
+        block table row, its position + 1 keys visible), so its bits do not depend on how many queries of
+        its sequence run in this step (a prefix-cache hit, a chunk boundary, a preemption's recompute)."""
+        T = int(query_start_loc[-1])
+        seq_of = np.repeat(np.arange(len(q_lens)), q_lens)
+        offset = np.arange(T) - query_start_loc[:-1][seq_of]          # the query's index in its run
+        visible = (context_lens[seq_of] - q_lens[seq_of] + offset + 1).astype(np.int32)
+        kernel = A.decode_attention_avx2_kernel if A.decode_attention_avx2_fits(k_cache) else A.decode_attention_kernel
+        o = np.empty((T, out.shape[1]), out.dtype)
+        kernel(T * Hkv, np.ascontiguousarray(qkv[:T]), k_cache, v_cache, np.ascontiguousarray(block_tables[seq_of]),
+               visible, np.float32(scale), H, int(window), o)
+        out[:T] = o
 
     @staticmethod
     def _decode_rows(seqs, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, H, Hkv,
@@ -278,7 +301,10 @@ class CPUBackend(QuantizedProducts):
         # int8 with packed weights: every pure decode batch, whatever its size, in one call on the integer
         # GEMM, and nothing else fused: a row then takes the same kernels alone or in any batch (the
         # matrix-vector kernels round differently). Otherwise (q4, unpacked int8): batches of a few rows.
-        return (0, 1 << 30) if plan["packed"] else (INT8_GEMV_MAX_ROWS, 0)
+        # With one_attention, the few-row fused path (its own tiled attention) is off: per-op then.
+        if plan["packed"]:
+            return 0, 1 << 30
+        return (0, 0) if self.one_attention else (INT8_GEMV_MAX_ROWS, 0)
 
     def decoder_layers(self, plan, acts, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
         for name in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc"):
