@@ -195,6 +195,9 @@ class CPUBackend(QuantizedProducts):
                                          context_lens, query_start_loc, out)
         k_cache, v_cache = _kv(k_cache), _kv(v_cache)
         kernel = A.decode_attention_avx2_kernel if A.decode_attention_avx2_fits(k_cache) else A.decode_attention_kernel
+        if self.one_attention:           # the build _per_query runs: the serial one may round differently
+            kernel.parallel(qkv, k_cache, v_cache, block_tables, context_lens, np.float32(scale), H, int(window), out)
+            return
         kernel(B * Hkv, qkv, k_cache, v_cache, block_tables, context_lens, np.float32(scale), H, int(window), out)
 
     def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
@@ -229,15 +232,17 @@ class CPUBackend(QuantizedProducts):
                    window, out) -> None:
         """Batch-invariant attention: every query as a one-query sequence of the decode kernel (its own
         block table row, its position + 1 keys visible), so its bits do not depend on how many queries of
-        its sequence run in this step (a prefix-cache hit, a chunk boundary, a preemption's recompute)."""
+        its sequence run in this step (a prefix-cache hit, a chunk boundary, a preemption's recompute).
+        Always its parallel build, whatever the row count, as the fused int8 decode does: the serial and
+        parallel builds are compiled apart and need not round alike."""
         T = int(query_start_loc[-1])
         seq_of = np.repeat(np.arange(len(q_lens)), q_lens)
         offset = np.arange(T) - query_start_loc[:-1][seq_of]          # the query's index in its run
         visible = (context_lens[seq_of] - q_lens[seq_of] + offset + 1).astype(np.int32)
         kernel = A.decode_attention_avx2_kernel if A.decode_attention_avx2_fits(k_cache) else A.decode_attention_kernel
         o = np.empty((T, out.shape[1]), out.dtype)
-        kernel(T * Hkv, np.ascontiguousarray(qkv[:T]), k_cache, v_cache, np.ascontiguousarray(block_tables[seq_of]),
-               visible, np.float32(scale), H, int(window), o)
+        kernel.parallel(np.ascontiguousarray(qkv[:T]), k_cache, v_cache, np.ascontiguousarray(block_tables[seq_of]),
+                        visible, np.float32(scale), H, int(window), o)
         out[:T] = o
 
     @staticmethod
