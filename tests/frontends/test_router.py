@@ -256,3 +256,35 @@ def test_scaling_up_and_down_while_serving_loses_no_request(tiny_router, tiny_ll
     with Client(tiny_router.addr) as c:
         c.scale(2)
     tiny_router.wait_serving(2)
+
+
+def test_http_is_ready_only_once_a_replica_describes_the_model():
+    """The HTTP front end's /health: a router answers pings before any replica serves; readiness waits
+    for the model's description, which the router has once a replica is up."""
+    import asyncio
+
+    from rawinfer.frontends.http.engine_link import EngineLink
+    from rawinfer.frontends.http.errors import APIError
+
+    class Router:                        # the two calls readiness makes, as a router answers them
+        serving = False
+
+        async def ping(self):
+            return 0.001
+
+        async def model_info(self):
+            if not self.serving:
+                raise RequestError("overloaded", "no replica is serving yet; retry when one has loaded the model")
+            return {"model": "m", "vocab_size": 512}
+
+        def close(self):
+            pass
+
+    link = EngineLink("tcp://127.0.0.1:9")
+    link.client.close()
+    link.client = Router()
+    assert asyncio.run(link.ready()) is False
+    with pytest.raises(APIError, match="not ready: no replica is serving yet"):
+        asyncio.run(link.info())
+    link.client.serving = True
+    assert asyncio.run(link.ready()) is True and asyncio.run(link.info())["model"] == "m"

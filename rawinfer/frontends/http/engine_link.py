@@ -28,17 +28,23 @@ class EngineLink:
 
     async def ready(self) -> bool:
         """Whether the engine answers now: it binds only once loaded and warm, and stops answering when
-        it shuts down."""
+        it shuts down. A replica router answers pings before any replica serves: until one has, it has no
+        model to describe, so the model's description is asked for too (once: it is kept)."""
         try:
             await asyncio.wait_for(self.client.ping(), READY_PING_S)
-        except (asyncio.TimeoutError, ClientError):
+            await self.info()
+        except (asyncio.TimeoutError, ClientError, APIError):
             return False
         return True
 
     async def info(self) -> dict:
         """model_info (fetched once: it does not change while the engine runs); 503 while unreachable."""
         if self._info is None:
-            self._info = await self._control(self.client.model_info)
+            try:
+                self._info = await self._control(self.client.model_info)
+            except RequestError as e:           # a replica router with no replica serving yet
+                raise APIError(503, f"the engine at {self.addr} is not ready: {e.message}; retry later (GET "
+                               "/health says when it is ready)", code="engine_unavailable") from None
         return self._info
 
     async def token_texts(self):
