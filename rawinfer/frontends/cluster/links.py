@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from rawinfer.frontends.cluster.routing import PrefixRecord
+from rawinfer.frontends.server import monitor as M
 from rawinfer.frontends.server import protocol as P
 
 STARTING, CONNECTING, UP, LOST, DRAINING, STOPPING = "starting", "connecting", "up", "lost", "draining", "stopping"
@@ -78,25 +78,20 @@ class Link:
         sock.setsockopt(zmq.SNDHWM, 0)              # requests queue while a connection is being made
         if curve is not None:
             sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = M.watch(sock)
         sock.connect(endpoint)
         self.sock, self.endpoint = sock, endpoint
         self.last_heard = self.last_probe = time.monotonic()
 
     def disconnect(self) -> None:
         if self.sock is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(linger=0)
+            M.unwatch(self.sock, self.monitor)
             self.sock.close(linger=0)
             self.sock = self.monitor = None
 
     def dropped(self) -> bool:
         """Whether ZeroMQ saw the connection to the replica close (its process died or closed the socket)."""
-        seen = False
-        while self.monitor is not None and self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            seen = seen or event["event"] == zmq.EVENT_DISCONNECTED
-        return seen
+        return self.monitor is not None and M.disconnected(self.monitor)
 
     def send(self, msg) -> None:
         if self.sock is not None:

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from rawinfer.engine.kv_transfer import Fingerprint
 from rawinfer.frontends.disagg import wire
+from rawinfer.frontends.server.monitor import disconnected, unwatch, watch
 
 log = logging.getLogger("rawinfer")
 POLICIES = ("recompute", "fail")
@@ -109,7 +109,7 @@ class DecodeConnector:
         if self.cfg.server_key is not None:      # CurveZMQ, with a fresh key pair of our own
             sock.curve_serverkey = self.cfg.server_key
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = watch(sock)
         sock.connect(addr)
         return _Peer(addr, sock, monitor)
 
@@ -183,7 +183,7 @@ class DecodeConnector:
             failed += self._fail(t, f"the prefill instance {t.peer.addr} did not send the K/V within "
                                     f"{self.cfg.transfer_timeout_s:g} s")
         for p in self.peers:
-            closed = _disconnected(p)
+            closed = disconnected(p.monitor)
             if closed:                    # its process died or closed the socket: down until it answers again
                 p.last_seen = 0.0
             if p.inflight and (closed or p.last_seen and now - p.last_seen > self.cfg.peer_timeout_s):
@@ -291,16 +291,8 @@ class DecodeConnector:
             if self.kvt.is_receiving(t.request_id):
                 self.kvt.cancel(t.request_id)
         for p in self.peers:
-            p.sock.disable_monitor()
-            p.monitor.close(0)
+            unwatch(p.sock, p.monitor)
             p.sock.close(0)
-
-
-def _disconnected(peer: _Peer) -> bool:
-    seen = False
-    while peer.monitor.poll(0):
-        seen = recv_monitor_message(peer.monitor)["event"] == zmq.EVENT_DISCONNECTED or seen
-    return seen
 
 
 def _send(peer: _Peer, header: bytes) -> None:
