@@ -35,10 +35,9 @@ class Routed:
     hashes: list[bytes]              # its prompt's piece hashes (routing.py)
     arrived: float
     slot: int | None = None          # its replica; None while waiting for one
-    finals: int = 0
     streamed: bool = False           # something of it reached the client: it can no longer be retried
     attempts: int = 0
-    finished_indexes: set = field(default_factory=set)
+    finished_indexes: set = field(default_factory=set)   # samples whose final was passed on
 
 
 @dataclass

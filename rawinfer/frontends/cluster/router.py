@@ -44,6 +44,8 @@ from rawinfer.frontends.server.wakeup import install_stop_signals
 
 log = logging.getLogger("rawinfer")
 FRESH_STATS_S = 1.0
+ROUTED_COUNTER = {"prefix": "routed_by_prefix", "balance": "routed_by_balance", "least_loaded": "routed_least_loaded",
+                  "round_robin": "routed_round_robin"}     # routing.Decision.reason -> its `stats` counter
 RETRYABLE = {str(P.ErrorCode.OVERLOADED), str(P.ErrorCode.SHUTTING_DOWN)}
 
 
@@ -77,8 +79,7 @@ class ReplicaRouter(ClientFront):
         self._info: dict | None = None
         self._autoscaler = Autoscaler(rcfg.autoscale, time.monotonic()) if rcfg.autoscale else None
         self.counts = {"requests_routed": 0, "requests_retried": 0, "requests_failed_replica_lost": 0,
-                       "requests_timed_out_waiting": 0, "routed_by_prefix": 0, "routed_by_balance": 0,
-                       "routed_least_loaded": 0, "routed_round_robin": 0}
+                       "requests_timed_out_waiting": 0, **{name: 0 for name in ROUTED_COUNTER.values()}}
 
     # ---- the loop ------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -169,8 +170,7 @@ class ReplicaRouter(ClientFront):
                 continue
             cands = [Candidate(lk.slot, len(lk.requests), lk.kv_usage, lk.record) for lk in ups]
             d = self.chooser.choose(r.hashes, cands)
-            self.counts[{"prefix": "routed_by_prefix", "balance": "routed_by_balance",
-                         "least_loaded": "routed_least_loaded", "round_robin": "routed_round_robin"}[d.reason]] += 1
+            self.counts[ROUTED_COUNTER[d.reason]] += 1
             link = self.links[d.slot]
             r.slot, r.attempts = d.slot, r.attempts + 1
             link.requests.add(r.internal)
@@ -179,12 +179,12 @@ class ReplicaRouter(ClientFront):
             link.send(dataclasses.replace(r.msg, request_id=r.internal))
 
     def _generate(self, client: bytes, msg: P.Generate) -> None:
-        if self._admit(client, msg) is None:
+        params = self._admit(client, msg)
+        if params is None:
             return
         self._seq += 1
         internal = f"r{self._seq:x}"
-        n = msg.params.get("n", 1) if isinstance(msg.params.get("n", 1), int) else 1
-        r = Routed(internal, client, msg.request_id, msg, max(1, n), prompt_pieces(msg.prompt, msg.messages),
+        r = Routed(internal, client, msg.request_id, msg, params.n, prompt_pieces(msg.prompt, msg.messages),
                    time.monotonic())
         self.routed[internal] = r
         self._table.add(client, msg.request_id, internal, r.arrived)
@@ -285,8 +285,7 @@ class ReplicaRouter(ClientFront):
             return
         if obj["type"] == "final":
             r.finished_indexes.add(obj.get("index", 0))
-            r.finals += 1
-            if r.finals >= r.n:
+            if len(r.finished_indexes) >= r.n:
                 self._done(r, True)
 
     # ---- what clients ask ----------------------------------------------------------------------------
