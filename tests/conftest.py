@@ -78,6 +78,13 @@ def tiny_llama_dir(tmp_path_factory) -> str:
     return _convert_tiny(tmp_path_factory, "tiny-llama")
 
 
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir):
+    """An in-process engine over the tiny Llama, to compare a server's greedy answers with."""
+    from rawinfer import LLM
+    return LLM(tiny_llama_dir, device="cpu", kv_cache_memory="16MiB")
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> str:
     return _convert_tiny(tmp_path_factory, "tiny-qwen2")

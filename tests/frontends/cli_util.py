@@ -1,5 +1,6 @@
 """Helpers of the command-line tests: running `rawinfer` as a user does, a user cache of their own, a
-tiny Hugging Face folder with a tokenizer and a chat template, and a server in a subprocess."""
+tiny Hugging Face folder with a tokenizer and a chat template, a server in a subprocess, and requests
+sent to it at once from many clients, with one engine's greedy answers to compare them with."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import subprocess
 import sys
 import tempfile
 import termios
+import threading
 import time
+from dataclasses import dataclass
 
 from conftest import DATA, ROOT  # noqa: E402
 
@@ -190,3 +193,41 @@ class Terminal:
             os.waitpid(self.pid, 0)
             os.close(self.fd)
             self.pid = None
+
+
+def offline(llm, prompts, max_tokens: int) -> list[list[int]]:
+    """One in-process engine's greedy tokens (end of sequence ignored) for each prompt."""
+    from rawinfer import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@dataclass
+class Outcome:
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None
+
+
+def run_concurrently(addr: str, prompts: list, params: dict, stream: bool = True, timeout_s: float = 60.0) -> list:
+    """Every prompt as its own request at once (one client thread each): its Outcome (chunks and final
+    added up), or the exception it raised."""
+    from rawinfer.server import Client
+    out: list = [None] * len(prompts)
+
+    def one(i):
+        try:
+            with Client(addr, timeout_s=timeout_s) as c:
+                ids, final = [], None
+                for m in c.generate(prompts[i], params=params, stream=stream):
+                    ids += m.token_ids
+                    final = m
+                out[i] = Outcome(ids, final.finish_reason, final.error)
+        except Exception as e:     # noqa: BLE001 (recorded for the test to judge)
+            out[i] = e
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2.5 * timeout_s)
+    return out

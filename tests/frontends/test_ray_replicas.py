@@ -16,7 +16,7 @@ import pytest
 
 from rawinfer.frontends.server.client import Client
 
-from cli_util import Server as ServerProcess, env  # noqa: E402
+from cli_util import Server as ServerProcess, env, run_concurrently  # noqa: E402
 from conftest import ROOT  # noqa: E402
 
 pytest.importorskip("ray")
@@ -64,32 +64,15 @@ def reference(smollm2_dir, cluster):
     return prompts, [r.token_ids for r in out]
 
 
-def ask_all(addr: str, prompts: list[list[int]], stream: bool = True) -> list:
-    """Each prompt as its own request, all at once: (token ids, finish reason, error) or the exception."""
-    out: list = [None] * len(prompts)
-
-    def one(i):
-        try:
-            with Client(addr, timeout_s=120) as c:
-                ids, last = [], None
-                for m in c.generate(prompts[i], params=GREEDY, stream=stream):
-                    ids += m.token_ids
-                    last = m
-                out[i] = (ids, last.finish_reason, last.error)
-        except Exception as e:     # noqa: BLE001 (judged by the test)
-            out[i] = e
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return out
+def ask_all(addr: str, prompts: list[list[int]]) -> list:
+    """Each prompt as its own request, all at once: an Outcome each (or the exception)."""
+    return run_concurrently(addr, prompts, GREEDY, timeout_s=120)
 
 
 def test_greedy_outputs_through_two_ray_replicas_equal_one_engine(cluster, reference):
     prompts, expected = reference
     got = ask_all(cluster.addr, prompts)
-    assert [g[0] for g in got] == expected
+    assert [g.token_ids for g in got] == expected
     with Client(cluster.addr) as c:
         s = c.stats()
     assert sorted(s["replicas"]) == ["0", "1"]
@@ -111,14 +94,13 @@ def test_killing_a_replica_process_mid_run(cluster, reference):
     assert len(results) == 2 * len(prompts)
     for i, r in enumerate(results):
         assert not isinstance(r, Exception), r
-        ids, reason, error = r
-        if reason == "error":
-            assert "was lost" in error
+        if r.finish_reason == "error":
+            assert "was lost" in r.error
         else:
-            assert ids == expected[i % len(prompts)]
+            assert r.token_ids == expected[i % len(prompts)]
     s = wait_serving(cluster.addr, 2, not_pid=victim)            # Ray restarted the actor
     assert s["routing"]["replicas_lost"] >= 1
-    assert [g[0] for g in ask_all(cluster.addr, prompts[:2])] == expected[:2]
+    assert [g.token_ids for g in ask_all(cluster.addr, prompts[:2])] == expected[:2]
 
 
 def test_scaling_from_one_to_two_replicas_and_back_loses_no_request(cluster, reference):
@@ -134,7 +116,7 @@ def test_scaling_from_one_to_two_replicas_and_back_loses_no_request(cluster, ref
     wait_serving(cluster.addr, 2)
     assert subprocess.run(scale + ["1"], capture_output=True, env=env(), cwd=ROOT, timeout=60).returncode == 0
     load.join(300)
-    assert [g[0] for g in results] == expected * 3
+    assert [g.token_ids for g in results] == expected * 3
     s = wait_serving(cluster.addr, 1)
     assert s["routing"]["scale_events"] >= 4
 

@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from rawinfer.frontends.cluster.routing import TOKEN_PIECE, RoutingConfig
 from rawinfer.frontends.server.client import Client, RequestError
 from rawinfer.frontends.server.server import ServerConfig
 
-from cli_util import Server as ServerProcess, free_port  # noqa: E402
+from cli_util import Server as ServerProcess, free_port, offline, run_concurrently  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -94,56 +93,18 @@ def tiny_router(tiny_llama_dir):
         r.pool.close()
 
 
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_llama_dir):
-    from rawinfer import LLM
-    return LLM(tiny_llama_dir, device="cpu", kv_cache_memory="16MiB")
-
-
-def offline(llm, prompts, max_tokens: int) -> list[list[int]]:
-    from rawinfer import SamplingParams
-    return [r.token_ids for r in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY),
-                                              use_tqdm=False)]
-
-
 def prompts(n: int, seed: int, length: int = 40) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(x) for x in rng.integers(3, 500, length)] for _ in range(n)]
 
 
-@dataclass
-class Outcome:
-    token_ids: list[int]
-    finish_reason: str
-    error: str | None
-
-
-def run_concurrently(addr: str, ps: list[list[int]], max_tokens: int, stream: bool = True) -> list:
-    """Every prompt as its own request at once (one thread each): its Outcome (chunks and final added up),
-    or the exception."""
-    out: list = [None] * len(ps)
-
-    def one(i):
-        try:
-            with Client(addr, timeout_s=60) as c:
-                ids, final = [], None
-                for m in c.generate(ps[i], params={"max_tokens": max_tokens, **GREEDY}, stream=stream):
-                    ids += m.token_ids
-                    final = m
-                out[i] = Outcome(ids, final.finish_reason, final.error)
-        except Exception as e:     # noqa: BLE001 (recorded for the test to judge)
-            out[i] = e
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ps))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
+def ask(addr: str, ps: list[list[int]], max_tokens: int, stream: bool = True) -> list:
+    return run_concurrently(addr, ps, {"max_tokens": max_tokens, **GREEDY}, stream)
 
 
 def test_outputs_through_the_router_equal_one_engine_and_reach_both_replicas(tiny_router, tiny_llm):
     ps = prompts(12, seed=1)
-    got = run_concurrently(tiny_router.addr, ps, 24)
+    got = ask(tiny_router.addr, ps, 24)
     assert [g.token_ids for g in got] == offline(tiny_llm, ps, 24)
     with Client(tiny_router.addr) as c:
         s = c.stats()
@@ -189,7 +150,7 @@ def test_a_replica_that_stops_answering_gets_no_new_request_within_two_heartbeat
     try:
         time.sleep(0.6)                          # heartbeat interval 0.2 s here
         ps = prompts(6, seed=5)
-        got = run_concurrently(tiny_router.addr, ps, 8)
+        got = ask(tiny_router.addr, ps, 8)
         with Client(tiny_router.addr) as c:
             after = {k: r["requests_routed"] for k, r in c.stats()["replicas"].items()}
     finally:
@@ -204,12 +165,12 @@ def test_a_killed_replica_leaves_requests_completed_or_cleanly_failed_and_comes_
     results: list = []
 
     def load():
-        results.extend(run_concurrently(tiny_router.addr, ps[:8], 400, stream=True))
+        results.extend(ask(tiny_router.addr, ps[:8], 400, stream=True))
     streaming = threading.Thread(target=load)
     held = [None]
 
     def load_held():                   # not streamed: nothing reaches the client before the final
-        held[0] = run_concurrently(tiny_router.addr, ps[8:], 400, stream=False)
+        held[0] = ask(tiny_router.addr, ps[8:], 400, stream=False)
     holding = threading.Thread(target=load_held)
     streaming.start()
     holding.start()
@@ -233,7 +194,7 @@ def test_a_killed_replica_leaves_requests_completed_or_cleanly_failed_and_comes_
     s = tiny_router.wait_serving(2)
     assert s["routing"]["replicas_lost"] >= 1 and s["routing"]["requests_retried"] + failed >= 1
     assert tiny_router.pool.procs[0].proc.pid != victim
-    again = run_concurrently(tiny_router.addr, ps[:4], 8)
+    again = ask(tiny_router.addr, ps[:4], 8)
     assert [g.token_ids for g in again] == offline(tiny_llm, ps[:4], 8)
 
 
@@ -243,7 +204,7 @@ def test_scaling_up_and_down_while_serving_loses_no_request(tiny_router, tiny_ll
     tiny_router.wait_serving(1)
     ps = prompts(24, seed=4)
     results: list = []
-    load = threading.Thread(target=lambda: results.extend(run_concurrently(tiny_router.addr, ps, 200)))
+    load = threading.Thread(target=lambda: results.extend(ask(tiny_router.addr, ps, 200)))
     load.start()
     with Client(tiny_router.addr) as c:
         assert c.scale(2) == 1

@@ -28,7 +28,7 @@ from rawinfer.frontends.server import protocol as P
 from rawinfer.frontends.server.client import AsyncClient, Client, RequestError, ServerTimeout
 from rawinfer.frontends.server.server import ServerConfig, SecurityError, check_bind_security, is_loopback_endpoint
 
-from cli_util import Server as ServerProcess, env, free_port  # noqa: E402
+from cli_util import Server as ServerProcess, env, free_port, offline  # noqa: E402
 from conftest import ROOT  # noqa: E402
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -46,18 +46,6 @@ def tiny_server(tiny_llama_dir):
         yield srv
     finally:
         srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_llama_dir):
-    from rawinfer import LLM
-    return LLM(tiny_llama_dir, device="cpu", kv_cache_memory="16MiB")
-
-
-def offline(llm, prompts, max_tokens: int) -> list[list[int]]:
-    from rawinfer import SamplingParams
-    params = SamplingParams(max_tokens=max_tokens, **GREEDY)
-    return [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def idle_stats(client: Client, timeout_s: float = 10.0) -> dict:
