@@ -163,6 +163,12 @@ def test_a_stalled_client_gets_its_finals_or_its_requests_are_recorded_aborted(t
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout.readline().strip() == "sent"
+            # ZeroMQ's I/O thread in the client may still hold some of the requests when send() has returned; a
+            # client stopped then would send them on a new connection once continued, as fresh requests that
+            # outlive this test. So it is stopped only once the server has taken in all n.
+            deadline = time.monotonic() + 30
+            while c.stats()["requests_received"] < before["requests_received"] + n and time.monotonic() < deadline:
+                time.sleep(0.01)
             proc.send_signal(signal.SIGSTOP)
             deadline = time.monotonic() + 30            # not reading, until the server has settled every request
             while time.monotonic() < deadline:
