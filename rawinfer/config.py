@@ -314,7 +314,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 
 # Environment switches: read here and nowhere else, as the defaults of EngineConfig fields.
 ENV_SWITCHES = {
-    "RAWINFER_CPU_INT_GEMM": "0 runs int8 models' GEMMs on dequantized float32 weights (EngineConfig.cpu_int_gemm)",
+    "RAWINFER_CPU_INT_GEMM": "0 runs int8 and q4 models' products on their older kernels: dequantized float32 weights for BLAS, matrix-vector kernels for a few rows (EngineConfig.cpu_int_gemm)",
     "RAWINFER_CACHE": "the user cache: compiled CPU kernels (and the tools' downloads); default ~/.cache/rawinfer "
                       "(EngineConfig.cache_dir)",
 }
@@ -361,8 +361,9 @@ class EngineConfig:
     use_cuda_graphs: bool = True            # CUDA: replay pure decode steps as captured CUDA graphs
     seed: int = 0                           # default seed for requests that set none
     cpu_int_gemm: bool = field(default_factory=lambda: env_flag("RAWINFER_CPU_INT_GEMM", True))
-                                            # CPU, int8 models: GEMMs on int16-quantized activations
-                                            # (False: dequantized weights on BLAS)
+                                            # CPU, int8 and q4 models: integer GEMMs on int16-quantized
+                                            # activations for every row count (False: dequantized
+                                            # weights on BLAS, matrix-vector kernels for a few rows)
     cache_dir: str | None = field(default_factory=lambda: env_path("RAWINFER_CACHE", DEFAULT_CACHE_DIR))
                                             # user cache for compiled kernels (None: Numba's own places)
     warmup: bool = True                     # run every step shape once at start, so that no request

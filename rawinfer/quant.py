@@ -46,7 +46,7 @@ class Int8Weight:
     """A quantized matrix as the backends see it (device arrays)."""
     q: Any         # [N, K] int8
     scale: Any     # [N] float32
-    packed: Any = None   # the backend's own copy of q for its GEMMs (Backend.prepare_int8), or None
+    packed: Any = None   # the backend's own copy of q for its GEMMs (Backend.prepare_weight), or None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,6 +58,7 @@ class Q4Weight:
     """A q4 matrix as the backends see it: qs [N, K/2] uint8 nibbles, dm [N, K/32, 2] float16 (d, m)."""
     qs: Any
     dm: Any
+    packed: Any = None   # the backend's own copy of both for its GEMMs (Backend.prepare_weight), or None
 
     @property
     def shape(self) -> tuple[int, int]:

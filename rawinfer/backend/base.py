@@ -131,9 +131,9 @@ class Backend(ABC):
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return arena[offset:offset + n].view(dtype).reshape(shape)
 
-    def prepare_int8(self, w):
-        """A quant.Int8Weight as this backend computes with it (called once per matrix at load): the
-        same object, or a copy carrying a repacked layout in `packed`."""
+    def prepare_weight(self, w):
+        """A quantized matrix (quant.Int8Weight, quant.Q4Weight) as this backend computes with it (called
+        once per matrix at load): the same object, or a copy carrying a repacked layout in `packed`."""
         return w
 
     @abstractmethod

@@ -27,7 +27,7 @@ import dataclasses
 from rawinfer.backend.base import FlatBatch, LayerWeights
 from rawinfer.config import ModelConfig
 from rawinfer.exec.memory import MemoryPool
-from rawinfer.quant import Int8Weight, quantized_weight
+from rawinfer.quant import Int8Weight, Q4Weight, quantized_weight
 
 
 class DecoderModel:
@@ -60,10 +60,10 @@ class DecoderModel:
         self.final_norm = w["final_norm"]
 
     def weights_loaded(self) -> None:
-        """Called once the pool holds the weights: the backend may repack int8 matrices for its GEMMs
-        (Backend.prepare_int8); the pool's own int8 rows stay what the other ops read."""
+        """Called once the pool holds the weights: the backend may repack the int8 and q4 matrices for its
+        GEMMs (Backend.prepare_weight); the pool's own copies stay what the other ops read."""
         be = self.backend
-        repack = (lambda w: be.prepare_int8(w) if isinstance(w, Int8Weight) else w)
+        repack = (lambda w: be.prepare_weight(w) if isinstance(w, (Int8Weight, Q4Weight)) else w)
         self.layers = [dataclasses.replace(L, **{k: repack(getattr(L, k)) for k in LayerWeights.MATRICES})
                        for L in self.layers]
         self.lm_head = repack(self.lm_head)

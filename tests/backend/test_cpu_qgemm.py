@@ -129,7 +129,7 @@ def test_backend_linear_silu_mul_takes_the_fused_gemm(monkeypatch):
     be = CPUBackend()
     T, K, F = 40, 64, 48
     q, scale = quantize_int8(RNG.standard_normal((2 * F, K)).astype(np.float32))
-    w = be.prepare_int8(Int8Weight(q, scale))
+    w = be.prepare_weight(Int8Weight(q, scale))
     x = RNG.standard_normal((T, K)).astype(np.float32)
     calls = []
     real = Q.int8_matmul_silu
@@ -154,7 +154,7 @@ def test_few_rows_linear_silu_mul(T, K, F):
     F (not multiples of the vector width), with or without a workspace."""
     be = CPUBackend()
     q, scale = quantize_int8(RNG.standard_normal((2 * F, K)).astype(np.float32))
-    w = be.prepare_int8(Int8Weight(q, scale))
+    w = be.prepare_weight(Int8Weight(q, scale))
     x = RNG.standard_normal((T, K)).astype(np.float32)
     gu = np.empty((T, 2 * F), np.float32)
     ref = np.empty((T, F), np.float32)
@@ -181,7 +181,7 @@ def test_backend_linear_uses_the_packed_weight(T, K, N, monkeypatch):
     be = CPUBackend()
     assert be.int_gemm
     q, scale = quantize_int8(RNG.standard_normal((N, K)).astype(np.float32))
-    w = be.prepare_int8(Int8Weight(q, scale))
+    w = be.prepare_weight(Int8Weight(q, scale))
     assert w.packed is not None and w.q is q
     x = RNG.standard_normal((T, K)).astype(np.float32)
     bias = RNG.standard_normal(N).astype(np.float32)
@@ -198,12 +198,12 @@ def test_backend_linear_uses_the_packed_weight(T, K, N, monkeypatch):
 def test_shapes_outside_the_layout_and_the_switch_keep_the_float_path(monkeypatch):
     be = CPUBackend()
     q, scale = quantize_int8(RNG.standard_normal((40, 64)).astype(np.float32))   # 40 % 16 != 0
-    assert be.prepare_int8(Int8Weight(q, scale)).packed is None
+    assert be.prepare_weight(Int8Weight(q, scale)).packed is None
     q, scale = quantize_int8(RNG.standard_normal((32, 63)).astype(np.float32))   # odd K
-    assert be.prepare_int8(Int8Weight(q, scale)).packed is None
+    assert be.prepare_weight(Int8Weight(q, scale)).packed is None
     monkeypatch.setenv("RAWINFER_CPU_INT_GEMM", "0")             # read once, as EngineConfig's default
     from rawinfer.config import EngineConfig
     assert EngineConfig().cpu_int_gemm is False
     off = CPUBackend(int_gemm=EngineConfig().cpu_int_gemm)
     q, scale = quantize_int8(RNG.standard_normal((32, 64)).astype(np.float32))
-    assert not off.int_gemm and off.prepare_int8(Int8Weight(q, scale)).packed is None
+    assert not off.int_gemm and off.prepare_weight(Int8Weight(q, scale)).packed is None

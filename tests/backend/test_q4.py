@@ -14,6 +14,7 @@ from conftest import SMOLLM2_GGUF
 from rawinfer import LLMEngine
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu import q4 as cpu_q4
+from rawinfer.backend.cpu import q4gemm as cpu_q4gemm
 from rawinfer.backend.cpu.backend import INT8_GEMV_MAX_ROWS, CPUBackend
 from rawinfer.quant import Int8Weight, Q4Weight, dequantize_q4, quantize_q4, storage_kind
 from reference_ops import linear_ref, silu_mul_ref
@@ -220,8 +221,8 @@ def test_tiny_q4_model_computes_its_dequantized_weights(tiny_q4_dir, tmp_path):
                       max_num_batched_tokens=256)
     ids = np.load(os.path.join(DATA, "tiny-llama", "reference.npz"))["seq_ids"].tolist()
     want = exact.score(ids)
-    prefill = engine.score(ids)                      # BLAS on dequantized tiles (and the integer GEMM for int8)
-    decoded = engine.score(ids, [20] + [1] * (len(ids) - 20))   # then the fused matrix-vector kernels
+    prefill = engine.score(ids)                      # the q4 and int8 integer GEMMs
+    decoded = engine.score(ids, [20] + [1] * (len(ids) - 20))   # then the one-call decode kernel
     assert np.abs(prefill - want).max() < 2e-2
     assert np.abs(decoded - want).max() < 2e-2
     # against the float checkpoint, 4-bit blocks of random Gaussian weights move the logits by ~35 %
@@ -258,7 +259,12 @@ def test_q4_decode_in_one_call_matches_the_per_op_path(tiny_q4_dir):
     model = llm.engine.model
     if model.fused_plan is None:
         pytest.skip("no fused q4 path on this CPU (AVX2)")
-    assert not model.fused_plan["packed"] and model.fused_decode_max == 0
+    # with the q4 GEMM (AVX2 + F16C): every pure decode batch in the one-call kernel on the packed copies
+    # (the q4 matrices on q4gemm, the int8 down_proj on qgemm); without: a few rows on the matrix-vector
+    # kernels
+    packed = cpu_q4gemm.available()
+    assert model.fused_plan["packed"] == packed
+    assert model.fused_decode_max == (1 << 30 if packed else 0)
     prompts = [[5, 9, 200, 31], [7, 7, 7], [100]]
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     fused = [r.token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]
@@ -293,3 +299,30 @@ def test_a_config_with_an_unknown_quant_is_refused(tiny_q4_dir, tmp_path):
         json.dump({**cfg, "quant": "q5"}, f)
     with pytest.raises(ModelFormatError, match="quant 'q5'.*int8, q4"):
         LLMEngine(str(bad), device="cpu", kv_cache_memory="8MiB")
+
+
+@pytest.mark.skipif(not cpu_q4gemm.available(), reason="the q4 GEMM needs AVX2, FMA and F16C")
+def test_smollm2_q4_greedy_is_batch_invariant(smollm2_q4_dir):
+    """Every q4 product of any number of rows takes the q4 integer GEMM (before: the matrix-vector kernel
+    for up to 4 rows and BLAS on dequantized tiles above, which round differently), so a request's
+    greedy tokens are the same alone and in a batch; with batch_invariant also in a pool so small that
+    sequences are preempted and recomputed."""
+    from rawinfer import LLM, SamplingParams
+    llm = LLM(smollm2_q4_dir, device="cpu", kv_cache_memory="256MiB", enable_prefix_caching=False)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Explain KV caches.",
+                 "Who wrote Hamlet?", "Why is the sky blue?", "Translate hello to Spanish.", "Tell a joke.",
+                 "Count to five."]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    batched = [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+    assert alone == batched
+    opts = dict(device="cpu", enable_prefix_caching=False, batch_invariant=True)
+    prompts += [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in
+                ["What is 2+2?", "Name three colors.", "Describe a cat.", "What is Python?", "Who was Newton?",
+                 "Give me a recipe for tea.", "What is the speed of light?", "Summarize Romeo and Juliet."]]
+    steady = [r.token_ids for r in LLM(smollm2_q4_dir, kv_cache_memory="256MiB", **opts).generate(
+        prompts, params, use_tqdm=False)]
+    small = LLM(smollm2_q4_dir, kv_cache_memory="4MiB", max_num_batched_tokens=256, **opts)
+    assert [r.token_ids for r in small.generate(prompts, params, use_tqdm=False)] == steady
+    assert small.engine.stats()["num_preemptions"] > 0

@@ -54,9 +54,10 @@ class CPUBackend(QuantizedProducts):
 
     def __init__(self, num_threads: int | None = None, int_gemm: bool = True, cache_dir: str | None = None,
                  one_attention: bool = False):
-        """num_threads: the Numba pool's size (None: every core). int_gemm: int8 models' GEMMs (more than
-        INT8_GEMV_MAX_ROWS rows) in integer arithmetic on int16-quantized activations (qgemm.py) where
-        the CPU has AVX2; False dequantizes the weights to float32 for BLAS instead
+        """num_threads: the Numba pool's size (None: every core). int_gemm: int8 and q4 models' products in
+        integer arithmetic on int16-quantized activations (qgemm.py, q4gemm.py), for any row count, where
+        the CPU has AVX2; False dequantizes the weights to float32 for BLAS instead (matrix-vector
+        kernels for a few rows)
         (EngineConfig.cpu_int_gemm, RAWINFER_CPU_INT_GEMM=0). cache_dir: the user cache whose kernels/
         folder keeps the compiled kernels (EngineConfig.cache_dir; None: Numba's own locations).
         one_attention: every query of every step through the decode attention kernel, whatever its
@@ -78,6 +79,7 @@ class CPUBackend(QuantizedProducts):
         self.int_gemm = int_gemm and cpu_qgemm.available()
         self._qx = np.empty(0, np.int16)                   # activation buffers of the integer GEMM,
         self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
+        self._qb = np.empty(0, np.float32)                 # (and the q4 GEMM's block sums)
 
     def begin_step(self) -> None:
         if self._governor is not None and (n := self._governor.update()) != self.threads:
@@ -289,8 +291,11 @@ class CPUBackend(QuantizedProducts):
                 a, b = self._q4_parts(w) if q4 else (w.q, w.scale)
                 cols[f"w_{short}s"].append(a)
                 cols[f"s_{short}s"].append(b)
-                cols[f"p_{short}s"].append(None if q4 else w.packed)
-        packed = all(p is not None for short, _ in mats for p in cols[f"p_{short}s"])
+                cols[f"p_{short}s"].append(w.packed)
+        # the batched kernel when every matrix has a packed copy, all of one kind per list (a typed list
+        # holds one array type)
+        packed = all(p is not None for short, _ in mats for p in cols[f"p_{short}s"]) and \
+            all(len({(p.dtype, p.ndim) for p in cols[f"p_{short}s"]}) == 1 for short, _ in mats)
         plan = {k: typed(v) for k, v in cols.items() if not k.startswith("p_") or packed}
         plan["packed"] = packed                             # batched decode: integer GEMMs on the packed copies
         plan["in_norms"] = typed([L.input_norm for L in layers])
@@ -303,9 +308,9 @@ class CPUBackend(QuantizedProducts):
         return plan
 
     def fused_limits(self, plan) -> tuple[int, int]:
-        # int8 with packed weights: every pure decode batch, whatever its size, in one call on the integer
-        # GEMM, and nothing else fused: a row then takes the same kernels alone or in any batch (the
-        # matrix-vector kernels round differently). Otherwise (q4, unpacked int8): batches of a few rows.
+        # int8 / q4 with packed weights: every pure decode batch, whatever its size, in one call on the
+        # integer GEMMs, and nothing else fused: a row then takes the same kernels alone or in any batch
+        # (the matrix-vector kernels round differently). Otherwise (unpacked): batches of a few rows.
         # With one_attention, the few-row fused path (its own tiled attention) is off: per-op then.
         if plan["packed"]:
             return 0, 1 << 30
@@ -317,17 +322,17 @@ class CPUBackend(QuantizedProducts):
         p = plan
         if p["packed"] or T > INT8_GEMV_MAX_ROWS:          # see fused_limits
             if not p["packed"] or batch.max_query_len != 1:
-                raise ValueError(f"decoder_layers takes a pure decode batch of an int8 model with packed weights, "
+                raise ValueError(f"decoder_layers takes a pure decode batch of a model with packed weights, "
                                  f"or at most {INT8_GEMV_MAX_ROWS} tokens of another quantized model; got {T} "
                                  f"tokens")
-            qx, qs = self._int_gemm_buffers(T, p["max_k"])
+            qx, qs, qb = self._q4_gemm_buffers(T, p["max_k"])
             decoder_stack_batched_kernel(
                 acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],
                 acts.act[:T],
                 p["in_norms"], p["p_qkvs"], p["s_qkvs"], p["b_qkvs"], p["p_os"], p["s_os"], p["post_norms"],
                 p["p_gus"], p["s_gus"], p["p_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
                 batch.block_tables, batch.context_lens, p["k_caches"], p["v_caches"], cos_sin, np.float32(eps),
-                np.float32(scale), num_heads, num_kv_heads, qx, qs, p["avx2_attention"], p["windows"])
+                np.float32(scale), num_heads, num_kv_heads, qx, qs, qb, p["avx2_attention"], p["windows"])
             return
         decoder_stack_kernel(
             acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],

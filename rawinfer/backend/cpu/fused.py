@@ -10,11 +10,11 @@ writes the same workspace buffers, so the results equal the per-op path up to fl
 the row-matmul (fastmath reductions).
 
 `decoder_stack_batched_kernel` does the same for pure decode batches of any size when the weights
-have packed copies for the integer GEMM (qgemm.py): the parallel builds of every op, the integer
-GEMM for the matrices (silu * up in the gate/up GEMM's epilogue, as CPUBackend.linear_silu_mul).
+have packed copies for the integer GEMMs (int8: qgemm.py, q4: q4gemm.py): the parallel builds of every
+op, the integer GEMM for the matrices (silu * up in the gate/up GEMM's epilogue, as CPUBackend.linear_silu_mul).
 There the dispatch it saves is small next to the step's GEMMs, but it comes at no cost.
 
-NOTE: the compiled kernels here carry copies of the kernels.py, attention.py, q4.py and qgemm.py
+NOTE: the compiled kernels here carry copies of the kernels.py, attention.py, q4.py, q4gemm.py and qgemm.py
 kernels they call, and Numba's disk cache only checks this file's timestamp; cache.refresh() drops
 the cached builds whenever any source in rawinfer/backend/cpu/ changed.
 
@@ -36,6 +36,7 @@ from numba.extending import overload
 from rawinfer.backend.cpu import attention as A
 from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import q4 as cpu_q4
+from rawinfer.backend.cpu import q4gemm as cpu_q4gemm
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
 
 # Module-level names for the compiled builds, so the jitted function below can call them.
@@ -126,16 +127,43 @@ _decode_attention_avx2 = A.decode_attention_avx2_kernel.parallel
 _decode_attention = A.decode_attention_kernel.parallel
 _int8_matmul = cpu_qgemm.int8_matmul
 _int8_matmul_silu = cpu_qgemm.int8_matmul_silu
+_q4_matmul = cpu_q4gemm.q4_matmul
+_q4_matmul_silu = cpu_q4gemm.q4_matmul_silu
+
+
+def packed_matmul(x, p, s, out, xbuf, sbuf, bbuf):
+    """out = x @ W^T on a packed copy p: int8 (qgemm.pack_weights, 4-d int8, s = row scales) or q4
+    (q4gemm.pack_weights, 3-d uint8, s unused; bbuf its block sums). Compiled code only (an overload)."""
+
+
+@overload(packed_matmul)
+def _packed_matmul(x, p, s, out, xbuf, sbuf, bbuf):
+    if p.dtype == types.uint8:
+        return lambda x, p, s, out, xbuf, sbuf, bbuf: _q4_matmul(x, p, out, xbuf, sbuf, bbuf)
+    return lambda x, p, s, out, xbuf, sbuf, bbuf: _int8_matmul(x, p, s, out, xbuf, sbuf)
+
+
+def packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf):
+    """silu(x @ Wg^T) * (x @ Wu^T) on a packed gate_up copy (as packed_matmul)."""
+
+
+@overload(packed_matmul_silu)
+def _packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf):
+    if p.dtype == types.uint8:
+        return lambda x, p, s, out, xbuf, sbuf, bbuf: _q4_matmul_silu(x, p, out, xbuf, sbuf, bbuf)
+    return lambda x, p, s, out, xbuf, sbuf, bbuf: _int8_matmul_silu(x, p, s, out, xbuf, sbuf)
 
 
 @nb.njit(cache=True)
 def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
                                  in_norms, p_qkvs, s_qkvs, b_qkvs, p_os, s_os, post_norms, p_gus, s_gus, p_downs,
                                  s_downs, positions, slot_mapping, block_tables, context_lens, k_caches, v_caches,
-                                 cos_sin, eps, scale, num_heads, num_kv_heads, xbuf, sbuf, avx2_attention, windows):
+                                 cos_sin, eps, scale, num_heads, num_kv_heads, xbuf, sbuf, bbuf, avx2_attention,
+                                 windows):
     # Every layer of a pure decode batch (row b = sequence b's new token) in one call: the per-op path's
     # kernels in its order (the serial builds of the elementwise ops for a few rows, where waking the
-    # pool costs more than the work), the matrix products on the integer GEMM (p_* = packed weights).
+    # pool costs more than the work), the matrix products on the integer GEMMs (p_* = packed weights,
+    # int8 or q4; bbuf: the q4 GEMM's block sums).
     D = cos_sin.shape[1]
     small = x.shape[0] < _PARALLEL_ROWS
     for i in range(len(in_norms)):
@@ -148,7 +176,7 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
             _add_rmsnorm(h, res, in_norms[i], eps, x)
         else:
             _add_rmsnorm_p(h, res, in_norms[i], eps, x)
-        _int8_matmul(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf)
+        packed_matmul(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf, bbuf)
         if b_qkvs[i].shape[0] > 0:
             for t in range(qkv.shape[0]):
                 qkv[t] += b_qkvs[i]
@@ -164,20 +192,20 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
         else:
             _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, windows[i],
                               attn)
-        _int8_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf)
+        packed_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf, bbuf)
         if small:
             _add_rmsnorm(h, res, post_norms[i], eps, x)
         else:
             _add_rmsnorm_p(h, res, post_norms[i], eps, x)
         if p_gus[i].shape[0] % 2 == 0:
-            _int8_matmul_silu(x, p_gus[i], s_gus[i], act, xbuf, sbuf)
+            packed_matmul_silu(x, p_gus[i], s_gus[i], act, xbuf, sbuf, bbuf)
         else:
-            _int8_matmul(x, p_gus[i], s_gus[i], gu, xbuf, sbuf)
+            packed_matmul(x, p_gus[i], s_gus[i], gu, xbuf, sbuf, bbuf)
             if small:
                 _silu_mul(gu, act)
             else:
                 _silu_mul_p(gu, act)
-        _int8_matmul(act, p_downs[i], s_downs[i], h, xbuf, sbuf)
+        packed_matmul(act, p_downs[i], s_downs[i], h, xbuf, sbuf, bbuf)
 
 
 NO_BIAS = np.zeros(0, np.float32)   # stands in for a missing QKV bias

@@ -6,8 +6,10 @@ rows, and the buffers they share.
          same way whatever its batch: a request's tokens do not depend on what else runs.
     int8 without one: the matrix-vector kernels for up to INT8_GEMV_MAX_ROWS rows, BLAS on
          dequantized row tiles above.
-    q4:  the matrix-vector kernel (q4.py, AVX2) for up to INT8_GEMV_MAX_ROWS rows, BLAS on dequantized
-         row tiles above.
+    q4 with a packed copy (made at load where the shape fits): the q4 integer GEMM (q4gemm.py) for any
+         number of rows, silu * up in its epilogue, so again a row's bits never depend on its batch.
+    q4 without one: the matrix-vector kernel (q4.py, AVX2) for up to INT8_GEMV_MAX_ROWS rows, BLAS on
+         dequantized row tiles above.
 
 `QuantizedProducts` is a part of CPUBackend (backend.py), which sets the attributes it reads.
 """
@@ -22,6 +24,7 @@ from rawinfer.backend.cpu import blas as cpu_blas
 from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu import q4 as cpu_q4
+from rawinfer.backend.cpu import q4gemm as cpu_q4gemm
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN
 from rawinfer.quant import Int8Weight, Q4Weight
@@ -44,12 +47,15 @@ def check_array(name: str, x, dtype=None, contiguous: bool = True) -> None:
 
 class QuantizedProducts(Backend):
     """The int8 / q4 halves of CPUBackend.linear and linear_silu_mul. Reads the backend's int_gemm,
-    blas_on_numba_pool, max_threads and its integer GEMM buffers _qx, _qs."""
+    blas_on_numba_pool, max_threads and its integer GEMM buffers _qx, _qs, _qb."""
 
-    def prepare_int8(self, w):
-        if self.int_gemm and cpu_qgemm.supports(w.shape):
-            import dataclasses
+    def prepare_weight(self, w):
+        import dataclasses
+        if isinstance(w, Int8Weight) and self.int_gemm and cpu_qgemm.supports(w.shape):
             return dataclasses.replace(w, packed=cpu_qgemm.pack_weights(w.q))
+        if isinstance(w, Q4Weight) and self.int_gemm and cpu_q4gemm.supports(w.shape):
+            self._q4_parts(w)                        # checks the pair
+            return dataclasses.replace(w, packed=cpu_q4gemm.pack_weights(w.qs, w.dm))
         return w
 
     def linear_silu_mul(self, x, w, gate_up, out, scratch=None) -> None:
@@ -68,7 +74,13 @@ class QuantizedProducts(Backend):
                 else:
                     K.rows_matmul_silu_kernel(x, w.q, w.scale, out)
                 return
-        if isinstance(w, Q4Weight) and self._q4_matvec(x, scratch):
+        if isinstance(w, Q4Weight) and w.packed is not None and w.packed.shape[0] % 2 == 0:
+            shapes.linear_silu_mul(x, w.shape, out)
+            check_array("x", x, np.float32)
+            check_array("out", out)
+            cpu_q4gemm.q4_matmul_silu(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
+            return
+        if isinstance(w, Q4Weight) and w.packed is None and self._q4_matvec(x, scratch):
             shapes.linear_silu_mul(x, w.shape, out)
             check_array("x", x, np.float32)
             check_array("out", out)
@@ -109,6 +121,9 @@ class QuantizedProducts(Backend):
         return w.qs, w.dm.view(np.uint16)
 
     def _linear_q4(self, x, w: Q4Weight, out, scratch) -> None:
+        if w.packed is not None:
+            cpu_q4gemm.q4_matmul(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
+            return
         qs, dm = self._q4_parts(w)
         if self._q4_matvec(x, scratch):
             cpu_q4.q4_matvec(x, qs, dm, out)
@@ -147,3 +162,14 @@ class QuantizedProducts(Backend):
         if self._qs.size < ns:
             self._qs = np.empty(ns, np.float32)
         return self._qx, self._qs
+
+    def _q4_gemm_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The q4 GEMM's activation buffers (int16 panels, row scales, block sums): the integer GEMM's
+        two and one more, grown the same way."""
+        nx, ns, nb = cpu_q4gemm.x_buffer_sizes(rows, k)
+        self._int_gemm_buffers(rows, k)
+        if self._qx.size < nx:
+            self._qx = np.empty(nx, np.int16)
+        if self._qb.size < nb:
+            self._qb = np.empty(nb, np.float32)
+        return self._qx, self._qs, self._qb

@@ -65,7 +65,7 @@ def measure_int8_gemm(backend, n: int = 2048, repeat: int = 5) -> float:
     from rawinfer.quant import Int8Weight, quantize_int8
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, n), dtype=np.float32)
-    w = backend.prepare_int8(Int8Weight(*quantize_int8(rng.standard_normal((n, n), dtype=np.float32))))
+    w = backend.prepare_weight(Int8Weight(*quantize_int8(rng.standard_normal((n, n), dtype=np.float32))))
     y = np.empty_like(x)
     scratch = np.empty(128 * n * 4, np.float32)
     return 2 * n**3 / _best(lambda: backend.linear(x, w, y, scratch=scratch), repeat) / 1e9

@@ -1,0 +1,113 @@
+"""The q4 GEMM's tile (q4gemm.py has the arithmetic, the layout and the drivers), in LLVM IR as Numba
+intrinsics, one source for both paths:
+
+    q4_gemm_tiles[path, R, C]   R rows of a 6-row x panel (R = 1, 2, 4, 6) against C 16-column blocks;
+                                AVX2: C = 1 as two ymm per row, vpmaddwd + vpaddd; AVX-512 VNNI: C = 1
+                                or 2 (blocks given by separate addresses), one zmm per block, vpdpwssd
+
+Per k-block of 32: per k quad, one vpmovzxbw of each vector's 2L bytes of nibbles, `& 15` and `>> 4`
+for the quad's two k pairs, one broadcast int32 x pair per row and pair, R x (vectors) multiply-adds
+into int32 sums that start from zero; then per sum, in this order, acc = fma(float(s), d, acc) and
+acc = fma(m, bs, acc) (d and m converted from float16 with vcvtph2ps); at the end acc * sx is stored
+for the rows < rows. The float32 accumulators live across k-blocks (the int32 ones within one), so the
+6-row builds keep 12 int32 and 12 float32 vectors: AVX-512's 32 zmm hold both, AVX2 spills the float
+ones once per k-block.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from rawinfer.backend.cpu import isa
+from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
+from rawinfer.backend.cpu.llvm import F16, F32, I8, I16, I32, _ptr, _vload, _vstore, counted_loop, i64, splat
+from rawinfer.quant import Q4_BLOCK
+
+BLOCK_COLS = 16                 # output columns per packed column block
+QUADS = Q4_BLOCK // 4           # k quads per k-block
+RECORD = QUADS * 32 + 2 * 2 * BLOCK_COLS    # bytes per (column block, k-block): nibbles, d, m
+D_AT, M_AT = QUADS * 32, QUADS * 32 + 2 * BLOCK_COLS
+TILE_ROWS = (1, 2, 4, PANEL_ROWS)
+
+
+def _tile_code(builder, path, R, C, args):
+    """out_c[r, 0:16] for r < min(rows, R), c < C (module docstring). xp -> int16 panel [kpairs, 6, 2];
+    bsp -> float32 bs of the panel's rows [6, nkb]; sxp -> float32 [6] row scales; nkb: k-blocks; ldo:
+    the row stride of every out_c (floats); per block c: wp_c -> its records [nkb, RECORD], op_c ->
+    float32 out_c."""
+    xp, bsp, sxp, nkb, rows, ldo = args[:6]
+    blocks = [args[6 + 2 * c:8 + 2 * c] for c in range(C)]
+    L = 16 if path == isa.AVX512_VNNI else 8                 # int32 lanes per vector
+    vi32, vi16, vf32 = ir.VectorType(I32, L), ir.VectorType(I16, 2 * L), ir.VectorType(F32, L)
+    vbytes, vhalf = ir.VectorType(I8, 2 * L), ir.VectorType(F16, L)
+    fma = builder.module.declare_intrinsic(f"llvm.fma.v{L}f32", (), ir.FunctionType(vf32, [vf32] * 3))
+    if L == 16:
+        dpwssd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpwssd.512", (),
+                                                  ir.FunctionType(vi32, [vi32] * 3))
+        madd = (lambda acc, xv, wv: builder.call(dpwssd, [acc, xv, builder.bitcast(wv, vi32)]))
+    else:
+        pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(vi32, [vi16] * 2))
+        madd = (lambda acc, xv, wv: builder.add(acc, builder.call(pmaddwd, [builder.bitcast(xv, vi16), wv])))
+    parts = BLOCK_COLS // L                                  # vectors per column block
+    vecs = [(c, h) for c in range(C) for h in range(parts)]  # vector v: block c, columns h L .. h L + L - 1
+    xb, bsb = _ptr(builder, xp, I32), _ptr(builder, bsp, F32)
+    wbs = [_ptr(builder, w, I8) for w, _ in blocks]
+    low = ir.Constant(vi16, [15] * (2 * L))
+    four = ir.Constant(vi16, [4] * (2 * L))
+    zero = ir.Constant(vi32, [0] * L)
+
+    def kblock(b, faccs):
+        rec = [builder.gep(wb, [builder.mul(b, i64(RECORD))]) for wb in wbs]
+        kp0 = builder.mul(b, i64(Q4_BLOCK // 2))
+        accs = [zero] * (R * len(vecs))
+        for quad in range(QUADS):
+            raw = [builder.zext(_vload(builder, rec[c], i64(quad * 32 + h * 2 * L), vbytes, align=1), vi16)
+                   for c, h in vecs]
+            for g, w in enumerate(([builder.and_(v, low) for v in raw], [builder.lshr(v, four) for v in raw])):
+                xrow = builder.gep(xb, [builder.mul(builder.add(kp0, i64(2 * quad + g)), i64(PANEL_ROWS))])
+                for r in range(R):
+                    xv = splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=2), vi32)
+                    for v in range(len(vecs)):
+                        accs[r * len(vecs) + v] = madd(accs[r * len(vecs) + v], xv, w[v])
+        d = [builder.fpext(_vload(builder, rec[c], i64(D_AT + h * 2 * L), vhalf, align=1), vf32) for c, h in vecs]
+        m = [builder.fpext(_vload(builder, rec[c], i64(M_AT + h * 2 * L), vhalf, align=1), vf32) for c, h in vecs]
+        new = []
+        for r in range(R):
+            bs = splat(builder, builder.load(builder.gep(bsb, [builder.add(builder.mul(i64(r), nkb), b)])), vf32)
+            for v in range(len(vecs)):
+                f = builder.call(fma, [builder.sitofp(accs[r * len(vecs) + v], vf32), d[v], faccs[r * len(vecs) + v]])
+                new.append(builder.call(fma, [m[v], bs, f]))
+        return new
+
+    fin = counted_loop(builder, nkb, [ir.Constant(vf32, [0.0] * L)] * (R * len(vecs)), kblock)
+    sxb = _ptr(builder, sxp, F32)
+    obs = [_ptr(builder, o, F32) for _, o in blocks]
+    for r in range(R):
+        with builder.if_then(builder.icmp_signed("<", i64(r), rows), likely=True):
+            sv = splat(builder, builder.load(builder.gep(sxb, [i64(r)]), align=4), vf32)
+            for v, (c, h) in enumerate(vecs):
+                _vstore(builder, builder.fmul(fin[r * len(vecs) + v], sv), obs[c],
+                        builder.add(builder.mul(i64(r), ldo), i64(h * L)))
+
+
+def _make_tile(path: str, R: int, C: int):
+    # Numba's intrinsics take no *args: one typer per block count.
+    def codegen(context, builder, signature, args):
+        _tile_code(builder, path, R, C, args)
+        return context.get_dummy_value()
+
+    if C == 1:
+        @intrinsic
+        def q4_gemm_tile(typingctx, xp, bsp, sxp, nkb, rows, ldo, wp0, op0):
+            return types.void(*([types.int64] * 8)), codegen
+    else:
+        @intrinsic
+        def q4_gemm_tile(typingctx, xp, bsp, sxp, nkb, rows, ldo, wp0, op0, wp1, op1):
+            return types.void(*([types.int64] * 10)), codegen
+    return q4_gemm_tile
+
+
+q4_gemm_tiles = {(path, R, C): _make_tile(path, R, C) for R in TILE_ROWS
+                 for path, C in ((isa.AVX2, 1), (isa.AVX512_VNNI, 1), (isa.AVX512_VNNI, 2))}
