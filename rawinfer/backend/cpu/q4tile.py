@@ -30,6 +30,11 @@ QUADS = Q4_BLOCK // 4           # k quads per k-block
 RECORD = QUADS * 32 + 2 * 2 * BLOCK_COLS    # bytes per (column block, k-block): nibbles, d, m
 D_AT, M_AT = QUADS * 32, QUADS * 32 + 2 * BLOCK_COLS
 TILE_ROWS = (1, 2, 4, PANEL_ROWS)
+CHAINS = {1: 4, 2: 2, 4: 1, PANEL_ROWS: 1}     # int32 sums per output vector, by rows (see kblock)
+# k-blocks ahead that the few-row builds prefetch (0: none). Decode's one or two rows stream every
+# weight from memory once, at a pace the hardware prefetchers alone did not keep up with (they stop at
+# page boundaries); with more rows a record is reused by every panel and the tile is compute-bound.
+PREFETCH_AHEAD = {1: 16, 2: 16, 4: 0, PANEL_ROWS: 0}
 
 
 def _tile_code(builder, path, R, C, args):
@@ -60,8 +65,20 @@ def _tile_code(builder, path, R, C, args):
 
     def kblock(b, faccs):
         rec = [builder.gep(wb, [builder.mul(b, i64(RECORD))]) for wb in wbs]
+        if PREFETCH_AHEAD[R]:
+            # prefetcht0 of the record PREFETCH_AHEAD k-blocks on (past the end: a hint, never a fault)
+            pf = builder.module.declare_intrinsic("llvm.prefetch", [I8.as_pointer()],
+                                                  ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
+            for r0 in rec:
+                for line in range(0, RECORD, 64):
+                    builder.call(pf, [builder.gep(r0, [i64(PREFETCH_AHEAD[R] * RECORD + line)]), ir.Constant(I32, 0),
+                                      ir.Constant(I32, 3), ir.Constant(I32, 1)])
         kp0 = builder.mul(b, i64(Q4_BLOCK // 2))
-        accs = [zero] * (R * len(vecs))
+        # S independent int32 sums per output vector (k pair j into sum j % S), added at the end of the
+        # k-block: exact, so any split gives the same bits. A few rows give few sums, each a chain of
+        # dependent multiply-adds (vpdpwssd's latency) unless split.
+        S = CHAINS[R]
+        chains = [[zero] * (R * len(vecs)) for _ in range(S)]
         for quad in range(QUADS):
             raw = [builder.zext(_vload(builder, rec[c], i64(quad * 32 + h * 2 * L), vbytes, align=1), vi16)
                    for c, h in vecs]
@@ -70,7 +87,11 @@ def _tile_code(builder, path, R, C, args):
                 for r in range(R):
                     xv = splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=2), vi32)
                     for v in range(len(vecs)):
-                        accs[r * len(vecs) + v] = madd(accs[r * len(vecs) + v], xv, w[v])
+                        acc = chains[(2 * quad + g) % S]
+                        acc[r * len(vecs) + v] = madd(acc[r * len(vecs) + v], xv, w[v])
+        accs = chains[0]
+        for more in chains[1:]:
+            accs = [builder.add(a, c) for a, c in zip(accs, more)]
         d = [builder.fpext(_vload(builder, rec[c], i64(D_AT + h * 2 * L), vhalf, align=1), vf32) for c, h in vecs]
         m = [builder.fpext(_vload(builder, rec[c], i64(M_AT + h * 2 * L), vhalf, align=1), vf32) for c, h in vecs]
         new = []
