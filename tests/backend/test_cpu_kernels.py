@@ -95,17 +95,18 @@ def test_matmul_nt_splits_columns_over_any_number_of_parts():
         np.testing.assert_allclose(out, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 17])
-def test_matmul_nt_large_matrices_few_rows(M):
-    """A matrix of 2^22+ weights (the LM head's shape class) with 3-16 rows of x takes the W x^T tiles
-    (tile 2048, so 5003 rows leave a partial tile per part); the same sums as the x W^T GEMM."""
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 17, 64, 96, 97])
+@pytest.mark.parametrize("N,K", [(5003, 840), (3072, 64), (45, 576)])
+def test_matmul_nt_few_rows(M, N, K):
+    """3-96 rows of x take the W x^T tiles (tile 2048, so 5003 rows leave a partial tile per part, and
+    the transpose partial groups of 16), 1-2 rows GEMV, more the x W^T GEMM: all the same products."""
     from rawinfer.backend.cpu import blas as cpu_blas
     if not cpu_blas.available():
         pytest.skip("NumPy's BLAS is not the OpenBLAS build cpu_blas can call")
-    x, w = rand(M, 840), rand(5003, 840)
+    x, w = rand(M, K), rand(N, K)
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     for parts in (1, 2, 3):
-        out = np.full((M, 5003), np.nan, np.float32)
+        out = np.full((M, N), np.nan, np.float32)
         cpu_blas.matmul_nt(x, w, out, parts)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 

@@ -48,8 +48,8 @@ _SYMBOLS = ("scipy_cblas_sgemm64_", "scipy_cblas_sgemv64_", "openblas_set_num_th
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _GEMV_MAX_ROWS = 2     # up to this many rows of x, one GEMV per row streams the weights faster than a
                        # GEMM (OpenBLAS's small-M GEMM reads the matrix far below the copy bandwidth)
-_SWAP_MAX_ROWS = 16    # above _GEMV_MAX_ROWS and up to this, a large matrix (the LM head) is multiplied the
-_SWAP_MIN_WEIGHTS = 1 << 22   # other way round: W x^T, where W's rows are the GEMM's long dimension
+_SWAP_MAX_ROWS = 96    # above _GEMV_MAX_ROWS and up to this, the product is taken the other way round:
+                       # W x^T, where W's rows are the GEMM's long dimension (docs/kernels.md, blas.py)
 _SWAP_TILE = 2048      # rows of W per such GEMM: its [tile, M] result stays in cache for the transpose
 
 
@@ -121,17 +121,22 @@ def _matmul_slice(x, w, out, n0, n1):
         for m in range(M):
             _sgemv(_ROW_MAJOR, _NO_TRANS, n1 - n0, K, one, w[n0:].ctypes, K, x[m].ctypes, 1, zero,
                    out[m, n0:].ctypes, 1)
-    elif M <= _SWAP_MAX_ROWS and w.shape[0] * K >= _SWAP_MIN_WEIGHTS:
+    elif M <= _SWAP_MAX_ROWS:
         # out^T = W x^T tile by tile: OpenBLAS runs a GEMM with a long M well; one with M of a few rows
-        # and a long N (x W^T) it runs at a fraction of the bandwidth. Same sums, same order per element.
+        # to a few dozen and a long N (x W^T) it runs far slower, as it re-packs all of W (its B) into a
+        # buffer larger than the caches on every call. Same sums, same order per element.
         tmp = np.empty((_SWAP_TILE, M), np.float32)
         for t0 in range(n0, n1, _SWAP_TILE):
             rows = min(_SWAP_TILE, n1 - t0)
             _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, rows, M, K, one, w[t0:].ctypes, K, x.ctypes, K, zero,
                    tmp.ctypes, M)
-            for i in range(rows):
+            # transposed 16 rows at a time: out's rows lie N floats apart, and walking all M of them
+            # per element of tmp would land (N a multiple of 1024: every row) in one L1 set
+            for i0 in range(0, rows, 16):
+                i1 = min(rows, i0 + 16)
                 for m in range(M):
-                    out[m, t0 + i] = tmp[i, m]
+                    for i in range(i0, i1):
+                        out[m, t0 + i] = tmp[i, m]
     else:
         _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, M, n1 - n0, K, one, x.ctypes, K, w[n0:].ctypes, K, zero,
                out[:, n0:].ctypes, N)
