@@ -89,7 +89,7 @@ def test_bench_roofline_reports_both_phases(tmp_path, tiny_llama_dir):
     cache = user_cache(tmp_path)                # results go to the user cache's bench/ by default
     r = rawinfer("-q", "bench", "roofline", "--model", tiny_llama_dir,
                  "--device", "cpu", "--kv-cache-memory", "16MiB", "--prompt-len", "40", "--batch", "1",
-                 "--batch", "3", "--context", "9", RAWINFER_CACHE=cache)
+                 "--batch", "3", "--context", "9", "--workload", "5x24/6", RAWINFER_CACHE=cache)
     assert r.returncode == 0, r.stderr
     (name,) = os.listdir(os.path.join(cache, "bench"))
     res = json.load(open(os.path.join(cache, "bench", name)))
@@ -98,6 +98,16 @@ def test_bench_roofline_reports_both_phases(tmp_path, tiny_llama_dir):
     for p in res["phases"]:
         assert p["tokens_per_s"] > 0 and p["GFLOPs"] > 0 and p["bound"] in ("compute", "memory")
     assert "prefill" in r.stdout and "decode" in r.stdout
+    # the whole workload: 5 prompts of 24 tokens, 6 output tokens each, against the float32 GEMM ceiling
+    from rawinfer.config import ModelConfig
+    from rawinfer.frontends.bench.roofline import matrix_params, workload_flops
+    w = res["workload"]
+    assert (w["requests"], w["prompt_len"], w["output_len"]) == (5, 24, 6)
+    cfg = ModelConfig.from_dir(tiny_llama_dir)
+    assert w["TFLOP"] * 1e12 == workload_flops(cfg, 5, 24, 6) > 5 * matrix_params(cfg, 6, 24 + 5)[0]
+    assert w["pct_of_float32_gemm_ceiling"] == pytest.approx(100 * w["GFLOPs"] / res["ceilings"]["gemm_GFLOPs"])
+    assert abs(w["output_tokens_per_s"] * w["wall_s"] - 30) < 1e-6
+    assert "workload 5 x 24/6" in r.stdout and "of the float32 GEMM ceiling" in r.stdout
     from rawinfer.backend.cpu import blas
     if blas.available():                        # the report names the BLAS kernel it measured
         assert "kernel" in res["ceilings"]["blas"] and "BLAS: OpenBLAS" in r.stdout
@@ -108,9 +118,10 @@ def test_bench_roofline_int8_model_uses_the_int8_gemm_ceiling(tmp_path, tmp_path
     model = _convert_tiny(tmp_path_factory, "tiny-llama", quant="int8")
     out = str(tmp_path / "roofline.json")
     r = rawinfer("-q", "bench", "roofline", "--model", model, "--device", "cpu", "--kv-cache-memory", "16MiB",
-                 "--prompt-len", "40", "--batch", "3", "--context", "9", "--json", out)
+                 "--prompt-len", "40", "--batch", "3", "--context", "9", "--workload", "0", "--json", out)
     assert r.returncode == 0, r.stderr
     res = json.load(open(out))
+    assert "workload" not in res
     assert res["ceilings"]["int8_gemm_GOPs"] > 0 and res["compute_ceiling"] == res["ceilings"]["int8_gemm_GOPs"]
     assert "int8-weight GEMM" in r.stdout
 
@@ -122,16 +133,26 @@ def test_convert_q4_cli_and_its_roofline(tmp_path):
     assert json.load(open(os.path.join(dst, "config.json")))["quant"] == "q4"
     out = str(tmp_path / "roofline.json")
     r = rawinfer("-q", "bench", "roofline", "--model", dst, "--device", "cpu", "--kv-cache-memory", "16MiB",
-                 "--prompt-len", "40", "--batch", "1", "--context", "9", "--json", out)
+                 "--prompt-len", "40", "--batch", "1", "--context", "9", "--workload", "0", "--json", out)
     assert r.returncode == 0, r.stderr
     res = json.load(open(out))
-    assert "int8_gemm_GOPs" not in res["ceilings"]          # a q4 model's GEMMs run on float32 tiles
+    assert "int8_gemm_GOPs" not in res["ceilings"]
+    from rawinfer.backend.cpu import q4gemm
+    if q4gemm.available():                                  # its products run on the q4 GEMM: its ceiling
+        assert res["compute_ceiling"] == res["ceilings"]["q4_gemm_GOPs"] > 0 and "q4-weight GEMM" in r.stdout
     decode = [p for p in res["phases"] if p["phase"] == "decode"][0]
     # bytes per matrix parameter: q4 layers (0.625) and int8 embedding rows (1 + 4 / 64)
     from rawinfer.config import ModelConfig
     from rawinfer.frontends.bench.roofline import weight_bytes_per_param
     bpp = weight_bytes_per_param(ModelConfig.from_dir(dst), None)
     assert 0.625 < bpp < 1.0625 and decode["tokens_per_s"] > 0
+
+
+def test_bench_roofline_refuses_a_malformed_workload(tiny_llama_dir):
+    r = rawinfer("-q", "bench", "roofline", "--model", tiny_llama_dir, "--workload", "64x128")
+    assert r.returncode != 0 and "64x128/128" in r.stderr and "Traceback" not in r.stderr
+    r = rawinfer("-q", "bench", "roofline", "--model", tiny_llama_dir, "--device", "cpu", "--workload", "200x8/8")
+    assert r.returncode != 0 and "--max-num-seqs" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_front_end_imports_run_one_way():

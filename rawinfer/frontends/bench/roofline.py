@@ -1,10 +1,10 @@
 """`rawinfer bench roofline`: this machine's ceilings next to what prefill and decode achieve.
 
 Ceilings, measured here: memory copy bandwidth (bytes read + written per second by a large copy) and
-the float32 GEMM rate (a square BLAS/cuBLAS matmul); for an int8 model on the CPU also the rate of
-the GEMM its matrices run on (int8 weights: the integer GEMM of backend/cpu/qgemm.py), which is then
-its compute ceiling. For one model we then time a prefill of P tokens
-and a decode step of B sequences and count, per step,
+the float32 GEMM rate (a square BLAS/cuBLAS matmul); for an int8 or q4 model on the CPU also the rate
+of the GEMM its matrices run on (the integer GEMMs of backend/cpu/qgemm.py and q4gemm.py), which is
+then its compute ceiling. For one model we then time a prefill of P tokens and a decode step of B
+sequences and count, per step,
 
     FLOPs = 2 x (matrix parameters touched) x tokens  +  4 x H x D x (attended positions)
     bytes = weight bytes (every matrix read once)     +  KV bytes read by attention
@@ -12,6 +12,11 @@ and a decode step of B sequences and count, per step,
 Achieved GFLOP/s and GB/s against the ceilings show where a phase sits: arithmetic intensity
 (FLOPs / byte) above the ridge point (peak FLOP/s / peak bytes/s) means compute-bound, below it
 memory-bound; the percentage says how far from its limit the phase runs.
+
+Last, a whole offline workload (default 64 requests of 128 prompt + 128 output tokens, EOS ignored, all
+submitted at once: the batch64 workload of tools/compare_cpu.py): its FLOPs (every prompt's prefill,
+every decode step, attention included) over its wall time, against the float32 GEMM ceiling (issue
+22's measure of how well the engine uses the machine) and against the model's compute ceiling.
 """
 
 from __future__ import annotations
@@ -71,6 +76,20 @@ def measure_int8_gemm(backend, n: int = 2048, repeat: int = 5) -> float:
     return 2 * n**3 / _best(lambda: backend.linear(x, w, y, scratch=scratch), repeat) / 1e9
 
 
+def measure_q4_gemm(backend, n: int = 2048, repeat: int = 5) -> float | None:
+    """GOP/s of the backend's GEMM with q4 weights (n x n x n), where it has one (backend/cpu/q4gemm.py;
+    None where q4 products dequantize to float32 tiles instead)."""
+    from rawinfer.quant import Q4Weight, quantize_q4
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, n), dtype=np.float32)
+    w = backend.prepare_weight(Q4Weight(*quantize_q4(rng.standard_normal((n, n), dtype=np.float32))))
+    if w.packed is None:
+        return None
+    y = np.empty_like(x)
+    scratch = np.empty(128 * n * 4, np.float32)
+    return 2 * n**3 / _best(lambda: backend.linear(x, w, y, scratch=scratch), repeat) / 1e9
+
+
 def matrix_params(cfg: ModelConfig, lm_head_rows: int, tokens: int) -> tuple[float, float]:
     """(FLOPs of the matrix multiplies for `tokens` tokens with `lm_head_rows` logits rows,
     parameters read) for one forward pass."""
@@ -125,6 +144,32 @@ def time_decode(engine, batch: int, context: int, steps: int = 24) -> float:
     return dt
 
 
+def workload_flops(cfg: ModelConfig, requests: int, prompt_len: int, output_len: int) -> float:
+    """FLOPs of `requests` requests of prompt_len + output_len tokens: each prompt's prefill (one logits
+    row), then output_len - 1 decode steps of one token (the first output token comes from the prefill)."""
+    f_prefill, _ = matrix_params(cfg, 1, prompt_len)
+    f_decode, _ = matrix_params(cfg, 1, 1)
+    attended = prompt_len * (prompt_len + 1) // 2 + sum(prompt_len + j + 1 for j in range(output_len - 1))
+    f_attention = 4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers * attended
+    return requests * (f_prefill + (output_len - 1) * f_decode + f_attention)
+
+
+def time_workload(engine, requests: int, prompt_len: int, output_len: int) -> float:
+    """Wall seconds of `requests` random prompts of prompt_len tokens, output_len greedy tokens each, all
+    submitted at once (prefix caching cannot help: every prompt differs from its first token)."""
+    from rawinfer.sampling import SamplingParams
+    rng = np.random.default_rng(3)
+    V = engine.model_config.vocab_size
+    engine.block_manager.reset_prefix_cache()
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    for i in range(requests):
+        engine.add_request(f"roofline-workload-{i}", [int(x) for x in rng.integers(100, V - 100, prompt_len)], sp)
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t
+
+
 def weight_bytes_per_param(cfg: ModelConfig, be) -> float:
     """Bytes stored per matrix parameter, averaged over the matrices (a quantized model's: its parts,
     quant.stored_parts; q4 models mix q4 layers with an int8 embedding / LM head)."""
@@ -141,17 +186,20 @@ def weight_bytes_per_param(cfg: ModelConfig, be) -> float:
     return stored / params
 
 
-def report(engine, prompt_len: int, batches: list[int], context: int, progress: bool = False) -> dict:
-    """Ceilings, then prefill and each decode batch timed; with progress, a bar of these phases on stderr."""
+def report(engine, prompt_len: int, batches: list[int], context: int, progress: bool = False,
+           workload: tuple[int, int, int] | None = (64, 128, 128)) -> dict:
+    """Ceilings, then prefill, each decode batch and the workload (requests, prompt, output tokens; None:
+    skipped) timed; with progress, a bar of these phases on stderr."""
     from tqdm import tqdm
-    bar = tqdm(total=2 + len(batches), desc="roofline", unit="phase", leave=False, disable=None if progress else True)
+    bar = tqdm(total=2 + len(batches) + (workload is not None), desc="roofline", unit="phase", leave=False,
+               disable=None if progress else True)
     try:
-        return _report(engine, prompt_len, batches, context, bar)
+        return _report(engine, prompt_len, batches, context, workload, bar)
     finally:
         bar.close()
 
 
-def _report(engine, prompt_len: int, batches: list[int], context: int, bar) -> dict:
+def _report(engine, prompt_len: int, batches: list[int], context: int, workload, bar) -> dict:
     cfg = engine.model_config
     be = engine.backend
     bar.set_postfix_str("machine ceilings")
@@ -165,6 +213,10 @@ def _report(engine, prompt_len: int, batches: list[int], context: int, bar) -> d
     compute_peak = ceil["gemm_GFLOPs"]
     if cfg.quant == "int8" and be.name == "cpu":     # its matrices run on the int8-weight GEMM instead
         ceil["int8_gemm_GOPs"] = compute_peak = measure_int8_gemm(be)
+    if cfg.quant == "q4" and be.name == "cpu":       # on the q4 GEMM where this CPU has one
+        q4 = measure_q4_gemm(be)
+        if q4 is not None:
+            ceil["q4_gemm_GOPs"] = compute_peak = q4
     bpp = weight_bytes_per_param(cfg, be)
     k0 = engine.pool.kv.k[0]                         # bytes per cached element (int8: with its row scales)
     kv_item = k0.nbytes / (k0.shape[0] * cfg.num_kv_heads * engine.pool.kv.block_size * cfg.head_dim)
@@ -191,13 +243,23 @@ def _report(engine, prompt_len: int, batches: list[int], context: int, bar) -> d
             "bound": "compute" if ai > ridge else "memory",
             "pct_of_compute_ceiling": 100 * f / t / 1e9 / compute_peak,
             "pct_of_memory_ceiling": 100 * b / t / 1e9 / ceil["copy_GBps"]})
+    if workload is not None:
+        n, p, o = workload
+        bar.set_postfix_str(f"workload of {n} x {p}/{o} tokens")
+        t = time_workload(engine, n, p, o)
+        bar.update(1)
+        f = workload_flops(cfg, n, p, o)
+        out["workload"] = {"requests": n, "prompt_len": p, "output_len": o, "wall_s": t,
+                           "output_tokens_per_s": n * o / t, "TFLOP": f / 1e12, "GFLOPs": f / t / 1e9,
+                           "pct_of_float32_gemm_ceiling": 100 * f / t / 1e9 / ceil["gemm_GFLOPs"],
+                           "pct_of_compute_ceiling": 100 * f / t / 1e9 / compute_peak}
     return out
 
 
 def print_report(r: dict) -> None:
     c = r["ceilings"]
-    int8 = f", int8-weight GEMM {c['int8_gemm_GOPs']:.1f} GOP/s (the compute ceiling here)" \
-        if "int8_gemm_GOPs" in c else ""
+    int8 = "".join(f", {label} GEMM {c[key]:.1f} GOP/s (the compute ceiling here)"
+                   for key, label in (("int8_gemm_GOPs", "int8-weight"), ("q4_gemm_GOPs", "q4-weight")) if key in c)
     print(f"ceilings: copy {c['copy_GBps']:.1f} GB/s, float32 GEMM {c['gemm_GFLOPs']:.1f} GFLOP/s{int8} "
           f"(ridge {r['ridge_flops_per_byte']:.1f} FLOP/byte)")
     if c.get("blas"):
@@ -208,3 +270,10 @@ def print_report(r: dict) -> None:
         print(f"{p['phase']:8} {p['batch']:>5} {p['tokens_per_s']:>10.1f} {p['GFLOPs']:>9.1f} "
               f"{p['pct_of_compute_ceiling']:>6.0f}% {p['GBps']:>7.1f} {p['pct_of_memory_ceiling']:>6.0f}% "
               f"{p['flops_per_byte']:>7.1f}  {p['bound']}")
+    w = r.get("workload")
+    if w:
+        print(f"workload {w['requests']} x {w['prompt_len']}/{w['output_len']}: {w['output_tokens_per_s']:.1f} output "
+              f"tokens/s, {w['TFLOP']:.2f} TFLOP in {w['wall_s']:.2f} s = {w['GFLOPs']:.1f} GFLOP/s, "
+              f"{w['pct_of_float32_gemm_ceiling']:.0f}% of the float32 GEMM ceiling"
+              + (f" ({w['pct_of_compute_ceiling']:.0f}% of the compute ceiling)"
+                 if w["pct_of_compute_ceiling"] != w["pct_of_float32_gemm_ceiling"] else ""))

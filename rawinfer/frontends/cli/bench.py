@@ -37,6 +37,19 @@ def _range_ratio(text: str) -> float:
     return value
 
 
+def _workload_spec(text: str):
+    """--workload NxP/O (e.g. 64x128/128) -> (N, P, O); "0" -> None."""
+    import argparse
+    import re
+    if text.strip() == "0":
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m or min(int(g) for g in m.groups()) < 1:
+        raise argparse.ArgumentTypeError(f"expected N x P / O with positive integers, e.g. 64x128/128 (or 0 to skip); "
+                                         f"got {text!r}")
+    return tuple(int(g) for g in m.groups())
+
+
 def _add_output(p, figure: bool = False) -> None:
     g = p.add_argument_group("results")
     g.add_argument("--output-dir", default=None, metavar="DIR",
@@ -149,6 +162,9 @@ def add_parser(sub) -> None:
                    help="decode batch size, repeatable (default: 1 and 64)")
     r.add_argument("--context", type=positive_int, default=128, metavar="N",
                    help="cached tokens per decoding sequence (default: 128)")
+    r.add_argument("--workload", type=_workload_spec, default=(64, 128, 128), metavar="NxP/O",
+                   help="last, N requests of P prompt + O output tokens at once, timed whole and set against "
+                        "the float32 GEMM ceiling; 0 skips it (default: 64x128/128)")
     _add_output(r)
     add_engine_args(r)
     r.set_defaults(func=cmd_roofline)
@@ -242,7 +258,11 @@ def cmd_roofline(args) -> int:
                        "cannot hold it; raise --max-num-seqs or lower --batch")
     _output_path(args, "roofline", "json", args.json)
     engine = open_engine(args)
-    r = roofline.report(engine, args.prompt_len, args.batch, args.context, progress=not is_quiet(args))
+    if args.workload is not None and args.workload[0] > args.max_num_seqs:
+        raise CLIError(f"--workload of {args.workload[0]} requests is more than --max-num-seqs {args.max_num_seqs}: "
+                       "they would not run as one batch; raise --max-num-seqs or send fewer")
+    r = roofline.report(engine, args.prompt_len, args.batch, args.context, progress=not is_quiet(args),
+                        workload=args.workload)
     roofline.print_report(r)
     _write_json(args, "roofline", r)
     return 0
