@@ -39,7 +39,6 @@ from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.kernels import Kernel, fast_exp
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
-from rawinfer.backend.cpu.llvm import abs_max
 from rawinfer.backend.cpu.q4tile import BLOCK_COLS, D_AT, M_AT, QUADS, RECORD, TILE_ROWS, q4_gemm_tiles  # noqa: F401
 from rawinfer.backend.cpu.qgemm import _quantize_row, packed_x_shape
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN
@@ -100,8 +99,8 @@ def _quantize_rows(x, xp, sx, bs):
             m = t * PANEL_ROWS + r
             if m < M:
                 xm = x[m]
-                sx[m] = _quantize_row(xm, X_LEVELS, q, r, xp[t])
-                amax = abs_max(np.int64(xm.ctypes.data), K)
+                amax = _quantize_row(xm, X_LEVELS, q, r, xp[t])
+                sx[m] = amax / np.float32(X_LEVELS)
                 inv = np.float32(X_LEVELS) / amax if amax > np.float32(0.0) else np.float32(0.0)
                 for b in range(nkb):
                     s = np.float32(0.0)

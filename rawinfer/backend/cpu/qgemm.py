@@ -85,8 +85,9 @@ def packed_x_shape(M, K):
 # ---- drivers ----------------------------------------------------------------------------------------
 @nb.njit(cache=True, inline="always")
 def _quantize_row(x, qmax, q, r, xpanel):
-    # x[K] float32 (contiguous) -> row r of an int16 panel [kpairs, 6, 2]; returns the row's scale.
-    # q: int16 scratch [K]. The panel is written as int32 k pairs: one store per pair.
+    # x[K] float32 (contiguous) -> row r of an int16 panel [kpairs, 6, 2]; returns the row's max |x|
+    # (its scale is that / qmax). q: int16 scratch [K]. The panel is written as int32 k pairs: one
+    # store per pair.
     amax = abs_max(np.int64(x.ctypes.data), x.shape[0])
     pairs = xpanel.reshape(xpanel.shape[0] * PANEL_ROWS * 2).view(np.int32)   # [kpairs * 6]
     if not amax > np.float32(0.0):     # zero row (or all NaN)
@@ -102,7 +103,7 @@ def _quantize_row(x, qmax, q, r, xpanel):
     q32 = q.view(np.int32)
     for kp in range(xpanel.shape[0]):
         pairs[kp * PANEL_ROWS + r] = q32[kp]
-    return amax / np.float32(qmax)
+    return amax
 
 
 def _quantize_rows(x, qmax, xp, sx):
@@ -115,7 +116,7 @@ def _quantize_rows(x, qmax, xp, sx):
         for r in range(PANEL_ROWS):
             m = t * PANEL_ROWS + r
             if m < M:
-                sx[m] = _quantize_row(x[m], qmax, q, r, xp[t])
+                sx[m] = _quantize_row(x[m], qmax, q, r, xp[t]) / np.float32(qmax)   # zero / NaN rows too
             else:
                 sx[m] = np.float32(0.0)
                 for kp in range(kpairs):
