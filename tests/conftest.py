@@ -104,6 +104,18 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_int8_dir(smollm2_dir, tmp_path_factory) -> str:
+    """The default model's GGUF converted with --quant int8, once per test session."""
+    return _convert_smollm2_gguf(tmp_path_factory, "int8")
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4_dir(smollm2_dir, tmp_path_factory) -> str:
+    """The default model's GGUF converted with --quant q4 (its own 4-bit blocks), once per test session."""
+    return _convert_smollm2_gguf(tmp_path_factory, "q4")
+
+
+@pytest.fixture(scope="session")
 def smollm2_engine(smollm2_dir):
     """One CPU engine over SmolLM2 shared by the tests that only read from it (greedy, scoring)."""
     from rawinfer import LLMEngine

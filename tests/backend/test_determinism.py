@@ -113,12 +113,6 @@ def _busy_core(on: bool = True):
             proc.wait()
 
 
-@pytest.fixture(scope="module")
-def smollm2_q4_dir(tmp_path_factory):
-    from conftest import _convert_smollm2_gguf
-    return _convert_smollm2_gguf(tmp_path_factory, "q4")
-
-
 @pytest.mark.skipif(_openblas() is None, reason="NumPy's BLAS is not the OpenBLAS build blas.py calls")
 @pytest.mark.skipif(numba.get_num_threads() < 2, reason="a race needs two workers")
 def test_smollm2_q4_gives_the_same_logits_in_every_run(smollm2_q4_dir):

@@ -229,12 +229,6 @@ def test_tiny_q4_model_computes_its_dequantized_weights(tiny_q4_dir, tmp_path):
     # (a block's step is ~1/4 of the weights' standard deviation); the SmolLM2 test below is the real check
 
 
-@pytest.fixture(scope="module")
-def smollm2_q4_dir(smollm2_dir, tmp_path_factory):
-    from conftest import _convert_smollm2_gguf
-    return _convert_smollm2_gguf(tmp_path_factory, "q4")
-
-
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_smollm2_q4_agrees_with_golden(smollm2_q4_dir, kv_dtype):
     """Teacher-forced: the prompt prefilled, the continuation decoded token by token through the fused
@@ -299,30 +293,3 @@ def test_a_config_with_an_unknown_quant_is_refused(tiny_q4_dir, tmp_path):
         json.dump({**cfg, "quant": "q5"}, f)
     with pytest.raises(ModelFormatError, match="quant 'q5'.*int8, q4"):
         LLMEngine(str(bad), device="cpu", kv_cache_memory="8MiB")
-
-
-@pytest.mark.skipif(not cpu_q4gemm.available(), reason="the q4 GEMM needs AVX2, FMA and F16C")
-def test_smollm2_q4_greedy_is_batch_invariant(smollm2_q4_dir):
-    """Every q4 product of any number of rows takes the q4 integer GEMM (before: the matrix-vector kernel
-    for up to 4 rows and BLAS on dequantized tiles above, which round differently), so a request's
-    greedy tokens are the same alone and in a batch; with batch_invariant also in a pool so small that
-    sequences are preempted and recomputed."""
-    from rawinfer import LLM, SamplingParams
-    llm = LLM(smollm2_q4_dir, device="cpu", kv_cache_memory="256MiB", enable_prefix_caching=False)
-    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Explain KV caches.",
-                 "Who wrote Hamlet?", "Why is the sky blue?", "Translate hello to Spanish.", "Tell a joke.",
-                 "Count to five."]
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    batched = [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
-    alone = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
-    assert alone == batched
-    opts = dict(device="cpu", enable_prefix_caching=False, batch_invariant=True)
-    prompts += [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in
-                ["What is 2+2?", "Name three colors.", "Describe a cat.", "What is Python?", "Who was Newton?",
-                 "Give me a recipe for tea.", "What is the speed of light?", "Summarize Romeo and Juliet."]]
-    steady = [r.token_ids for r in LLM(smollm2_q4_dir, kv_cache_memory="256MiB", **opts).generate(
-        prompts, params, use_tqdm=False)]
-    small = LLM(smollm2_q4_dir, kv_cache_memory="4MiB", max_num_batched_tokens=256, **opts)
-    assert [r.token_ids for r in small.generate(prompts, params, use_tqdm=False)] == steady
-    assert small.engine.stats()["num_preemptions"] > 0

@@ -84,12 +84,6 @@ def test_tiny_int8_model_tracks_the_float_reference(tiny_int8_dir):
     np.testing.assert_allclose(engine.score(ref["seq_ids"].tolist(), [20] + [1] * 130), logits, atol=tol)
 
 
-@pytest.fixture(scope="module")
-def smollm2_int8_dir(smollm2_dir, tmp_path_factory):
-    from conftest import _convert_smollm2_gguf
-    return _convert_smollm2_gguf(tmp_path_factory, "int8")
-
-
 @pytest.mark.parametrize("kv_dtype", ["auto", "float16"])
 def test_smollm2_int8_agrees_with_golden(smollm2_int8_dir, kv_dtype):
     """Teacher-forced argmax agreement on every golden step with margin > 0.5, with the int8 KV cache
@@ -145,37 +139,3 @@ def test_decoder_layers_refuses_what_it_cannot_run(tiny_int8_dir):
                                       0.25, 4, 2)
 
 
-def test_smollm2_int8_greedy_is_batch_invariant(smollm2_int8_dir):
-    """A request's greedy tokens are the same alone and inside a batch: every int8 product of any number
-    of rows takes the integer GEMM (the matrix-vector kernels rounded differently: 9 of 16 chat prompts
-    changed within 48 tokens), and every sequence takes the attention kernel its own chunk picks."""
-    from rawinfer import LLM, SamplingParams
-    llm = LLM(smollm2_int8_dir, device="cpu", kv_cache_memory="256MiB", enable_prefix_caching=False)
-    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Explain KV caches.",
-                 "Who wrote Hamlet?", "Why is the sky blue?", "Translate hello to Spanish.", "Tell a joke.",
-                 "Count to five."]
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    batched = [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
-    alone = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
-    assert alone == batched
-
-
-def test_smollm2_int8_batch_invariant_mode_survives_prefix_hits_and_preemption(smollm2_int8_dir):
-    """batch_invariant: the same greedy tokens in a batch (cold prompts), alone after the batch (each
-    prompt's full blocks now prefix-cache hits, its remainder a short query run) and in a pool so small
-    that sequences are preempted and recomputed. Without it, a cache hit changed a request's tokens
-    (docs/kernels.md)."""
-    from rawinfer import LLM, SamplingParams
-    rng = np.random.default_rng(0)
-    prompts = [[int(x) for x in rng.integers(100, 40000, int(rng.integers(5, 60)))] for _ in range(16)]
-    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    llm = LLM(smollm2_int8_dir, device="cpu", kv_cache_memory="256MiB", batch_invariant=True)
-    batched = [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
-    alone = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
-    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
-    assert alone == batched
-    small = LLM(smollm2_int8_dir, device="cpu", kv_cache_memory="4MiB", max_num_batched_tokens=256,
-                batch_invariant=True)
-    assert [r.token_ids for r in small.generate(prompts, params, use_tqdm=False)] == batched
-    assert small.engine.stats()["num_preemptions"] > 0
