@@ -3,8 +3,9 @@
 The CPU kernels compile on their first call with each combination of argument types, and a step of
 another shape takes other kernels: a prompt under 32 tokens and one over it (attention on BLAS), a
 decode step of one sequence (quantized models: the fused one-call path), of a few (matrix-vector
-kernels) and of many (the integer GEMM), a step that mixes prefill chunks and decode tokens. Without a
-warm-up each of those compiles during the first request that reaches it. On CUDA the same steps
+kernels) and of many (the integer GEMM), a prompt past 96 tokens (float32 products on BLAS), a step
+that mixes prefill chunks and decode tokens. Without a warm-up each of those compiles during the
+first request that reaches it. On CUDA the same steps
 compile the RawKernels and capture the decode graphs of the bucket sizes they meet.
 
 The warm-up runs dummy requests through the ordinary engine (scheduler, runner, sampler), then gives
@@ -24,7 +25,10 @@ from rawinfer.sampling import SamplingParams
 
 log = logging.getLogger("rawinfer")
 
-LONG_PROMPT = 40        # a prompt past the CPU's threshold for attention on BLAS (32 query rows)
+LONG_PROMPT = 100       # a prompt past the CPU's thresholds for attention on BLAS (32 query rows) and
+                        # for float32 products on BLAS instead of fgemm.py (96 rows)
+MID_PROMPT = 20         # under that threshold, with enough query rows x kv heads for the attention
+                        # kernel's parallel build (a prompt's later chunk, a prefix-cache hit's remainder)
 BATCH = 8               # a decode batch past the matrix-vector kernels' row limit (4)
 
 
@@ -37,9 +41,10 @@ def warm_up(engine) -> float:
     prompt = (lambda n: [int(t) for t in rng.integers(min(3, V - 1), V, n)])
     ok = (lambda n, k=1: _fits(engine, n, k))
     # wave 1: a short prefill, then one sequence decoding, then two: its second sample is forked and
-    # copies their shared partial block on write. wave 2: a long prefill beside decoding sequences,
-    # then a decode batch past the matrix-vector kernels' limit.
-    waves = [[(prompt(3), 2)], [(prompt(LONG_PROMPT), 1)] + [(prompt(5), 1) for _ in range(BATCH - 1)]]
+    # copies their shared partial block on write. wave 2: a long and a middling prefill beside decoding
+    # sequences, then a decode batch past the matrix-vector kernels' limit.
+    waves = [[(prompt(3), 2)], [(prompt(LONG_PROMPT), 1), (prompt(MID_PROMPT), 1)] +
+             [(prompt(5), 1) for _ in range(BATCH - 1)]]
     for w, wave in enumerate(waves):
         wave = [(p, n) for p, n in wave if ok(len(p) + 4, n)][:engine.config.max_num_seqs]
         for i, (p, n) in enumerate(wave):

@@ -20,6 +20,7 @@ def workload(engine) -> None:
     engine.add_request("one", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
     engine.step()
     engine.add_request("long", list(range(3, 80)), SamplingParams(max_tokens=3, temperature=0))
+    engine.add_request("longer", list(range(3, 130)), SamplingParams(max_tokens=2, temperature=0))
     for i in range(9):
         engine.add_request(f"b{i}", [9, i + 3], SamplingParams(max_tokens=5, temperature=0.8, seed=i,
                                                                repetition_penalty=1.1))

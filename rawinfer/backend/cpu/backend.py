@@ -10,6 +10,7 @@ from rawinfer.backend import shapes
 from rawinfer.backend.base import Capabilities
 from rawinfer.backend.cpu import attention as A
 from rawinfer.backend.cpu import blas as cpu_blas
+from rawinfer.backend.cpu import fgemm as cpu_fgemm
 from rawinfer.backend.cpu import cache as cpu_cache
 from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import llvm as cpu_llvm
@@ -61,7 +62,8 @@ class CPUBackend(QuantizedProducts):
         (EngineConfig.cpu_int_gemm, RAWINFER_CPU_INT_GEMM=0). cache_dir: the user cache whose kernels/
         folder keeps the compiled kernels (EngineConfig.cache_dir; None: Numba's own locations).
         one_attention: every query of every step through the decode attention kernel, whatever its
-        sequence's query count (EngineConfig.batch_invariant)."""
+        sequence's query count, and every float32 product through the row-invariant GEMM (fgemm.py)
+        whatever its row count (EngineConfig.batch_invariant)."""
         self.one_attention = one_attention
         # before any kernel of this process compiles or loads
         self.kernel_cache = cpu_cache.install(cache_dir) if cache_dir is not None else None
@@ -152,6 +154,11 @@ class CPUBackend(QuantizedProducts):
             self._linear_int8(x, w, out, scratch)
         elif isinstance(w, Q4Weight):
             self._linear_q4(x, w, out, scratch)
+        elif w.dtype == np.float32 and cpu_fgemm.available() and (
+                self.one_attention or x.shape[0] <= cpu_fgemm.DEFAULT_MAX_ROWS):
+            # the row-invariant GEMM: as fast as BLAS's GEMV at one row, faster up to DEFAULT_MAX_ROWS,
+            # slower above (prefill), where the batch-invariant mode alone takes it (docs/kernels.md)
+            cpu_fgemm.matmul_nt(x, w, out, max(1, min(self.max_threads, w.shape[0] // 64)))
         elif self.blas_on_numba_pool:
             cpu_blas.matmul_nt(x, w, out, max(1, min(self.max_threads, w.shape[0] // 64)))
         else:

@@ -1,0 +1,167 @@
+"""A float32 GEMM whose every output element is computed the same way whatever the number of rows, the
+tile that holds it, the thread split or the machine's vector width: the float32 products of the
+batch-invariant mode (`--batch-invariant`).
+
+Why: OpenBLAS rounds by call shape. A row of x multiplied alone (sgemv), with a few other rows or with
+many (sgemm, either orientation) gets different last bits (docs/kernels.md), so a float32 request's
+logits depended on its batch, and a near-tie could change its tokens. The int8 and q4 GEMMs are
+row-invariant by construction (exact integer sums); this is the float32 counterpart.
+
+The arithmetic of out[m, n] = x[m] . w[n] over K, in 16 lanes:
+
+    a[l] = 0 for l < 16
+    for each chunk j of 16 (the last one zero-padded past K):   a[l] = fma(x[m, 16 j + l], w[n, 16 j + l], a[l])
+    out  = ((a[0:8] + a[8:16])[0:4] + ...[4:8])[0:2] + ...   a fixed tree: 8, 4, 2, 1 lanes
+
+written in LLVM IR on <16 x float> vectors with no fast-math flags: each lane's fma chain and the tree
+are exact IEEE operations in a fixed order, so AVX-512 (one zmm per vector) and AVX2 (LLVM splits each
+vector into two ymm) give the same bits. A tile computes R rows x C weight rows (R x C accumulators);
+tiles of other shapes compute the same per-element sequence, so the driver picks the shape by the
+number of rows (one row: streaming C weight rows at once; more: a register block that reuses loads).
+
+It reads x and w in their natural layouts (row-major, K contiguous): nothing is packed at load.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from rawinfer.backend.cpu import isa
+from rawinfer.backend.cpu.llvm import F32, I32, _ptr, _vload, counted_loop, i64, keep_alive
+
+LANES = 16
+_VF = ir.VectorType(F32, LANES)
+_M_BLOCK = 96          # rows of x a thread walks per pass over its weight rows (their panel stays in L2)
+DEFAULT_MAX_ROWS = 96  # the backend's float32 products of up to this many rows take this GEMM by default
+                       # (faster than OpenBLAS's there, slower on prompts); --batch-invariant: all of them
+
+
+def _reduce_tree(builder, a):
+    """a[16] -> the fixed tree of the module docstring (half + half, four times)."""
+    n = LANES
+    while n > 1:
+        half = n // 2
+        lo = builder.shuffle_vector(a, a, ir.Constant(ir.VectorType(I32, half), list(range(half))))
+        hi = builder.shuffle_vector(a, a, ir.Constant(ir.VectorType(I32, half), list(range(half, n))))
+        a = builder.fadd(lo, hi)
+        n = half
+    return builder.extract_element(a, ir.Constant(I32, 0))
+
+
+def _tile_code(builder, R, C, args):
+    """out[r, c] for r < rows, c < cols (the module docstring's arithmetic). Rows and weight rows past
+    the valid ones read the last valid one (never out of bounds) and are not stored."""
+    xp, ldx, wp, ldw, op, ldo, K, rows, cols = args
+    xb, wb, ob = _ptr(builder, xp, F32), _ptr(builder, wp, F32), _ptr(builder, op, F32)
+    fma = builder.module.declare_intrinsic(f"llvm.fma.v{LANES}f32", (), ir.FunctionType(_VF, [_VF] * 3))
+
+    def clamp(i, n):
+        last = builder.sub(n, i64(1))
+        return builder.select(builder.icmp_signed("<", i64(i), n), i64(i), last)
+
+    xr = [builder.gep(xb, [builder.mul(clamp(r, rows), ldx)]) for r in range(R)]
+    wc = [builder.gep(wb, [builder.mul(clamp(c, cols), ldw)]) for c in range(C)]
+    zero = ir.Constant(_VF, [0.0] * LANES)
+
+    def chunk(xv, wv, acc):
+        return [builder.call(fma, [xv[r], wv[c], acc[r * C + c]]) for r in range(R) for c in range(C)]
+
+    nfull = builder.sdiv(K, i64(LANES))
+
+    def body(j, acc):
+        at = builder.mul(j, i64(LANES))
+        xv = [_vload(builder, p, at, _VF) for p in xr]
+        wv = [_vload(builder, p, at, _VF) for p in wc]
+        return chunk(xv, wv, acc)
+
+    acc = counted_loop(builder, nfull, [zero] * (R * C), body)
+    # the last K % 16 elements, zeros past K (fma(0, 0, a) leaves a as it is, but -0 -> +0): each lane
+    # loaded from a clamped index and selected, once per tile
+    tail = builder.sub(K, builder.mul(nfull, i64(LANES)))
+    pre = builder.block
+    with builder.if_then(builder.icmp_signed(">", tail, i64(0))):
+        at = builder.mul(nfull, i64(LANES))
+        last = builder.sub(tail, i64(1))
+
+        def padded(p):
+            v = zero
+            for lane in range(LANES):
+                inside = builder.icmp_signed("<", i64(lane), tail)
+                idx = builder.add(at, builder.select(inside, i64(lane), last))
+                e = builder.select(inside, builder.load(builder.gep(p, [idx]), align=4), ir.Constant(F32, 0.0))
+                v = builder.insert_element(v, e, ir.Constant(I32, lane))
+            return v
+        tacc = chunk([padded(p) for p in xr], [padded(p) for p in wc], acc)
+        tblock = builder.block
+    acc = [_phi(builder, a, pre, t, tblock) for a, t in zip(acc, tacc)]
+    for r in range(R):
+        for c in range(C):
+            ok = builder.and_(builder.icmp_signed("<", i64(r), rows), builder.icmp_signed("<", i64(c), cols))
+            with builder.if_then(ok):
+                builder.store(_reduce_tree(builder, acc[r * C + c]),
+                              builder.gep(ob, [builder.add(builder.mul(i64(r), ldo), i64(c))]))
+
+
+def _phi(builder, a, a_block, b, b_block):
+    p = builder.phi(a.type)
+    p.add_incoming(a, a_block)
+    p.add_incoming(b, b_block)
+    return p
+
+
+def _make_tile(R: int, C: int):
+    @intrinsic
+    def f32_dot_tile(typingctx, xp, ldx, wp, ldw, op, ldo, K, rows, cols):
+        def codegen(context, builder, signature, args):
+            _tile_code(builder, R, C, args)
+            return context.get_dummy_value()
+        return types.void(*([types.int64] * 9)), codegen
+    return f32_dot_tile
+
+
+# (rows, weight rows) per tile: one x row streams C weight rows at once (C independent fma chains);
+# more rows take an R x C register block. AVX2 holds a 16-lane vector in two ymm of its 16, AVX-512 in
+# one zmm of its 32.
+if {"avx512f"} <= isa.FEATURES:
+    SHAPES = {"one": (1, 8), "many": (4, 6)}
+else:
+    SHAPES = {"one": (1, 4), "many": (2, 2)}
+_one = _make_tile(*SHAPES["one"])
+_many = _make_tile(*SHAPES["many"])
+_C1, _R, _C = SHAPES["one"][1], SHAPES["many"][0], SHAPES["many"][1]
+
+
+def available() -> bool:
+    """The tiles need FMA (without it LLVM would call a libm fma a JIT-compiled kernel cannot count on)."""
+    return isa.supports(isa.AVX2)
+
+
+@nb.njit(parallel=True, cache=True)
+def matmul_nt(x, w, out, parts):
+    """out[M, N] = x[M, K] @ w[N, K]^T (all C-contiguous float32), the N weight rows split into `parts`
+    contiguous slices over the thread pool; every element by the module docstring's arithmetic."""
+    M, K = x.shape
+    N = w.shape[0]
+    ldo = np.int64(out.shape[1])
+    x0, w0, o0 = np.int64(x.ctypes.data), np.int64(w.ctypes.data), np.int64(out.ctypes.data)
+    Kl = np.int64(K)
+    for p in nb.prange(parts):
+        n_lo, n_hi = N * p // parts, N * (p + 1) // parts
+        if M == 1:
+            for n in range(n_lo, n_hi, _C1):
+                _one(x0, Kl, w0 + n * Kl * 4, Kl, o0 + n * 4, ldo, Kl, np.int64(1), np.int64(min(_C1, n_hi - n)))
+        else:
+            for mb in range(0, M, _M_BLOCK):
+                me = min(M, mb + _M_BLOCK)
+                for n in range(n_lo, n_hi, _C):
+                    cols = np.int64(min(_C, n_hi - n))
+                    for m in range(mb, me, _R):
+                        _many(x0 + m * Kl * 4, Kl, w0 + n * Kl * 4, Kl, o0 + (m * ldo + n) * 4, ldo, Kl,
+                              np.int64(min(_R, me - m)), cols)
+    keep_alive(x)                      # read through x0, w0, o0 up to here
+    keep_alive(w)
+    keep_alive(out)
