@@ -37,12 +37,13 @@ import numpy as np
 
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu import llvm as cpu_llvm
-from rawinfer.backend.cpu.kernels import Kernel, fast_exp
+from rawinfer.backend.cpu.kernels import Kernel
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
 from rawinfer.backend.cpu.q4tile import BLOCK_COLS, D_AT, M_AT, QUADS, RECORD, TILE_ROWS, q4_gemm_tiles  # noqa: F401
-from rawinfer.backend.cpu.qgemm import _quantize_row, packed_x_shape
+from rawinfer.backend.cpu.qgemm import _quantize_row, packed_x_shape, silu_rows
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN
 
+assert BLOCK_COLS == 16          # qgemm.silu_rows, the shared epilogue, writes 16-column blocks
 X_LEVELS = 32767
 PANELS_PER_ITEM = 16            # x panels one work item walks for its columns (as qgemm)
 
@@ -221,15 +222,7 @@ def gemm_silu_avx2(xp, bs, sx, wp, out, M):
             xt, bt, st = x0 + t * xstride, bs0 + m0 * nkb * 4, sx0 + m0 * 4
             _tile_avx2(rows, xt, bt, st, nkb, BLOCK_COLS, w0 + j * wstride, ga)
             _tile_avx2(rows, xt, bt, st, nkb, BLOCK_COLS, w0 + (j + half) * wstride, ua)
-            _silu_rows(gu, out, m0, rows, j)
-
-
-@nb.njit(inline="always")
-def _silu_rows(gu, out, m0, rows, j):
-    for r in range(rows):
-        for c in range(BLOCK_COLS):
-            v = gu[0, r, c]
-            out[m0 + r, j * BLOCK_COLS + c] = v / (np.float32(1.0) + fast_exp(-v)) * gu[1, r, c]
+            silu_rows(gu, out, m0, rows, j)
 
 
 @nb.njit(parallel=True, cache=True)
@@ -269,7 +262,7 @@ def gemm_silu_512(xp, bs, sx, wp, out, M):
             rows = min(PANEL_ROWS, M - m0)
             _tile_512(rows, x0 + t * xstride, bs0 + m0 * nkb * 4, sx0 + m0 * 4, nkb, BLOCK_COLS,
                       w0 + j * wstride, ga, w0 + (j + half) * wstride, ua)
-            _silu_rows(gu, out, m0, rows, j)
+            silu_rows(gu, out, m0, rows, j)
 
 
 @nb.njit(cache=True)

@@ -173,6 +173,16 @@ def _strides(kpairs):
     return np.int64(kpairs * PANEL_ROWS * 2 * 2), np.int64(kpairs * BLOCK_COLS * 2)
 
 
+@nb.njit(inline="always")
+def silu_rows(gu, out, m0, rows, j):
+    # out[m0 + r, 16 j .. 16 j + 15] = silu(gate) * up for a tile's gate and up blocks gu[0], gu[1]
+    # (the int8 and q4 GEMMs' silu epilogue: both pack 16 columns per block)
+    for r in range(rows):
+        for c in range(BLOCK_COLS):
+            v = gu[0, r, c]
+            out[m0 + r, j * BLOCK_COLS + c] = v / (np.float32(1.0) + fast_exp(-v)) * gu[1, r, c]
+
+
 @nb.njit(parallel=True, cache=True, fastmath={"contract"})
 def gemm_packed_silu(xp, sx, wp, sw, out, M):
     """out[M, F] = silu(g) * u for [g | u] = (xp * sx) @ (wp * sw)^T, wp packing a gate_up weight [2F, K]
@@ -181,7 +191,6 @@ def gemm_packed_silu(xp, sx, wp, sw, out, M):
     back (the memory traffic a separate silu_mul pass costs)."""
     panels, kpairs = xp.shape[0], xp.shape[1]
     half = wp.shape[0] // 2
-    ldo = np.int64(out.shape[1])
     x0, w0, sx0, sw0 = np.int64(xp.ctypes.data), np.int64(wp.ctypes.data), np.int64(sx.ctypes.data), \
         np.int64(sw.ctypes.data)
     xstride, wstride = _strides(kpairs)
@@ -197,10 +206,7 @@ def gemm_packed_silu(xp, sx, wp, sw, out, M):
                   sw0 + j * BLOCK_COLS * 4)
             _tile(rows, x0 + t * xstride, w0 + (j + half) * wstride, kpairs, ua, BLOCK_COLS, sx0 + m0 * 4,
                   sw0 + (j + half) * BLOCK_COLS * 4)
-            for r in range(rows):
-                for c in range(BLOCK_COLS):
-                    v = gu[0, r, c]
-                    out[m0 + r, j * BLOCK_COLS + c] = v / (np.float32(1.0) + fast_exp(-v)) * gu[1, r, c]
+            silu_rows(gu, out, m0, rows, j)
 
 
 # ---- AVX-512 VNNI drivers (vnni.py's tiles): two 16-column blocks per tile ---------------------------
@@ -275,10 +281,7 @@ def gemm_packed_silu_512(xp, sx, wp, sw, out, M):
             _tile512(rows, x0 + t * xstride, kpairs, sx0 + m0 * 4, BLOCK_COLS,
                      w0 + j * wstride, sw0 + j * BLOCK_COLS * 4, ga,
                      w0 + (j + half) * wstride, sw0 + (j + half) * BLOCK_COLS * 4, ua)
-            for r in range(rows):
-                for c in range(BLOCK_COLS):
-                    v = gu[0, r, c]
-                    out[m0 + r, j * BLOCK_COLS + c] = v / (np.float32(1.0) + fast_exp(-v)) * gu[1, r, c]
+            silu_rows(gu, out, m0, rows, j)
 
 
 _quantize_parallel, _quantize_serial = quantize_rows.parallel, quantize_rows.serial
