@@ -124,7 +124,8 @@ def _matmul_slice(x, w, out, n0, n1):
     elif M <= _SWAP_MAX_ROWS:
         # out^T = W x^T tile by tile: OpenBLAS runs a GEMM with a long M well; one with M of a few rows
         # to a few dozen and a long N (x W^T) it runs far slower, as it re-packs all of W (its B) into a
-        # buffer larger than the caches on every call. Same sums, same order per element.
+        # buffer larger than the caches on every call. OpenBLAS rounds each call shape its own way (the
+        # last bits differ from x W^T and from GEMV): fgemm.py is the row-invariant path.
         tmp = np.empty((_SWAP_TILE, M), np.float32)
         for t0 in range(n0, n1, _SWAP_TILE):
             rows = min(_SWAP_TILE, n1 - t0)
