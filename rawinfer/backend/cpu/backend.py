@@ -154,16 +154,18 @@ class CPUBackend(QuantizedProducts):
             self._linear_int8(x, w, out, scratch)
         elif isinstance(w, Q4Weight):
             self._linear_q4(x, w, out, scratch)
-        elif w.dtype == np.float32 and cpu_fgemm.available() and (
-                self.one_attention or x.shape[0] <= cpu_fgemm.DEFAULT_MAX_ROWS):
-            # the row-invariant GEMM: as fast as BLAS's GEMV at one row, faster up to DEFAULT_MAX_ROWS,
-            # slower above (prefill), where the batch-invariant mode alone takes it (docs/kernels.md)
-            cpu_fgemm.matmul_nt(x, w, out, max(1, min(self.max_threads, w.shape[0] // 64)))
-        elif self.blas_on_numba_pool:
-            cpu_blas.matmul_nt(x, w, out, max(1, min(self.max_threads, w.shape[0] // 64)))
         else:
-            # NOTE: w.T is a transposed view; NumPy hands it to BLAS as a transpose flag, no copy.
-            np.matmul(x, w.T, out=out)
+            parts = max(1, min(self.max_threads, w.shape[0] // 64))
+            if w.dtype == np.float32 and cpu_fgemm.available() and (
+                    self.one_attention or x.shape[0] <= cpu_fgemm.DEFAULT_MAX_ROWS):
+                # the row-invariant GEMM: as fast as BLAS's GEMV at one row, faster up to DEFAULT_MAX_ROWS,
+                # slower above (prefill), where the batch-invariant mode alone takes it (docs/kernels.md)
+                cpu_fgemm.matmul_nt(x, w, out, parts)
+            elif self.blas_on_numba_pool:
+                cpu_blas.matmul_nt(x, w, out, parts)
+            else:
+                # NOTE: w.T is a transposed view; NumPy hands it to BLAS as a transpose flag, no copy.
+                np.matmul(x, w.T, out=out)
         if bias is not None:
             out += bias
 

@@ -31,6 +31,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from rawinfer.backend.cpu import isa
+from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.llvm import F32, I32, _ptr, _vload, counted_loop, i64, keep_alive
 
 LANES = 16
@@ -136,8 +137,9 @@ _C1, _R, _C = SHAPES["one"][1], SHAPES["many"][0], SHAPES["many"][1]
 
 
 def available() -> bool:
-    """The tiles need FMA (without it LLVM would call a libm fma a JIT-compiled kernel cannot count on)."""
-    return isa.supports(isa.AVX2)
+    """The tiles need FMA (without it LLVM would call a libm fma a JIT-compiled kernel cannot count on):
+    AVX2 and FMA, as llvm.py's blocks."""
+    return cpu_llvm.available()
 
 
 @nb.njit(parallel=True, cache=True)

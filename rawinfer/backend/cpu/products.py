@@ -165,11 +165,9 @@ class QuantizedProducts(Backend):
 
     def _q4_gemm_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The q4 GEMM's activation buffers (int16 panels, row scales, block sums): the integer GEMM's
-        two and one more, grown the same way."""
-        nx, ns, nb = cpu_q4gemm.x_buffer_sizes(rows, k)
+        two (the same panel layout and sizes) and one more, grown the same way."""
+        _, _, nb = cpu_q4gemm.x_buffer_sizes(rows, k)
         self._int_gemm_buffers(rows, k)
-        if self._qx.size < nx:
-            self._qx = np.empty(nx, np.int16)
         if self._qb.size < nb:
             self._qb = np.empty(nb, np.float32)
         return self._qx, self._qs, self._qb

@@ -40,12 +40,11 @@ from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.kernels import Kernel
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
 from rawinfer.backend.cpu.q4tile import BLOCK_COLS, D_AT, M_AT, QUADS, RECORD, TILE_ROWS, q4_gemm_tiles  # noqa: F401
-from rawinfer.backend.cpu.qgemm import _quantize_row, packed_x_shape, silu_rows
+from rawinfer.backend.cpu.qgemm import PANELS_PER_ITEM, _panel_groups, _quantize_row, packed_x_shape, silu_rows
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN
 
 assert BLOCK_COLS == 16          # qgemm.silu_rows, the shared epilogue, writes 16-column blocks
 X_LEVELS = 32767
-PANELS_PER_ITEM = 16            # x panels one work item walks for its columns (as qgemm)
 
 
 def available() -> bool:
@@ -184,14 +183,13 @@ def _tile_512_one(rows, xp, bsp, sxp, nkb, ldo, w0, o0):
 def _geometry(xp, wp):
     # (panels, k-blocks, bytes per x panel, bytes per column block, panel groups)
     panels, nkb = xp.shape[0], wp.shape[1]
-    return panels, nkb, np.int64(xp.shape[1] * PANEL_ROWS * 4), np.int64(nkb * RECORD), \
-        (panels + PANELS_PER_ITEM - 1) // PANELS_PER_ITEM
+    return panels, nkb, np.int64(xp.shape[1] * PANEL_ROWS * 4), np.int64(nkb * RECORD), _panel_groups(panels)
 
 
 @nb.njit(parallel=True, cache=True)
 def gemm_avx2(xp, bs, sx, wp, out, M):
     """out[M, N] over packed operands: work items are (group of x panels, 16 columns), consecutive items
-    sharing their x panels; groups of at most PANELS_PER_ITEM panels, of equal size (+-1)."""
+    sharing their x panels; groups of at most qgemm's PANELS_PER_ITEM panels, of equal size (+-1)."""
     panels, nkb, xstride, wstride, mgroups = _geometry(xp, wp)
     nblocks, ldo = wp.shape[0], np.int64(out.shape[1])
     x0, bs0, sx0 = np.int64(xp.ctypes.data), np.int64(bs.ctypes.data), np.int64(sx.ctypes.data)

@@ -64,26 +64,17 @@ def measure_ceilings(xp=np, sync=lambda: None, copy_mib: int = 256, gemm_n: int 
             "copy_bytes": 2 * a.nbytes, "gemm_n": gemm_n}
 
 
-def measure_int8_gemm(backend, n: int = 2048, repeat: int = 5) -> float:
-    """GOP/s of the backend's GEMM with int8 weights (n x n x n): what an int8 model's matrix products
-    run on (on the CPU the integer GEMM of backend/cpu/qgemm.py where it applies, else dequantize + float32)."""
-    from rawinfer.quant import Int8Weight, quantize_int8
+def measure_quant_gemm(backend, quant: str, n: int = 2048, repeat: int = 5) -> float | None:
+    """GOP/s of the backend's GEMM with `quant` ("int8" or "q4") weights (n x n x n): what such a model's
+    matrix products run on (on the CPU the integer GEMMs of backend/cpu/qgemm.py and q4gemm.py where they
+    apply). int8 weights without a packed copy are measured on what they run on instead (dequantize +
+    float32); q4 ones give None (their float32 tiles have the float32 GEMM's ceiling)."""
+    from rawinfer.quant import Int8Weight, Q4Weight, quantize_int8, quantize_q4
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, n), dtype=np.float32)
-    w = backend.prepare_weight(Int8Weight(*quantize_int8(rng.standard_normal((n, n), dtype=np.float32))))
-    y = np.empty_like(x)
-    scratch = np.empty(128 * n * 4, np.float32)
-    return 2 * n**3 / _best(lambda: backend.linear(x, w, y, scratch=scratch), repeat) / 1e9
-
-
-def measure_q4_gemm(backend, n: int = 2048, repeat: int = 5) -> float | None:
-    """GOP/s of the backend's GEMM with q4 weights (n x n x n), where it has one (backend/cpu/q4gemm.py;
-    None where q4 products dequantize to float32 tiles instead)."""
-    from rawinfer.quant import Q4Weight, quantize_q4
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((n, n), dtype=np.float32)
-    w = backend.prepare_weight(Q4Weight(*quantize_q4(rng.standard_normal((n, n), dtype=np.float32))))
-    if w.packed is None:
+    raw = rng.standard_normal((n, n), dtype=np.float32)
+    w = backend.prepare_weight(Int8Weight(*quantize_int8(raw)) if quant == "int8" else Q4Weight(*quantize_q4(raw)))
+    if quant == "q4" and w.packed is None:
         return None
     y = np.empty_like(x)
     scratch = np.empty(128 * n * 4, np.float32)
@@ -211,12 +202,10 @@ def _report(engine, prompt_len: int, batches: list[int], context: int, workload,
         from rawinfer.backend.cpu import blas
         ceil["blas"] = blas.describe()
     compute_peak = ceil["gemm_GFLOPs"]
-    if cfg.quant == "int8" and be.name == "cpu":     # its matrices run on the int8-weight GEMM instead
-        ceil["int8_gemm_GOPs"] = compute_peak = measure_int8_gemm(be)
-    if cfg.quant == "q4" and be.name == "cpu":       # on the q4 GEMM where this CPU has one
-        q4 = measure_q4_gemm(be)
-        if q4 is not None:
-            ceil["q4_gemm_GOPs"] = compute_peak = q4
+    if cfg.quant in ("int8", "q4") and be.name == "cpu":   # its matrices run on the quantized GEMM instead
+        rate = measure_quant_gemm(be, cfg.quant)
+        if rate is not None:
+            ceil[f"{cfg.quant}_gemm_GOPs"] = compute_peak = rate
     bpp = weight_bytes_per_param(cfg, be)
     k0 = engine.pool.kv.k[0]                         # bytes per cached element (int8: with its row scales)
     kv_item = k0.nbytes / (k0.shape[0] * cfg.num_kv_heads * engine.pool.kv.block_size * cfg.head_dim)
