@@ -102,6 +102,19 @@ def ask(addr: str, ps: list[list[int]], max_tokens: int, stream: bool = True) ->
     return run_concurrently(addr, ps, {"max_tokens": max_tokens, **GREEDY}, stream)
 
 
+def busiest_replica(addr: str, timeout_s: float = 30.0) -> int:
+    """The slot of the replica with the most requests in flight, once some replica has at least one."""
+    deadline = time.monotonic() + timeout_s
+    with Client(addr, timeout_s=10) as c:
+        while time.monotonic() < deadline:
+            replicas = c.stats()["replicas"]
+            slot = max(replicas, key=lambda k: replicas[k]["requests_in_flight"])
+            if replicas[slot]["requests_in_flight"] > 0:
+                return int(slot)
+            time.sleep(0.02)
+    raise AssertionError(f"no replica got a request within {timeout_s} s: {replicas}")
+
+
 def test_outputs_through_the_router_equal_one_engine_and_reach_both_replicas(tiny_router, tiny_llm):
     ps = prompts(12, seed=1)
     got = ask(tiny_router.addr, ps, 24)
@@ -174,8 +187,8 @@ def test_a_killed_replica_leaves_requests_completed_or_cleanly_failed_and_comes_
     holding = threading.Thread(target=load_held)
     streaming.start()
     holding.start()
-    time.sleep(0.6)
-    victim = tiny_router.pool.procs[0].proc.pid
+    slot = busiest_replica(tiny_router.addr)    # kill one that holds requests, whatever routing chose
+    victim = tiny_router.pool.procs[slot].proc.pid
     os.kill(victim, signal.SIGKILL)
     streaming.join(120)
     holding.join(120)
@@ -193,7 +206,7 @@ def test_a_killed_replica_leaves_requests_completed_or_cleanly_failed_and_comes_
     assert all(r.finish_reason == "length" for r in held[0])      # never streamed: retried elsewhere
     s = tiny_router.wait_serving(2)
     assert s["routing"]["replicas_lost"] >= 1 and s["routing"]["requests_retried"] + failed >= 1
-    assert tiny_router.pool.procs[0].proc.pid != victim
+    assert tiny_router.pool.procs[slot].proc.pid != victim
     again = ask(tiny_router.addr, ps[:4], 8)
     assert [g.token_ids for g in again] == offline(tiny_llm, ps[:4], 8)
 
