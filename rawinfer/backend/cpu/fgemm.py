@@ -36,21 +36,40 @@ from rawinfer.backend.cpu.llvm import F32, I32, _ptr, _vload, counted_loop, i64,
 
 LANES = 16
 _VF = ir.VectorType(F32, LANES)
+_VI = ir.VectorType(I32, LANES)
 _M_BLOCK = 96          # rows of x a thread walks per pass over its weight rows (their panel stays in L2)
 DEFAULT_MAX_ROWS = 96  # the backend's float32 products of up to this many rows take this GEMM by default
                        # (faster than OpenBLAS's there, slower on prompts); --batch-invariant: all of them
 
 
-def _reduce_tree(builder, a):
-    """a[16] -> the fixed tree of the module docstring (half + half, four times)."""
-    n = LANES
-    while n > 1:
-        half = n // 2
-        lo = builder.shuffle_vector(a, a, ir.Constant(ir.VectorType(I32, half), list(range(half))))
-        hi = builder.shuffle_vector(a, a, ir.Constant(ir.VectorType(I32, half), list(range(half, n))))
-        a = builder.fadd(lo, hi)
-        n = half
-    return builder.extract_element(a, ir.Constant(I32, 0))
+def _reduce_packed(builder, accs):
+    """Every accumulator of `accs` through the fixed tree, several per instruction: two vectors holding P
+    accumulators of L lanes each (accumulator i in lanes i*L .. i*L+L-1) become one holding 2P of L/2
+    lanes, lane l of each segment the sum of its lanes l and l + L/2, which is the tree's next level for
+    each accumulator (the module docstring's adds in the same order, so the same bits). After four
+    levels a vector holds 16 finished sums. Returns the scalars in the order of `accs`."""
+    vecs = [(a, [i]) for i, a in enumerate(accs)]           # (vector, accumulator index per segment)
+    L = LANES
+    while L > 1:
+        half = L // 2
+        if len(vecs) % 2:
+            vecs.append((ir.Constant(_VF, [0.0] * LANES), []))   # a partner whose lanes are never read
+        nxt = []
+        for (a, ia), (b, ib) in zip(vecs[0::2], vecs[1::2]):
+            P = LANES // L
+            lo = [s * L + l for s in range(P) for l in range(half)] + \
+                 [LANES + s * L + l for s in range(P) for l in range(half)]
+            hi = [i + half for i in lo]
+            v = builder.fadd(builder.shuffle_vector(a, b, ir.Constant(_VI, lo)),
+                             builder.shuffle_vector(a, b, ir.Constant(_VI, hi)))
+            nxt.append((v, ia + [None] * (P - len(ia)) + ib))
+        vecs, L = nxt, half
+    out = [None] * len(accs)
+    for v, idx in vecs:
+        for lane, i in enumerate(idx):
+            if i is not None:
+                out[i] = builder.extract_element(v, ir.Constant(I32, lane))
+    return out
 
 
 def _tile_code(builder, R, C, args):
@@ -99,12 +118,12 @@ def _tile_code(builder, R, C, args):
         tacc = chunk([padded(p) for p in xr], [padded(p) for p in wc], acc)
         tblock = builder.block
     acc = [_phi(builder, a, pre, t, tblock) for a, t in zip(acc, tacc)]
+    sums = _reduce_packed(builder, acc)
     for r in range(R):
         for c in range(C):
             ok = builder.and_(builder.icmp_signed("<", i64(r), rows), builder.icmp_signed("<", i64(c), cols))
             with builder.if_then(ok):
-                builder.store(_reduce_tree(builder, acc[r * C + c]),
-                              builder.gep(ob, [builder.add(builder.mul(i64(r), ldo), i64(c))]))
+                builder.store(sums[r * C + c], builder.gep(ob, [builder.add(builder.mul(i64(r), ldo), i64(c))]))
 
 
 def _phi(builder, a, a_block, b, b_block):
