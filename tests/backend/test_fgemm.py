@@ -38,7 +38,9 @@ def emulate(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 64, 3), (1, 15, 7), (1, 576, 960), (2, 576, 130), (5, 100, 1000),
-                                   (13, 33, 17), (64, 576, 96), (97, 150, 45), (200, 17, 9)])
+                                   (13, 33, 17), (64, 576, 96), (97, 150, 45), (200, 17, 9),
+                                   # K past fgemm._K_SPLIT: slices of 768 with the accumulators carried
+                                   (6, 1536, 20), (9, 1030, 13), (100, 2100, 7), (1, 1539, 9)])
 def test_fgemm_is_the_stated_arithmetic(M, K, N):
     x = RNG.standard_normal((M, K), dtype=np.float32) * RNG.uniform(0.01, 100, (M, 1)).astype(np.float32)
     w = RNG.standard_normal((N, K), dtype=np.float32)

@@ -32,12 +32,14 @@ from numba.extending import intrinsic
 
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu import llvm as cpu_llvm
-from rawinfer.backend.cpu.llvm import F32, I32, _ptr, _vload, counted_loop, i64, keep_alive
+from rawinfer.backend.cpu.llvm import F32, I32, _ptr, _vload, _vstore, counted_loop, i64, keep_alive
 
 LANES = 16
 _VF = ir.VectorType(F32, LANES)
 _VI = ir.VectorType(I32, LANES)
 _M_BLOCK = 96          # rows of x a thread walks per pass over its weight rows (their panel stays in L2)
+_K_SPLIT = 1024        # longer rows (K) are walked in slices of _K_SLICE (a multiple of LANES), so that a
+_K_SLICE = 768         # tile's weight rows and x rows fit L1 together
 DEFAULT_MAX_ROWS = 96  # the backend's float32 products of up to this many rows take this GEMM by default
                        # (faster than OpenBLAS's there, slower on prompts); --batch-invariant: all of them
 
@@ -72,10 +74,19 @@ def _reduce_packed(builder, accs):
     return out
 
 
-def _tile_code(builder, R, C, args):
+def _tile_code(builder, R, C, args, carried=False):
     """out[r, c] for r < rows, c < cols (the module docstring's arithmetic). Rows and weight rows past
-    the valid ones read the last valid one (never out of bounds) and are not stored."""
-    xp, ldx, wp, ldw, op, ldo, K, rows, cols = args
+    the valid ones read the last valid one (never out of bounds) and are not stored.
+
+    carried: the tile runs over one slice of K (a multiple of 16 unless it is the last) and two more
+    arguments say where its R x C accumulators live between slices (accp, zeros before the first) and
+    whether this slice is the last (finish: then the tail, the tree and the stores; else the
+    accumulators go back to accp). Each lane's fma chain goes on where it stopped, so the bits are
+    those of one pass over all of K."""
+    if carried:
+        xp, ldx, wp, ldw, op, ldo, K, rows, cols, accp, finish = args
+    else:
+        xp, ldx, wp, ldw, op, ldo, K, rows, cols = args
     xb, wb, ob = _ptr(builder, xp, F32), _ptr(builder, wp, F32), _ptr(builder, op, F32)
     fma = builder.module.declare_intrinsic(f"llvm.fma.v{LANES}f32", (), ir.FunctionType(_VF, [_VF] * 3))
 
@@ -98,7 +109,26 @@ def _tile_code(builder, R, C, args):
         wv = [_vload(builder, p, at, _VF) for p in wc]
         return chunk(xv, wv, acc)
 
-    acc = counted_loop(builder, nfull, [zero] * (R * C), body)
+    if carried:
+        ab = _ptr(builder, accp, F32)
+        init = [_vload(builder, ab, i64(i * LANES), _VF) for i in range(R * C)]
+    else:
+        init = [zero] * (R * C)
+    acc = counted_loop(builder, nfull, init, body)
+    if not carried:
+        _finish(builder, R, C, acc, xr, wc, chunk, K, nfull, rows, cols, ob, ldo)
+        return
+    with builder.if_else(builder.icmp_signed("!=", finish, i64(0))) as (last_slice, more):
+        with last_slice:
+            _finish(builder, R, C, acc, xr, wc, chunk, K, nfull, rows, cols, ob, ldo)
+        with more:
+            for i, a in enumerate(acc):
+                _vstore(builder, a, ab, i64(i * LANES))
+
+
+def _finish(builder, R, C, acc, xr, wc, chunk, K, nfull, rows, cols, ob, ldo):
+    """The tile's end: the K % 16 tail, the tree, the stores of the valid elements."""
+    zero = ir.Constant(_VF, [0.0] * LANES)
     # the last K % 16 elements, zeros past K (fma(0, 0, a) leaves a as it is, but -0 -> +0): each lane
     # loaded from a clamped index and selected, once per tile
     tail = builder.sub(K, builder.mul(nfull, i64(LANES)))
@@ -143,6 +173,16 @@ def _make_tile(R: int, C: int):
     return f32_dot_tile
 
 
+def _make_carried_tile(R: int, C: int):
+    @intrinsic
+    def f32_dot_tile_carried(typingctx, xp, ldx, wp, ldw, op, ldo, K, rows, cols, accp, finish):
+        def codegen(context, builder, signature, args):
+            _tile_code(builder, R, C, args, carried=True)
+            return context.get_dummy_value()
+        return types.void(*([types.int64] * 11)), codegen
+    return f32_dot_tile_carried
+
+
 # (rows, weight rows) per tile: one x row streams C weight rows at once (C independent fma chains);
 # more rows take an R x C register block. AVX2 holds a 16-lane vector in two ymm of its 16, AVX-512 in
 # one zmm of its 32.
@@ -152,6 +192,7 @@ else:
     SHAPES = {"one": (1, 4), "many": (2, 2)}
 _one = _make_tile(*SHAPES["one"])
 _many = _make_tile(*SHAPES["many"])
+_many_carried = _make_carried_tile(*SHAPES["many"])
 _C1, _R, _C = SHAPES["one"][1], SHAPES["many"][0], SHAPES["many"][1]
 
 
@@ -175,7 +216,7 @@ def matmul_nt(x, w, out, parts):
         if M == 1:
             for n in range(n_lo, n_hi, _C1):
                 _one(x0, Kl, w0 + n * Kl * 4, Kl, o0 + n * 4, ldo, Kl, np.int64(1), np.int64(min(_C1, n_hi - n)))
-        else:
+        elif K <= _K_SPLIT:
             for mb in range(0, M, _M_BLOCK):
                 me = min(M, mb + _M_BLOCK)
                 for n in range(n_lo, n_hi, _C):
@@ -183,6 +224,24 @@ def matmul_nt(x, w, out, parts):
                     for m in range(mb, me, _R):
                         _many(x0 + m * Kl * 4, Kl, w0 + n * Kl * 4, Kl, o0 + (m * ldo + n) * 4, ldo, Kl,
                               np.int64(min(_R, me - m)), cols)
+        else:
+            # K in slices of _K_SLICE, all of a block's row tiles per slice, the accumulators kept in
+            # `acc` between slices: the weight rows' slice stays in L1 across the row tiles
+            acc = np.empty(((_M_BLOCK + _R - 1) // _R) * _R * _C * LANES, np.float32)
+            a0 = np.int64(acc.ctypes.data)
+            for mb in range(0, M, _M_BLOCK):
+                me = min(M, mb + _M_BLOCK)
+                for n in range(n_lo, n_hi, _C):
+                    cols = np.int64(min(_C, n_hi - n))
+                    acc[:] = np.float32(0.0)
+                    for k0 in range(0, K, _K_SLICE):
+                        kc = np.int64(min(_K_SLICE, K - k0))
+                        finish = np.int64(k0 + _K_SLICE >= K)
+                        for m in range(mb, me, _R):
+                            _many_carried(x0 + (m * Kl + k0) * 4, Kl, w0 + (n * Kl + k0) * 4, Kl,
+                                          o0 + (m * ldo + n) * 4, ldo, kc, np.int64(min(_R, me - m)), cols,
+                                          a0 + (m - mb) // _R * (_R * _C * LANES * 4), finish)
+            keep_alive(acc)
     keep_alive(x)                      # read through x0, w0, o0 up to here
     keep_alive(w)
     keep_alive(out)
