@@ -131,6 +131,41 @@ def test_fast_exp_matches_numpy():
     assert out[3] == out[4] and np.isfinite(out[3])
 
 
+def _fixed_order_sum(x):
+    """reductions.row_total's order in float32: 16 running sums over j (mod 16), folded 8 + 8, 4 + 4, 2 + 2,
+    1 + 1, then the tail one by one."""
+    n16 = len(x) - len(x) % 16
+    lanes = np.zeros(16, np.float32)
+    for j in range(0, n16, 16):
+        lanes = (lanes + x[j:j + 16]).astype(np.float32)
+    while len(lanes) > 1:
+        lanes = (lanes[:len(lanes) // 2] + lanes[len(lanes) // 2:]).astype(np.float32)
+    s = lanes[0]
+    for v in x[n16:]:
+        s = np.float32(s + v)
+    return s
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 64, 100, 257])
+def test_fixed_order_row_reductions(n):
+    """reductions.row_sum / row_max / dot (vector IR blocks): the sum in exactly its stated order,
+    the max exact, the dot product against float64."""
+    import numba as nb
+    from rawinfer.backend.cpu.reductions import dot, row_max, row_sum
+
+    @nb.njit
+    def run(a, b, n):
+        return row_sum(a, n), row_max(a, n), dot(a[:n], b[:n])
+    rng = np.random.default_rng(n)
+    a = (rng.standard_normal(n + 5) * rng.uniform(0.1, 1000, n + 5)).astype(np.float32)
+    b = rng.standard_normal(n + 5).astype(np.float32)
+    total, biggest, d = run(a, b, n)
+    assert total == _fixed_order_sum(a[:n])
+    assert biggest == (a[:n].max() if n else -np.inf)
+    ref = float(a[:n].astype(np.float64) @ b[:n].astype(np.float64))
+    assert abs(d - ref) <= 1e-5 * (np.abs(a[:n]).astype(np.float64) @ np.abs(b[:n]) + 1e-30)
+
+
 def test_prefault_leaves_the_bytes_alone():
     arena = be.alloc_arena(8 << 20)
     arena[: 4 << 20] = 7

@@ -11,6 +11,11 @@ that case); two defects, each also tested directly:
   prefill_attention's gathered K, V and Q, the AVX2 decode attention's q and scores. Freed memory
   usually still holds the values, so the test runs them where it does not (PYTHONMALLOC=debug
   overwrites every freed block).
+
+And one more way the bits could change between runs, from process to process: the process that compiles a
+kernel and the later ones that load it from the kernel cache run two differently optimized copies of a
+parallel build, which rounded differently while the attention kernels let the optimizer reassociate
+(docs/kernels.md); the last test here compares the two.
 """
 
 from __future__ import annotations
@@ -192,3 +197,78 @@ def test_raw_address_kernels_keep_their_arrays_alive():
     env = dict(os.environ, PYTHONMALLOC="debug")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _kernel_outputs(cache_dir: str, out_path: str) -> None:
+    """Every kernel whose build carries float arithmetic an optimizer could reorder, on fixed inputs,
+    saved to out_path; the kernel cache in cache_dir (run by the test below, once compiling into it and
+    once loading from it). Also saves how many builds this process compiled."""
+    from rawinfer.backend.cpu import cache as cpu_cache
+    from rawinfer.backend.cpu import attention as A
+    from rawinfer.backend.cpu import fgemm, qgemm
+    from rawinfer.quant import Int8Weight, quantize_int8
+    from paged_cases import paged_case
+    be = CPUBackend(cache_dir=cache_dir)
+    rng = np.random.default_rng(11)
+    got = {}
+    H, Hkv, D, BS = 9, 3, 64, 16
+    for kv in (np.float32, np.float16, np.int8):
+        # decode rows, short chunks (the tiled kernel), long ones (BLAS), then a pure decode batch
+        for name, q_lens, ctx_lens in (("mixed", [1, 5, 20, 40, 130], [30, 9, 20, 57, 150]),
+                                       ("decode", [1] * 20, list(range(3, 203, 10)))):
+            qkv, kc, vc, tables, ctx, qsl = paged_case(q_lens, ctx_lens, H, Hkv, D, BS, 5, kv_dtype=kv)
+            out = np.zeros((qkv.shape[0], H * D), np.float32)
+            be.paged_attention(qkv, kc, vc, tables, ctx, qsl, D ** -0.5, out, max(q_lens), max(ctx_lens))
+            got[f"attention {name} {np.dtype(kv).name}"] = out
+            if name == "decode":                      # the portable kernel, which the AVX2 one replaces here
+                if kv == np.float16:
+                    kc, vc = kc.view(np.uint16), vc.view(np.uint16)
+                out = np.zeros_like(out)
+                A.decode_attention_kernel(len(q_lens) * Hkv, qkv, kc, vc, tables, ctx, np.float32(D ** -0.5), H, 0,
+                                          out)
+                got[f"portable decode {np.dtype(kv).name}"] = out
+    x = rng.standard_normal((3, 576)).astype(np.float32)
+    w = rng.standard_normal((320, 576)).astype(np.float32)
+    q, s = quantize_int8(w)
+    for name, fn in (("linear", be.linear), ("linear_silu_mul", lambda x, w, o: be.linear_silu_mul(x, w, None, o))):
+        for kind, weight in (("int8 rows", Int8Weight(q, s)), ("q4", Q4Weight(*quantize_q4(w)))):
+            out = np.zeros((3, 320 if name == "linear" else 160), np.float32)
+            fn(x, weight, out)
+            got[f"{name} {kind}"] = out
+    gu = rng.standard_normal((7, 320)).astype(np.float32)
+    for name, op in (("silu_mul", be.silu_mul), ("gelu_tanh_mul", be.gelu_tanh_mul)):
+        out = np.zeros((7, 160), np.float32)
+        op(gu, out)
+        got[name] = out
+    if fgemm.available():
+        out = np.zeros((5, 320), np.float32)
+        fgemm.matmul_nt(rng.standard_normal((5, 576)).astype(np.float32), w, out, 2)
+        got["fgemm"] = out
+    if qgemm.available():
+        xx = rng.standard_normal((13, 576)).astype(np.float32)
+        xbuf, sbuf = (np.empty(n, t) for n, t in zip(qgemm.x_buffer_sizes(13, 576), (np.int16, np.float32)))
+        out = np.zeros((13, 160), np.float32)
+        qgemm.int8_matmul_silu(xx, qgemm.pack_weights(q), s, out, xbuf, sbuf)
+        got["int8 GEMM silu"] = out
+    compiled = sum(sum(d.stats.cache_misses.values()) for d in cpu_cache._dispatchers())
+    np.savez(out_path, compiled=compiled, **got)
+
+
+def test_kernels_give_the_same_bits_compiled_here_or_loaded_from_the_cache(tmp_path):
+    """The process that compiles a kernel and every later one that loads it from the kernel cache must
+    compute the same bits: a user's first run (which compiles) and their next runs must agree. Numba
+    compiles a parallel build's loop body as its own library and links a copy of it, optimized again,
+    into the code it caches, so any freedom the compiler has to reorder float arithmetic (fastmath's
+    reassoc, nsz, ...) can be used differently in the two copies."""
+    outs = []
+    for run in ("compile", "load"):
+        path = str(tmp_path / f"{run}.npz")
+        code = (f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.dirname(HERE)!r}, {HERE!r}]\n"
+                f"import test_determinism as t; t._kernel_outputs({str(tmp_path / 'cache')!r}, {path!r})")
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(dict(np.load(path)))
+    compiled, loaded = outs
+    assert compiled.pop("compiled") > 0 and loaded.pop("compiled") == 0      # the second run compiled nothing
+    differ = [k for k in compiled if not np.array_equal(compiled[k], loaded[k])]
+    assert not differ, f"compiled in the process vs loaded from the cache: {differ}"

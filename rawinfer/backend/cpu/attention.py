@@ -23,6 +23,7 @@ from numba.extending import overload
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.kernels import _JIT, Kernel, fast_exp, int8_kv_block_size, kv_dims, kv_scale_table, kv_tile
 from rawinfer.backend.cpu.llvm import keep_alive, prefetch
+from rawinfer.backend.cpu.reductions import dot, row_max, row_sum
 
 
 @nb.njit(inline="always")
@@ -48,15 +49,10 @@ def window_start(pos, window):
 @nb.njit(inline="always")
 def softmax_numerators(row, n):
     """row[:n] <- exp(row[:n] - max(row[:n])) in place; returns 1 / their sum (the normalizer)."""
-    m = np.float32(-np.inf)
+    m = row_max(row, n)
     for j in range(n):
-        m = row[j] if row[j] > m else m
-    total = np.float32(0.0)
-    for j in range(n):
-        e = fast_exp(row[j] - m)
-        row[j] = e
-        total += e
-    return np.float32(1.0) / total
+        row[j] = fast_exp(row[j] - m)
+    return np.float32(1.0) / row_sum(row, n)
 
 
 @nb.njit(**_JIT)
@@ -151,9 +147,7 @@ def _paged_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, q
                     qi = q[i, g]
                     mx = np.float32(-np.inf)
                     for r in range(r0, nvis):
-                        s = np.float32(0.0)
-                        for d in range(D):
-                            s += qi[d] * kb[r, d]
+                        s = dot(qi, kb[r])
                         sc[r] = s
                         mx = max(mx, s)
                     m_new = max(m[i, g], mx)
@@ -231,10 +225,7 @@ def _decode_attention_kernel(qkv, k_cache, v_cache, block_tables, context_lens, 
             j0 = page * BS
             for r in range(max(0, lo - j0), min(BS, n - j0)):
                 for g in range(G):
-                    acc = np.float32(0.0)
-                    for d in range(D):
-                        acc += q[g, d] * kb[r, d]
-                    s[g, j0 + r - lo] = acc
+                    s[g, j0 + r - lo] = dot(q[g], kb[r])
         inv = np.empty(G, np.float32)
         for g in range(G):
             inv[g] = softmax_numerators(s[g], n - lo)
@@ -324,12 +315,15 @@ def decode_attention_avx2_fits(k_cache) -> bool:
 
 
 # ---- entry points: (rows, *args) -> serial or parallel build --------------------------------------
-# NOTE: reassociation lets LLVM vectorize the dot products; no 'ninf' flag, since m starts at -inf.
+# NOTE: fastmath is contract (fma) and nsz only, never reassociation: the dot products, sums and maxima
+# are written in one fixed order (reductions.py's dot / row_sum / row_max, vector IR), so that the
+# code a process compiles and runs and the copy it caches for the next process give the same bits
+# (with reassoc + nsz LLVM reordered them differently in the two: docs/kernels.md).
 # Rows here are work items x kv heads: a single decode sequence has only Hkv of them, too little work
 # to pay for waking the thread pool, so the per-op path runs the serial build for it.
 paged_attention_kernel = Kernel(_paged_attention_kernel, min_parallel_rows=16,
-                                fastmath={"reassoc", "contract", "arcp", "nsz"})
+                                fastmath={"contract", "nsz"})
 decode_attention_kernel = Kernel(_decode_attention_kernel, min_parallel_rows=16,
-                                 fastmath={"reassoc", "contract", "arcp", "nsz"})
+                                 fastmath={"contract", "nsz"})
 decode_attention_avx2_kernel = Kernel(_decode_attention_avx2_kernel, min_parallel_rows=16,
-                                      fastmath={"reassoc", "contract", "arcp", "nsz"})
+                                      fastmath={"contract", "nsz"})

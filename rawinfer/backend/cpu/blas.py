@@ -173,7 +173,8 @@ def quant_matmul_nt(x, a, b, out, scratch, tile_rows, parts):
     _set_threads(prev)
 
 
-@nb.njit(parallel=True, cache=True, fastmath={"reassoc", "contract", "arcp", "nsz"})
+# fastmath: no reassociation, as the attention kernels (attention.py's NOTE at its entry points)
+@nb.njit(parallel=True, cache=True, fastmath={"contract", "nsz"})
 def prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, work_seq, work_q0,
                       work_q1, scale, num_heads, window, out, parts):
     """Causal paged attention with the two matrix products on BLAS, for batches with long query runs

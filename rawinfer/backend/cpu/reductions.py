@@ -1,0 +1,124 @@
+"""Fixed-order reductions of float32 rows for the attention kernels: dot products, sums and maxima
+whose every add is in this code's order, not an optimizer's.
+
+Why: the kernels that call them carry no fastmath reassociation. A parallel build's loop body exists
+twice, as compiled and run in the process that compiled it and as linked again (and optimized again)
+into the code Numba caches for the next process, and with reassoc + nsz LLVM vectorized the attention
+kernels' sums differently in the two copies: the first process and every later one got different
+last bits (docs/kernels.md, tests/backend/test_determinism.py). Written as vector IR, the order is
+fixed and the loops are still vectorized.
+
+The order: RED_LANES running values over the elements j = lane (mod RED_LANES), then the lanes folded
+in halves (8 + 8, 4 + 4, 2 + 2, 1 + 1), then the n % RED_LANES tail element by element. Products are
+fused (fma) where the CPU has FMA, else a multiply then an add: each machine has one order and one
+rounding for them.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from rawinfer.backend.cpu.llvm import _AVX2, F32, I32, _ptr, _vload, counted_loop, i64, keep_alive, splat
+
+RED_LANES = 16
+_VR = ir.VectorType(F32, RED_LANES)
+
+
+def _fold(builder, v, op):
+    n = RED_LANES
+    while n > 1:
+        half = n // 2
+        idx = ir.VectorType(I32, half)
+        lo = builder.shuffle_vector(v, v, ir.Constant(idx, list(range(half))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(idx, list(range(half, n))))
+        v = op(lo, hi)
+        n = half
+    return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+def _mul_add(builder, a, b, c):
+    """a * b + c: one fma where the CPU has FMA, else a rounded product then a rounded sum."""
+    if _AVX2:
+        name = f"llvm.fma.v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32"
+        fn = builder.module.declare_intrinsic(name, (), ir.FunctionType(a.type, [a.type] * 3))
+        return builder.call(fn, [a, b, c])
+    return builder.fadd(builder.fmul(a, b), c)
+
+
+def _row_reduction(builder, n, ptrs, step, fold, scalar_step, init):
+    """The shared loop of the blocks below: vectors, fold, tail (the module docstring's order)."""
+    chunks = builder.sdiv(n, i64(RED_LANES))
+    vinit = splat(builder, init, _VR)
+    acc, = counted_loop(builder, chunks, [vinit], lambda c, accs: [
+        step(accs[0], [_vload(builder, p, builder.mul(c, i64(RED_LANES)), _VR) for p in ptrs])])
+    total = _fold(builder, acc, fold)
+    start = builder.mul(chunks, i64(RED_LANES))
+    total, = counted_loop(builder, builder.sub(n, start), [total], lambda j, accs: [
+        scalar_step(accs[0], [builder.load(builder.gep(p, [builder.add(start, j)]), align=4) for p in ptrs])])
+    return total
+
+
+@intrinsic
+def row_dot(typingctx, ap, bp, n):
+    """sum of a[j] * b[j] for j < n (a, b: float32 addresses) in the module docstring's order."""
+    def codegen(context, builder, signature, args):
+        ap, bp, n = args
+        ptrs = [_ptr(builder, ap, F32), _ptr(builder, bp, F32)]
+        return _row_reduction(builder, n, ptrs, lambda acc, v: _mul_add(builder, v[0], v[1], acc),
+                              builder.fadd, lambda acc, v: _mul_add(builder, v[0], v[1], acc), ir.Constant(F32, 0.0))
+    return types.float32(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def row_total(typingctx, ap, n):
+    """sum of a[j] for j < n (a: a float32 address) in the module docstring's order."""
+    def codegen(context, builder, signature, args):
+        ap, n = args
+        return _row_reduction(builder, n, [_ptr(builder, ap, F32)], lambda acc, v: builder.fadd(acc, v[0]),
+                              builder.fadd, lambda acc, v: builder.fadd(acc, v[0]), ir.Constant(F32, 0.0))
+    return types.float32(types.int64, types.int64), codegen
+
+
+@intrinsic
+def row_max_of(typingctx, ap, n):
+    """max of a[j] for j < n (a: a float32 address; -inf when n == 0; NaNs are passed over). Exact in
+    any order; the vectors only make it fast."""
+    def codegen(context, builder, signature, args):
+        ap, n = args
+
+        def bigger(x, y):
+            return builder.select(builder.fcmp_ordered(">", y, x), y, x)
+        return _row_reduction(builder, n, [_ptr(builder, ap, F32)], lambda acc, v: bigger(acc, v[0]), bigger,
+                              lambda acc, v: bigger(acc, v[0]), ir.Constant(F32, float("-inf")))
+    return types.float32(types.int64, types.int64), codegen
+
+
+# ---- on arrays: contiguous float32 rows, kept alive across the read ----------------------------------
+@nb.njit(inline="always")
+def dot(a, b):
+    """sum(a[c] * b[c]) over two contiguous float32 rows of equal length, in row_dot's fixed
+    order (vector lanes, a fixed fold, the tail): the attention kernels carry no fastmath
+    reassociation, so that every copy of their code rounds alike (the module docstring says why)."""
+    s = row_dot(a.ctypes.data, b.ctypes.data, a.shape[0])
+    keep_alive(a)                        # read through their addresses up to here
+    keep_alive(b)
+    return s
+
+
+@nb.njit(inline="always")
+def row_sum(x, n):
+    """sum(x[:n]) of a contiguous float32 row in row_total's fixed order."""
+    s = row_total(x.ctypes.data, n)
+    keep_alive(x)
+    return s
+
+
+@nb.njit(inline="always")
+def row_max(x, n):
+    """max(x[:n]) of a contiguous float32 row (-inf for n == 0), vectorized (row_max_of)."""
+    m = row_max_of(x.ctypes.data, n)
+    keep_alive(x)
+    return m
