@@ -189,14 +189,20 @@ def _raw_address_kernels():
         np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-5, err_msg="int8 GEMM silu")
 
 
+def _in_new_process(call: str, timeout: int, **env) -> None:
+    """Run `call` (an expression on this module, as `t`) in a fresh interpreter with `env` added to the
+    environment; fails the test with the child's stderr if it fails."""
+    code = (f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.dirname(HERE)!r}, {HERE!r}]\n"
+            f"import test_determinism as t; {call}")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, **env), capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_raw_address_kernels_keep_their_arrays_alive():
     """PYTHONMALLOC=debug fills every freed block (Numba's arrays included) with 0xDD: a kernel reading
     an array it has released sees garbage instead of the values the block happened to keep."""
-    code = (f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.dirname(HERE)!r}, {HERE!r}]\n"
-            "import test_determinism as t; t._raw_address_kernels()")
-    env = dict(os.environ, PYTHONMALLOC="debug")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _in_new_process("t._raw_address_kernels()", 600, PYTHONMALLOC="debug")
 
 
 def _kernel_outputs(cache_dir: str, out_path: str) -> None:
@@ -263,10 +269,7 @@ def test_kernels_give_the_same_bits_compiled_here_or_loaded_from_the_cache(tmp_p
     outs = []
     for run in ("compile", "load"):
         path = str(tmp_path / f"{run}.npz")
-        code = (f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.dirname(HERE)!r}, {HERE!r}]\n"
-                f"import test_determinism as t; t._kernel_outputs({str(tmp_path / 'cache')!r}, {path!r})")
-        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stderr[-3000:]
+        _in_new_process(f"t._kernel_outputs({str(tmp_path / 'cache')!r}, {path!r})", 900)
         outs.append(dict(np.load(path)))
     compiled, loaded = outs
     assert compiled.pop("compiled") > 0 and loaded.pop("compiled") == 0      # the second run compiled nothing

@@ -32,7 +32,7 @@ from numba.extending import intrinsic
 
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu import llvm as cpu_llvm
-from rawinfer.backend.cpu.llvm import F32, I32, _ptr, _vload, _vstore, counted_loop, i64, keep_alive
+from rawinfer.backend.cpu.llvm import F32, I32, _fma, _ptr, _vload, _vstore, counted_loop, i64, keep_alive
 
 LANES = 16
 _VF = ir.VectorType(F32, LANES)
@@ -88,7 +88,7 @@ def _tile_code(builder, R, C, args, carried=False):
     else:
         xp, ldx, wp, ldw, op, ldo, K, rows, cols = args
     xb, wb, ob = _ptr(builder, xp, F32), _ptr(builder, wp, F32), _ptr(builder, op, F32)
-    fma = builder.module.declare_intrinsic(f"llvm.fma.v{LANES}f32", (), ir.FunctionType(_VF, [_VF] * 3))
+    fma = _fma(builder, _VF)
 
     def clamp(i, n):
         last = builder.sub(n, i64(1))

@@ -119,8 +119,10 @@ def _vstore(builder, value, base, index, align=4):
     builder.store(value, builder.bitcast(builder.gep(base, [index]), value.type.as_pointer()), align=align)
 
 
-def _fma(builder):
-    return builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(V8F32, [V8F32] * 3))
+def _fma(builder, ty=V8F32):
+    """LLVM's fma intrinsic for float32 `ty`: a vector type (default <8 x float>) or F32."""
+    name = f"llvm.fma.v{ty.count}f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
+    return builder.module.declare_intrinsic(name, (), ir.FunctionType(ty, [ty] * 3))
 
 
 @intrinsic

@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from rawinfer.backend.cpu.llvm import _AVX2, F32, I32, _ptr, _vload, counted_loop, i64, keep_alive, splat
+from rawinfer.backend.cpu.llvm import _AVX2, F32, I32, _fma, _ptr, _vload, counted_loop, i64, keep_alive, splat
 
 RED_LANES = 16
 _VR = ir.VectorType(F32, RED_LANES)
@@ -42,14 +42,14 @@ def _fold(builder, v, op):
 def _mul_add(builder, a, b, c):
     """a * b + c: one fma where the CPU has FMA, else a rounded product then a rounded sum."""
     if _AVX2:
-        name = f"llvm.fma.v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32"
-        fn = builder.module.declare_intrinsic(name, (), ir.FunctionType(a.type, [a.type] * 3))
-        return builder.call(fn, [a, b, c])
+        return builder.call(_fma(builder, a.type), [a, b, c])
     return builder.fadd(builder.fmul(a, b), c)
 
 
-def _row_reduction(builder, n, ptrs, step, fold, scalar_step, init):
-    """The shared loop of the blocks below: vectors, fold, tail (the module docstring's order)."""
+def _row_reduction(builder, n, ptrs, step, fold, init):
+    """The shared loop of the blocks below: vectors, fold, tail (the module docstring's order). step(acc,
+    values) takes the running value(s) and the loaded element(s) of each pointer, as vectors in the main
+    loop and as scalars in the tail; fold(lo, hi) combines lanes."""
     chunks = builder.sdiv(n, i64(RED_LANES))
     vinit = splat(builder, init, _VR)
     acc, = counted_loop(builder, chunks, [vinit], lambda c, accs: [
@@ -57,7 +57,7 @@ def _row_reduction(builder, n, ptrs, step, fold, scalar_step, init):
     total = _fold(builder, acc, fold)
     start = builder.mul(chunks, i64(RED_LANES))
     total, = counted_loop(builder, builder.sub(n, start), [total], lambda j, accs: [
-        scalar_step(accs[0], [builder.load(builder.gep(p, [builder.add(start, j)]), align=4) for p in ptrs])])
+        step(accs[0], [builder.load(builder.gep(p, [builder.add(start, j)]), align=4) for p in ptrs])])
     return total
 
 
@@ -67,8 +67,8 @@ def row_dot(typingctx, ap, bp, n):
     def codegen(context, builder, signature, args):
         ap, bp, n = args
         ptrs = [_ptr(builder, ap, F32), _ptr(builder, bp, F32)]
-        return _row_reduction(builder, n, ptrs, lambda acc, v: _mul_add(builder, v[0], v[1], acc),
-                              builder.fadd, lambda acc, v: _mul_add(builder, v[0], v[1], acc), ir.Constant(F32, 0.0))
+        return _row_reduction(builder, n, ptrs, lambda acc, v: _mul_add(builder, v[0], v[1], acc), builder.fadd,
+                              ir.Constant(F32, 0.0))
     return types.float32(types.int64, types.int64, types.int64), codegen
 
 
@@ -78,7 +78,7 @@ def row_total(typingctx, ap, n):
     def codegen(context, builder, signature, args):
         ap, n = args
         return _row_reduction(builder, n, [_ptr(builder, ap, F32)], lambda acc, v: builder.fadd(acc, v[0]),
-                              builder.fadd, lambda acc, v: builder.fadd(acc, v[0]), ir.Constant(F32, 0.0))
+                              builder.fadd, ir.Constant(F32, 0.0))
     return types.float32(types.int64, types.int64), codegen
 
 
@@ -92,7 +92,7 @@ def row_max_of(typingctx, ap, n):
         def bigger(x, y):
             return builder.select(builder.fcmp_ordered(">", y, x), y, x)
         return _row_reduction(builder, n, [_ptr(builder, ap, F32)], lambda acc, v: bigger(acc, v[0]), bigger,
-                              lambda acc, v: bigger(acc, v[0]), ir.Constant(F32, float("-inf")))
+                              ir.Constant(F32, float("-inf")))
     return types.float32(types.int64, types.int64), codegen
 
 
