@@ -166,6 +166,25 @@ def test_fixed_order_row_reductions(n):
     assert abs(d - ref) <= 1e-5 * (np.abs(a[:n]).astype(np.float64) @ np.abs(b[:n]) + 1e-30)
 
 
+@pytest.mark.parametrize("n", [0, 1, 15, 63, 64, 65, 130, 576, 1000])
+def test_fixed_order_int8_dot(n):
+    """reductions.dot_i8 (float32 row x int8 row, 64 running sums): every element counted once (exact on
+    small integers, where no order rounds), and close to float64 on random rows."""
+    import numba as nb
+    from rawinfer.backend.cpu.reductions import dot_i8
+
+    @nb.njit
+    def run(a, b):
+        return dot_i8(a, b)
+    rng = np.random.default_rng(n)
+    b = rng.integers(-128, 128, n).astype(np.int8)
+    ints = rng.integers(-50, 51, n).astype(np.float32)
+    assert run(ints, b) == float(ints.astype(np.int64) @ b.astype(np.int64))
+    a = (rng.standard_normal(n) * rng.uniform(0.1, 1000, n)).astype(np.float32)
+    ref = float(a.astype(np.float64) @ b.astype(np.float64))
+    assert abs(run(a, b) - ref) <= 1e-5 * (np.abs(a).astype(np.float64) @ np.abs(b.astype(np.float64)) + 1e-30)
+
+
 def test_prefault_leaves_the_bytes_alone():
     arena = be.alloc_arena(8 << 20)
     arena[: 4 << 20] = 7

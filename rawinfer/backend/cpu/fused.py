@@ -6,8 +6,8 @@ each of the ~11 ops of every layer, a large share of a small model's step (docs/
 per-op path, in the same order, from inside one compiled function: the serial builds for the
 elementwise ops (a few rows), the parallel builds for the matrix-vector products (silu * up fused into
 the gate/up one, as CPUBackend.linear_silu_mul does for a few rows) and attention. It reads and
-writes the same workspace buffers, so the results equal the per-op path up to float32 rounding of
-the row-matmul (fastmath reductions).
+writes the same workspace buffers, and its products sum in the kernels' fixed orders (the int8 rows'
+dot products are reductions.py's dot_i8), so it gives the per-op path's tokens (tests/backend/test_quant.py).
 
 `decoder_stack_batched_kernel` does the same for pure decode batches of any size when the weights
 have packed copies for the integer GEMMs (int8: qgemm.py, q4: q4gemm.py): the parallel builds of every

@@ -15,6 +15,7 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 from rawinfer.backend.cpu.llvm import abs_max, float_to_half, half_to_float
+from rawinfer.backend.cpu.reductions import dot_i8
 
 _JIT = dict(cache=True)
 
@@ -324,48 +325,42 @@ silu_mul_kernel = Kernel(_silu_mul_kernel, fastmath={"contract"})
 
 
 # ---- int8 weight-only kernels (rawinfer/quant.py): float32 activations, dequantized on the fly ----
-_FAST = dict(cache=True, fastmath=True)   # fastmath: lets LLVM vectorize the dot-product reductions
+# fastmath: contract (fma) only. The dot products are reductions.py's fixed-order dot_i8, not loops
+# LLVM may reassociate: with reassociation, the copy of a parallel build a process compiles and runs
+# and the copy it caches for later processes may sum in different orders (attention.py's NOTE).
+_OPTS = dict(cache=True, fastmath={"contract"})
 
 
-@nb.njit(parallel=True, **_FAST)
+@nb.njit(parallel=True, **_OPTS)
 def rows_matmul_kernel(x, w, scale, out):
-    # out[T, N] = (x[T, K] @ w[N, K]^T) * scale[N] for a few rows T: each thread streams a contiguous
-    # range of rows of the int8 weights w once, for every row of x.
-    T, K = x.shape
+    # out[T, N] = (x[T, K] @ w[N, K]^T) * scale[N] for a few rows T (x, w C-contiguous): each thread
+    # streams a contiguous range of rows of the int8 weights w once, for every row of x.
+    T = x.shape[0]
     N = w.shape[0]
     for n in nb.prange(N):
         s = scale[n]
         for t in range(T):
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += x[t, k] * np.float32(w[n, k])
-            out[t, n] = acc * s
+            out[t, n] = dot_i8(x[t], w[n]) * s
 
 
-@nb.njit(parallel=True, **_FAST)
+@nb.njit(parallel=True, **_OPTS)
 def rows_matmul_silu_kernel(x, w, scale, out):
     # out[T, F] = silu(x @ Wg^T * sg) * (x @ Wu^T * su) for a few rows T of a gate_up weight w = [Wg; Wu]
     # (int8 [2F, K], scales [2F]): each item streams gate row n and up row F + n and writes only their
     # product, one parallel region instead of two (rows_matmul_kernel, then silu_mul) and no [T, 2F]
     # store.
-    T, K = x.shape
+    T = x.shape[0]
     F = w.shape[0] // 2
     for n in nb.prange(F):
         sg, su = scale[n], scale[F + n]
         wg, wu = w[n], w[F + n]
         for t in range(T):
-            xt = x[t]
-            g = np.float32(0.0)
-            u = np.float32(0.0)
-            for k in range(K):
-                g += xt[k] * np.float32(wg[k])
-            for k in range(K):
-                u += xt[k] * np.float32(wu[k])
-            g *= sg
+            g = dot_i8(x[t], wg) * sg
+            u = dot_i8(x[t], wu)
             out[t, n] = g / (np.float32(1.0) + fast_exp(-g)) * (u * su)
 
 
-@nb.njit(parallel=True, **_FAST)
+@nb.njit(parallel=True, **_OPTS)
 def int8_dequant_rows_kernel(q, scale, n0, out):
     # out[R, K] = q[n0:n0+R] * scale[n0:n0+R, None]   (a float32 tile for a BLAS GEMM)
     R, K = out.shape
@@ -375,7 +370,7 @@ def int8_dequant_rows_kernel(q, scale, n0, out):
             out[r, k] = np.float32(q[n0 + r, k]) * s
 
 
-@nb.njit(**_FAST)
+@nb.njit(**_OPTS)
 def int8_embedding_kernel(ids, q, scale, out):
     # out[T, C] = q[ids] * scale[ids, None]
     T, C = out.shape

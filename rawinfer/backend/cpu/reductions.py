@@ -1,5 +1,6 @@
-"""Fixed-order reductions of float32 rows for the attention kernels: dot products, sums and maxima
-whose every add is in this code's order, not an optimizer's.
+"""Fixed-order reductions of float32 rows for the attention kernels (and of float32 x int8 rows for the
+int8 matrix-vector kernels): dot products, sums and maxima whose every add is in this code's order, not
+an optimizer's.
 
 Why: the kernels that call them carry no fastmath reassociation. A parallel build's loop body exists
 twice, as compiled and run in the process that compiled it and as linked again (and optimized again)
@@ -9,7 +10,9 @@ last bits (docs/kernels.md, tests/backend/test_determinism.py). Written as vecto
 fixed and the loops are still vectorized.
 
 The order: RED_LANES running values over the elements j = lane (mod RED_LANES), then the lanes folded
-in halves (8 + 8, 4 + 4, 2 + 2, 1 + 1), then the n % RED_LANES tail element by element. Products are
+in halves (8 + 8, 4 + 4, 2 + 2, 1 + 1), then the n % RED_LANES tail element by element. The int8 dot
+product (row_dot_i8) keeps I8_LANES = 64 running values the same way (four vectors, so that four
+independent fma chains hide the fma's latency in a product that streams one byte per multiply-add). Products are
 fused (fma) where the CPU has FMA, else a multiply then an add: each machine has one order and one
 rounding for them.
 """
@@ -21,14 +24,14 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from rawinfer.backend.cpu.llvm import _AVX2, F32, I32, _fma, _ptr, _vload, counted_loop, i64, keep_alive, splat
+from rawinfer.backend.cpu.llvm import _AVX2, F32, I8, I32, _fma, _ptr, _vload, counted_loop, i64, keep_alive, splat
 
 RED_LANES = 16
-_VR = ir.VectorType(F32, RED_LANES)
+I8_LANES = 64
 
 
 def _fold(builder, v, op):
-    n = RED_LANES
+    n = v.type.count
     while n > 1:
         half = n // 2
         idx = ir.VectorType(I32, half)
@@ -46,18 +49,28 @@ def _mul_add(builder, a, b, c):
     return builder.fadd(builder.fmul(a, b), c)
 
 
-def _row_reduction(builder, n, ptrs, step, fold, init):
+def _as_f32(builder, v):
+    """Loaded values as float32: int8 ones (scalar or vector) converted, exactly."""
+    if isinstance(v.type, ir.VectorType):
+        return v if v.type.element == F32 else builder.sitofp(v, ir.VectorType(F32, v.type.count))
+    return v if v.type == F32 else builder.sitofp(v, F32)
+
+
+def _row_reduction(builder, n, ptrs, step, fold, init, lanes=RED_LANES):
     """The shared loop of the blocks below: vectors, fold, tail (the module docstring's order). step(acc,
-    values) takes the running value(s) and the loaded element(s) of each pointer, as vectors in the main
-    loop and as scalars in the tail; fold(lo, hi) combines lanes."""
-    chunks = builder.sdiv(n, i64(RED_LANES))
-    vinit = splat(builder, init, _VR)
-    acc, = counted_loop(builder, chunks, [vinit], lambda c, accs: [
-        step(accs[0], [_vload(builder, p, builder.mul(c, i64(RED_LANES)), _VR) for p in ptrs])])
+    values) takes the running value(s) and the loaded element(s) of each pointer (float32 or int8, as
+    float32), as vectors in the main loop and as scalars in the tail; fold(lo, hi) combines lanes."""
+    chunks = builder.sdiv(n, i64(lanes))
+    vinit = splat(builder, init, ir.VectorType(F32, lanes))
+
+    def vec(p, c):
+        return _as_f32(builder, _vload(builder, p, builder.mul(c, i64(lanes)), ir.VectorType(p.type.pointee, lanes),
+                                       align=1 if p.type.pointee == I8 else 4))
+    acc, = counted_loop(builder, chunks, [vinit], lambda c, accs: [step(accs[0], [vec(p, c) for p in ptrs])])
     total = _fold(builder, acc, fold)
-    start = builder.mul(chunks, i64(RED_LANES))
+    start = builder.mul(chunks, i64(lanes))
     total, = counted_loop(builder, builder.sub(n, start), [total], lambda j, accs: [
-        step(accs[0], [builder.load(builder.gep(p, [builder.add(start, j)]), align=4) for p in ptrs])])
+        step(accs[0], [_as_f32(builder, builder.load(builder.gep(p, [builder.add(start, j)]))) for p in ptrs])])
     return total
 
 
@@ -69,6 +82,18 @@ def row_dot(typingctx, ap, bp, n):
         ptrs = [_ptr(builder, ap, F32), _ptr(builder, bp, F32)]
         return _row_reduction(builder, n, ptrs, lambda acc, v: _mul_add(builder, v[0], v[1], acc), builder.fadd,
                               ir.Constant(F32, 0.0))
+    return types.float32(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def row_dot_i8(typingctx, ap, bp, n):
+    """sum of a[j] * float(b[j]) for j < n (a: a float32 address, b: an int8 one), with I8_LANES running
+    values (the module docstring's order)."""
+    def codegen(context, builder, signature, args):
+        ap, bp, n = args
+        ptrs = [_ptr(builder, ap, F32), _ptr(builder, bp, I8)]
+        return _row_reduction(builder, n, ptrs, lambda acc, v: _mul_add(builder, v[0], v[1], acc), builder.fadd,
+                              ir.Constant(F32, 0.0), I8_LANES)
     return types.float32(types.int64, types.int64, types.int64), codegen
 
 
@@ -104,6 +129,16 @@ def dot(a, b):
     reassociation, so that every copy of their code rounds alike (the module docstring says why)."""
     s = row_dot(a.ctypes.data, b.ctypes.data, a.shape[0])
     keep_alive(a)                        # read through their addresses up to here
+    keep_alive(b)
+    return s
+
+
+@nb.njit(inline="always")
+def dot_i8(a, b):
+    """sum(a[c] * float32(b[c])) over a contiguous float32 row and a contiguous int8 row of equal length,
+    in row_dot_i8's fixed order."""
+    s = row_dot_i8(a.ctypes.data, b.ctypes.data, a.shape[0])
+    keep_alive(a)
     keep_alive(b)
     return s
 
