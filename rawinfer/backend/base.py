@@ -251,6 +251,11 @@ class Backend(ABC):
     def take_rows(self, x, indices, out) -> None:
         """out[B, C] = x[T, C][indices[B]]."""
 
+    def kv_blocks_to_host(self, kv, block_ids: list[int]) -> list[np.ndarray]:
+        """Every layer's K and V of block_ids as host arrays (KVCache.read_blocks' [2, n, Hkv, R, D], storage
+        dtype), for a KV transfer to another engine. A GPU backend stages them through pinned memory."""
+        return [kv.read_blocks(self.xp, layer, block_ids) for layer in range(len(kv.k))]
+
     # ---- optional fused path ------------------------------------------------------------------
     def fused_max_tokens(self, quant: str | None) -> int:
         """Batches of at most this many tokens use decoder_layers() (0: never) for a model quantized as quant."""

@@ -146,8 +146,7 @@ class KVTransfer:
                 continue
             del self._exports[s.seq.request_id]
             ids = self.engine.block_manager.block_table(s.seq.seq_id)[start:]
-            kv, xp = self.engine.pool.kv, self.engine.backend.xp
-            layers = [kv.read_blocks(xp, layer, ids) for layer in range(len(kv.k))]
+            layers = self.engine.backend.kv_blocks_to_host(self.engine.pool.kv, ids)
             self._ready.append(KVExport(s.seq.request_id, start, s.seq.num_prompt_tokens, layers))
 
     def take_ready(self) -> list[KVExport]:

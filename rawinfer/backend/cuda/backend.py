@@ -132,6 +132,25 @@ class CUDABackend(PagedAttention, DeviceSampling, Backend):
         host = self.xp.asnumpy(x)
         return host.view(_BF16) if host.dtype == np.uint16 else host
 
+    def kv_blocks_to_host(self, kv, block_ids: list[int]) -> list[np.ndarray]:
+        """The base method's arrays, on the GPU through page-locked memory: each layer's K and V blocks are
+        gathered into one device buffer (reused for every layer) and copied into a single pinned host
+        buffer for all layers, a DMA at the link's speed where pageable memory is copied twice. The
+        arrays are views of that buffer; it lives as long as any of them (the socket sending them)."""
+        if not self.on_gpu:
+            return super().kv_blocks_to_host(kv, block_ids)
+        cp = self.xp
+        import cupyx
+        ids = cp.asarray(block_ids, dtype=cp.int64)
+        tile = tuple(kv.k[0].shape[1:])
+        dev = cp.empty((2, len(block_ids)) + tile, dtype=kv.k[0].dtype)
+        host = cupyx.empty_pinned((len(kv.k),) + dev.shape, dtype=dev.dtype)
+        for layer in range(len(kv.k)):
+            cp.take(kv.k[layer], ids, axis=0, out=dev[0])
+            cp.take(kv.v[layer], ids, axis=0, out=dev[1])
+            dev.get(out=host[layer])                      # on the current stream, after the step's kernels
+        return list(host)
+
     def synchronize(self) -> None:
         if self.on_gpu:
             self.xp.cuda.get_current_stream().synchronize()
