@@ -29,7 +29,7 @@ from rawinfer.quant import QUANT_TYPES, quantize, storage_kind, stored_parts
 
 from rawinfer.convert.errors import ConversionError, ConversionWarning
 from rawinfer.convert.hf import HFReader
-from rawinfer.convert.layout import CheckpointReader, TensorSpec, fuse, tensor_plan
+from rawinfer.convert.layout import CheckpointReader, TensorSpec, fuse, plan_parts, tensor_plan
 from rawinfer.convert.writer import SAFETENSORS_DTYPES, StoredTensor, check_destination, staged_folder, write_json, \
     write_safetensors, write_text
 
@@ -100,6 +100,7 @@ def convert(src: str, dst: str, dtype: str = "float32", quant: str | None = None
     try:
         config = dataclasses.replace(reader.config, dtype=dtype, quant=quant)
         plan = {spec.name: spec for spec in tensor_plan(config)}
+        reader.check_all_used(plan_parts(list(plan.values())))   # no source tensor may be dropped silently
 
         later: dict[str, np.ndarray] = {}     # a quantized matrix's second part, written right after it
 

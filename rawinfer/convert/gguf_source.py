@@ -143,8 +143,24 @@ class GGUFSource:
             raise ConversionError(f"{self._where} sets {key!r} per layer, which rawinfer does not support")
         return value
 
+    def _count(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        """A whole-number metadata value of this architecture, at least `minimum` (see _need)."""
+        value = self._need(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise ConversionError(f"{self._where} has {self.arch}.{key} = {value!r}, which is not a whole number "
+                                  f"of at least {minimum}; the file is damaged: download it again or re-export it")
+        return int(value)
+
+    def _real(self, key: str, default: float | None = None) -> float:
+        """A positive, finite float metadata value of this architecture (see _need), as float32 writes it."""
+        value = self._need(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not 0 < value < math.inf:
+            raise ConversionError(f"{self._where} has {self.arch}.{key} = {value!r}, which is not a positive "
+                                  "number; the file is damaged: download it again or re-export it")
+        return f32_value(value)
+
     def _rope(self, head_dim: int) -> RopeConfig:
-        theta = f32_value(self._need("rope.freq_base", 10000.0))
+        theta = self._real("rope.freq_base", 10000.0)
         kind = self._need("rope.scaling.type", "none")
         factor = self._meta(f"{self.arch}.rope.scaling.factor")
         if kind not in ("none", "linear") or (kind == "linear" and factor not in (None, 1.0)):
@@ -157,7 +173,7 @@ class GGUFSource:
         freqs = self._dequantized(ROPE_FREQS).astype(np.float64)
         if np.allclose(freqs, 1.0):
             return RopeConfig(theta=theta)
-        orig = int(self._need("rope.scaling.original_context_length", 8192))
+        orig = self._count("rope.scaling.original_context_length", 8192)
         params = dict(factor=float(freqs.max()), low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=orig)
         if freqs.shape != (head_dim // 2,) or not np.allclose(
@@ -172,9 +188,10 @@ class GGUFSource:
             if self._meta(f"gemma3.{key}"):
                 raise ConversionError(f"{self._where} sets gemma3.{key}, a logit soft-cap rawinfer does not "
                                       "implement; this model cannot be converted")
-        window = self._meta("gemma3.attention.sliding_window")
+        window = self._count("attention.sliding_window", 0, minimum=0)      # 0: no sliding window
         pattern = self._meta("gemma3.attention.sliding_window_pattern")
-        pattern = 6 if pattern is None else pattern
+        if not isinstance(pattern, list):
+            pattern = self._count("attention.sliding_window_pattern", 6)
         if not window:
             types: tuple[str, ...] = ()
         elif isinstance(pattern, list):      # one flag per layer, true = sliding
@@ -183,26 +200,26 @@ class GGUFSource:
                                       f"has {L}; the file is damaged")
             types = tuple("sliding" if p else "full" for p in pattern)
         else:                                # a period: the last layer of every `pattern` is global
-            types = tuple("full" if i % int(pattern) == int(pattern) - 1 else "sliding" for i in range(L))
+            types = tuple("full" if i % pattern == pattern - 1 else "sliding" for i in range(L))
         # NOTE: llama.cpp hard-codes the sliding layers' theta (10000) when the file does not store one.
-        local = RopeConfig(theta=f32_value(self._need("rope.freq_base_swa", 10000.0)))
+        local = RopeConfig(theta=self._real("rope.freq_base_swa", 10000.0))
         rope = self._rope(D)
         # NOTE: llama.cpp derives query_pre_attn_scalar from the model's size: head_dim, except for
         # the 27B model (62 layers), whose scalar is hidden_size / heads.
         scalar = C // H if L == 62 else D
         return dict(rope=rope, hidden_act="gelu_tanh", qk_norm=True, sandwich_norms=True, embed_scale=math.sqrt(C),
-                    attn_scale=float(scalar) ** -0.5, sliding_window=int(window) if "sliding" in types else None,
+                    attn_scale=float(scalar) ** -0.5, sliding_window=window if "sliding" in types else None,
                     layer_types=types if "sliding" in types else (),
                     rope_local=local if local != rope and "sliding" in types else None)
 
     def _model_config(self, tok: TokenizerInfo) -> ModelConfig:
         if self._meta(f"{self.arch}.expert_count"):
             raise ConversionError(f"{self._where} is a mixture-of-experts model, which rawinfer cannot run")
-        C = int(self._need("embedding_length"))
-        H = int(self._need("attention.head_count"))
-        Hkv = int(self._need("attention.head_count_kv", H))
-        D = int(self._need("attention.key_length", C // H))
-        L = int(self._need("block_count"))
+        C = self._count("embedding_length")
+        H = self._count("attention.head_count")
+        Hkv = self._count("attention.head_count_kv", H)
+        D = self._count("attention.key_length", C // H)
+        L = self._count("block_count")
         for key in ("attention.value_length", "rope.dimension_count"):
             if self._meta(f"{self.arch}.{key}") not in (None, D):
                 raise ConversionError(f"{self._where} has {self.arch}.{key} = {self._meta(f'{self.arch}.{key}')} "
@@ -211,19 +228,25 @@ class GGUFSource:
         if GGUF_NAMES["embed"] not in self._tensors:
             raise ConversionError(f"{self._where} has no {GGUF_NAMES['embed']!r} tensor; it is not a complete model")
         V = int(self._tensors[GGUF_NAMES["embed"]].shape[-1])    # GGUF shape [C, V]: ne1 = rows
+        if tok.vocab_ids > V:
+            raise ConversionError(f"{self._where} has a tokenizer of {tok.vocab_ids} tokens but only {V} embeddings "
+                                  f"({GGUF_NAMES['embed']}), so it would produce ids the model cannot embed; the "
+                                  "file is damaged: download it again or re-export it")
         family = self._gemma3(C, H, D, L) if self.arch == "gemma3" else dict(rope=self._rope(D))
         try:
             return ModelConfig(
                 architecture=self.arch, vocab_size=V, hidden_size=C,
-                intermediate_size=int(self._need("feed_forward_length")),
+                intermediate_size=self._count("feed_forward_length"),
                 num_layers=L, num_heads=H, num_kv_heads=Hkv, head_dim=D,
-                rms_norm_eps=f32_value(self._need("attention.layer_norm_rms_epsilon")),
-                max_position_embeddings=int(self._need("context_length")),
+                rms_norm_eps=self._real("attention.layer_norm_rms_epsilon"),
+                max_position_embeddings=self._count("context_length"),
                 tie_word_embeddings=GGUF_NAMES["lm_head"] not in self._tensors,
                 qkv_bias=GGUF_NAMES["q_bias"].format(i=0) in self._tensors,
                 bos_token_id=tok.bos_token_id, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
                 add_bos_token=tok.add_bos_token, chat_template=tok.chat_template,
                 source=os.path.abspath(self.path), **family)
+        except ConversionError:
+            raise
         except ValueError as e:   # ModelConfig's own checks (heads not a multiple of kv heads, ...)
             raise ConversionError(f"{self._where} describes an invalid model ({e})") from e
 
@@ -256,6 +279,17 @@ class GGUFSource:
         if self.arch == "llama" and heads is not None and x.shape[0] == heads * self.config.head_dim:
             x = unpermute_rows(x, heads)     # a wrong shape is left for layout.fuse to report
         return x
+
+    def check_all_used(self, parts: list[tuple[str, int | None]]) -> None:
+        """Refuse tensors the metadata leaves out (blocks past block_count, unknown ones) instead of dropping them."""
+        used = {self._name(part, layer) for part, layer in parts} | {ROPE_FREQS}   # rope_freqs: read by _rope
+        extra = sorted(n for n in self._tensors if n not in used)
+        if extra:
+            more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+            raise ConversionError(
+                f"{self._where} holds tensor(s) {', '.join(extra[:5])}{more} that its metadata does not describe "
+                f"({self.arch}.block_count = {self.config.num_layers}), so they would be dropped; the file is "
+                "inconsistent: download it again or re-export it")
 
     def close(self) -> None:
         self._tensors.clear()

@@ -201,10 +201,10 @@ def gguf_tokenizer(meta: Callable[[str], Any], where: str) -> TokenizerInfo:
         value = meta(key)
         if value is None:
             return None
-        if not 0 <= int(value) < len(tokens):
-            raise ConversionError(f"{where}: {key} = {value} is outside the vocabulary of {len(tokens)} tokens; "
-                                  "the file is damaged")
-        return int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens):
+            raise ConversionError(f"{where}: {key} = {value!r} is not a token id of the vocabulary of {len(tokens)} "
+                                  "tokens; the file is damaged")
+        return value
 
     bos_id = token_id("tokenizer.ggml.bos_token_id")
     add_bos = meta("tokenizer.ggml.add_bos_token")
@@ -235,4 +235,5 @@ def gguf_tokenizer(meta: Callable[[str], Any], where: str) -> TokenizerInfo:
                               "metadata is damaged, convert the Hugging Face folder instead") from e
     return TokenizerInfo(tokenizer_json=text, chat_template=chat_template, bos_token_id=bos_id,
                          eos_token_ids=tuple(dict.fromkeys(eos)),
-                         pad_token_id=token_id("tokenizer.ggml.padding_token_id"), add_bos_token=add_bos)
+                         pad_token_id=token_id("tokenizer.ggml.padding_token_id"), add_bos_token=add_bos,
+                         vocab_ids=len(tokens))

@@ -6,20 +6,25 @@ generation_config.json and the tokenizer files read by hf_tokenizer.py.
 
 Gemma's RMSNorm computes x / rms(x) * (1 + w); rawinfer stores the multiplier it applies, so every
 norm weight of such a family is handed out as 1 + w (in float32, as Gemma adds it).
+
+Every tensor of the folder must be used: the only ones left out are RoPE inverse-frequency buffers
+and, when the embeddings are tied, a stored lm_head. A folder without lm_head whose config says the
+embeddings are not tied is converted tied, with a ConversionWarning.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import warnings
 from typing import Any
 
 import numpy as np
 from safetensors import safe_open
 
-from rawinfer.convert.errors import ConversionError
-from rawinfer.convert.hf_config import FAMILIES, hf_architecture, hf_model_config
-from rawinfer.convert.hf_tokenizer import read_hf_tokenizer, read_json
+from rawinfer.convert.errors import ConversionError, ConversionWarning
+from rawinfer.convert.hf_config import FAMILIES, hf_architecture, hf_model_config, hf_tie_setting
+from rawinfer.convert.hf_tokenizer import fit_to_vocab, read_hf_tokenizer, read_json
 from rawinfer.convert.layout import NORM_PARTS
 
 # part -> tensor name in the checkpoint (after the "model." prefix of the decoder stack).
@@ -52,6 +57,9 @@ SANDWICH_NAMES = {
 LM_HEAD = "lm_head.weight"
 # Biases rawinfer's layer has no place for: refuse rather than silently drop them.
 UNSUPPORTED_BIASES = ("self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")
+# Tensors a checkpoint may carry that are derived data, not weights (older exports save RoPE's
+# inverse frequencies, which rawinfer computes from the config): not converted, and not an error.
+DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _weight_files(folder: str) -> list[str]:
@@ -87,6 +95,7 @@ class HFReader:
             raise ConversionError(f"{folder!r} has no config.json, so it is not a Hugging Face model folder; "
                                   "point SRC at the folder that holds config.json and the *.safetensors files")
         cfg = read_json(where)
+        self._folder, self._config_path = folder, where
         family = FAMILIES[hf_architecture(cfg, where)]   # fail on the architecture before touching weights
         self._names = {**HF_NAMES, **SANDWICH_NAMES} if family.sandwich_norms else HF_NAMES
         self._norm_offset = family.norm_offset
@@ -109,13 +118,21 @@ class HFReader:
             if name.endswith(UNSUPPORTED_BIASES):
                 raise ConversionError(f"tensor {name!r} is a bias that rawinfer's Llama layer has no place for; "
                                       "this checkpoint cannot be converted")
-        # NOTE: a missing lm_head means the output layer reuses the embeddings, whatever the config says.
-        tied = bool(cfg.get("tie_word_embeddings", False)) or LM_HEAD not in self._files
+        tied = hf_tie_setting(cfg, family, where)
+        if not tied and LM_HEAD not in self._files:
+            # Tying is the only usable guess here (transformers would start an untrained output layer),
+            # but it may be wrong, so it is not done silently.
+            warnings.warn(f"{where} sets tie_word_embeddings false but {folder!r} has no {LM_HEAD!r}; the "
+                          "converted model reuses the embeddings as its output layer (if that is wrong, add "
+                          "the missing weights to the folder and convert again)", ConversionWarning, stacklevel=3)
+            tied = True
+        self._tied = tied
         qkv_bias = self._prefix + HF_NAMES["q_bias"].format(i=0) in self._files
         tok = read_hf_tokenizer(folder)
-        self.tokenizer_json: str | None = tok.tokenizer_json
         self.config = hf_model_config(cfg, gen, tok, tied=tied, qkv_bias=qkv_bias, where=where,
                                       source=os.path.abspath(folder))
+        self.tokenizer_json: str | None = fit_to_vocab(tok, self.config.vocab_size,
+                                                       os.path.join(folder, "tokenizer.json"), where)
 
     def _name(self, part: str, layer: int | None) -> str:
         if part == "lm_head":
@@ -144,6 +161,19 @@ class HFReader:
                                   "quantized Hugging Face checkpoints are not supported, use the unquantized one")
         x = x.astype(np.float32)
         return x + np.float32(self._norm_offset) if self._norm_offset and part in NORM_PARTS else x
+
+    def check_all_used(self, parts: list[tuple[str, int | None]]) -> None:
+        """Refuse weights the config leaves out (extra layers, unknown modules) instead of dropping them."""
+        used = {self._name(part, layer) for part, layer in parts}
+        if self._tied:
+            used.add(LM_HEAD)              # a tied checkpoint may still store its (identical) output layer
+        extra = sorted(n for n in self._files if n not in used and not n.endswith(DERIVED_SUFFIXES))
+        if extra:
+            more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+            raise ConversionError(
+                f"{self._folder!r} holds tensor(s) {', '.join(extra[:5])}{more} (in {self._where[extra[0]]}) that "
+                f"{self._config_path} does not describe (num_hidden_layers = {self.config.num_layers}), so they would "
+                "be dropped; the weights and config.json disagree: use the config.json that came with these weights")
 
     def close(self) -> None:
         self._files.clear()

@@ -51,6 +51,7 @@ class Family:
     default_theta: float = 10000.0    # rope_theta when config.json leaves it out
     default_window: int | None = None
     local_theta: float | None = None  # transformers 4's rope_local_base_freq default (sliding layers)
+    tied: bool = False                # tie_word_embeddings when config.json leaves it out
 
 
 FAMILIES = {
@@ -59,21 +60,42 @@ FAMILIES = {
     "qwen2": Family(windows="from_layer"),
     "qwen3": Family(qk_norm=True, windows="from_layer"),
     "gemma3": Family(qk_norm=True, sandwich_norms=True, norm_offset=1.0, scaled_embeddings=True,
-                     windows="pattern", default_theta=1_000_000.0, default_window=4096, local_theta=10000.0),
+                     windows="pattern", default_theta=1_000_000.0, default_window=4096, local_theta=10000.0,
+                     tied=True),
 }
 
 
 def hf_architecture(cfg: dict[str, Any], where: str) -> str:
+    """The family key of config.json's architectures list (or, without one, of its model_type)."""
     names = cfg.get("architectures") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConversionError(f"{where} has architectures = {names!r}, which is not a list of class names; "
+                              'write it as a JSON list of strings, e.g. ["LlamaForCausalLM"]')
+    model_type = cfg.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ConversionError(f"{where} has model_type = {model_type!r}, which is not a string; "
+                              'write it as a JSON string, e.g. "llama"')
     for name in names:
         if name in ARCHITECTURES:
             return ARCHITECTURES[name]
-    if not names and cfg.get("model_type") in MODEL_TYPES:
-        return MODEL_TYPES[cfg["model_type"]]
-    shown = ", ".join(names) if names else f"model_type {cfg.get('model_type')!r}"
+    if not names and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    shown = ", ".join(names) if names else f"model_type {model_type!r}"
     raise ConversionError(
         f"{where} describes a {shown} model, which rawinfer cannot run; supported architectures are "
         f"{', '.join(ARCHITECTURES)}")
+
+
+def hf_tie_setting(cfg: dict[str, Any], fam: Family, where: str) -> bool:
+    """config.json's tie_word_embeddings (the family's default when absent); only a JSON boolean is
+    accepted, since a string such as "false" would otherwise read as true."""
+    tied = cfg.get("tie_word_embeddings")
+    if tied is None:
+        return fam.tied
+    if not isinstance(tied, bool):
+        raise ConversionError(f"{where} has tie_word_embeddings = {tied!r}, which is not a boolean; "
+                              "write it as JSON true or false, without quotes")
+    return tied
 
 
 def rope_from_params(params: dict[str, Any], theta: Any, where: str) -> RopeConfig:
@@ -139,7 +161,8 @@ def hf_layer_types(cfg: dict[str, Any], fam: Family, num_layers: int, where: str
         return None, ()
     listed = cfg.get("layer_types")
     if listed is not None:
-        if len(listed) != num_layers or any(t not in LAYER_TYPES for t in listed):
+        if (not isinstance(listed, list) or len(listed) != num_layers
+                or any(not isinstance(t, str) or t not in LAYER_TYPES for t in listed)):
             raise ConversionError(f"{where} has layer_types {listed!r}; rawinfer needs one of "
                                   f"{', '.join(LAYER_TYPES)} for each of the {num_layers} layers")
         types = tuple(LAYER_TYPES[t] for t in listed)
@@ -184,7 +207,11 @@ def hf_model_config(cfg: dict[str, Any], gen: dict[str, Any], tok: TokenizerInfo
     """ModelConfig from config.json, generation_config.json and the tokenizer's special tokens."""
     arch = hf_architecture(cfg, where)
     fam = FAMILIES[arch]
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    act_key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+    act = cfg.get(act_key) or "silu"
+    if not isinstance(act, str):
+        raise ConversionError(f"{where} has {act_key} = {act!r}, which is not a string; write the activation's "
+                              f"name as a JSON string, one of {', '.join(ACTIVATIONS)}")
     if act not in ACTIVATIONS:
         raise ConversionError(f"{where} uses activation {act!r}; rawinfer's MLP gates with "
                               f"{', '.join(ACTIVATIONS)} (SwiGLU or tanh-approximated GeGLU)")

@@ -101,4 +101,37 @@ def read_hf_tokenizer(folder: str) -> TokenizerInfo:
         eos_token_ids=() if eos is None else (eos,),
         pad_token_id=token_id("pad_token"),
         add_bos_token=bool(add_bos),
+        vocab_ids=max(tokenizer.get_vocab(with_added_tokens=False).values(), default=-1) + 1,
+        added_tokens=tuple((i, t.content) for i, t in tokenizer.get_added_tokens_decoder().items()),
     )
+
+
+def fit_to_vocab(tok: TokenizerInfo, vocab_size: int, path: str, where: str) -> str | None:
+    """The tokenizer.json text to write for a model of vocab_size embeddings (None: no tokenizer).
+
+    A vocabulary with ids at or past vocab_size is refused: ordinary text would produce them. Added
+    tokens past it are left out with a warning, since only their literal text produces them (Gemma 3's
+    text-only checkpoints list <image_soft_token> one past their vocab_size); without them such text
+    is encoded as ordinary text instead of as an id the model has no embedding for."""
+    if tok.tokenizer_json is None:
+        return None
+    if tok.vocab_ids > vocab_size:
+        raise ConversionError(f"{path} has a vocabulary of {tok.vocab_ids} tokens but {where} says vocab_size "
+                              f"{vocab_size}, so it would produce ids the model has no embedding for; the "
+                              "tokenizer does not belong to these weights: use the tokenizer.json that came with them")
+    beyond = sorted((i, text) for i, text in tok.added_tokens if i >= vocab_size)
+    if not beyond:
+        return tok.tokenizer_json
+    shown = ", ".join(f"{text!r} (id {i})" for i, text in beyond[:5]) + (" ..." if len(beyond) > 5 else "")
+    warnings.warn(f"{path} adds {len(beyond)} token(s) past the model's vocab_size {vocab_size}: {shown}; the "
+                  "converted tokenizer leaves them out, so their text is encoded as ordinary text",
+                  ConversionWarning, stacklevel=3)
+    obj = json.loads(tok.tokenizer_json)
+    obj["added_tokens"] = [t for t in obj.get("added_tokens") or [] if t.get("id", 0) < vocab_size]
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise ConversionError(f"{path} does not load once its tokens past vocab_size {vocab_size} are left out "
+                              f"({e}); use the tokenizer.json that came with these weights") from e
+    return text

@@ -23,7 +23,9 @@ the file order, the same as rawinfer/exec/weights.py:weight_shapes lists.
 
 A checkpoint reader does not know this layout: it serves "parts" (one source tensor each, named by
 the role it plays: "q", "gate", "input_norm", ...) and `fuse` stacks parts into the tensors above,
-checking every part's shape against the config on the way.
+checking every part's shape against the config, and its values for NaN and Inf, on the way. Before
+any part is read, the reader's `check_all_used` refuses source tensors no part of the plan reads
+(layers past the config's count, unknown modules): converting without them would change the model.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class TokenizerInfo:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     add_bos_token: bool = False
+    vocab_ids: int = 0                     # ids of the tokenizer's own vocabulary: its highest id + 1
+    added_tokens: tuple[tuple[int, str], ...] = ()   # (id, text) of the tokens added on top of it
 
 
 class CheckpointReader(Protocol):
@@ -93,6 +97,9 @@ class CheckpointReader(Protocol):
 
     def describe(self, part: str, layer: int | None) -> str:
         """Where that part comes from, for error messages ("tensor 'x' in file 'y'")."""
+
+    def check_all_used(self, parts: list[tuple[str, int | None]]) -> None:
+        """ConversionError naming the source's tensors that none of `parts` (part, layer) reads."""
 
     def close(self) -> None:
         """Release open files."""
@@ -134,8 +141,25 @@ def tensor_plan(config: ModelConfig) -> list[TensorSpec]:
     return plan
 
 
+def plan_parts(plan: list[TensorSpec]) -> list[tuple[str, int | None]]:
+    """Every (part, layer) the tensors of `plan` are built from."""
+    return [(part, spec.layer) for spec in plan for part in RECIPES[spec.kind]]
+
+
+def check_finite(x: np.ndarray, where: str) -> None:
+    """ConversionError if float32 x holds a NaN or an infinity. One sum per tensor (both propagate
+    through it); only a sum that is not finite pays for the elementwise count."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(x.sum(dtype=np.float32)):
+            return
+    bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+    if bad:
+        raise ConversionError(f"{where} holds {bad} NaN or Inf value(s), so the source checkpoint is damaged; "
+                              "download it again or export it again from a model with finite weights")
+
+
 def fuse(spec: TensorSpec, reader: CheckpointReader) -> np.ndarray:
-    """Build one converted tensor from its source parts (float32), checking each part's shape."""
+    """Build one converted tensor from its source parts (float32), checking each part's shape and values."""
     pieces = []
     for part in RECIPES[spec.kind]:
         x = reader.part(part, spec.layer)
@@ -144,5 +168,7 @@ def fuse(spec: TensorSpec, reader: CheckpointReader) -> np.ndarray:
             raise ConversionError(
                 f"{reader.describe(part, spec.layer)} has shape {tuple(x.shape)} but the model config implies "
                 f"{want}; the checkpoint and its config do not match (re-download or re-export the model)")
-        pieces.append(np.asarray(x, dtype=np.float32))
+        x = np.asarray(x, dtype=np.float32)
+        check_finite(x, reader.describe(part, spec.layer))
+        pieces.append(x)
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
