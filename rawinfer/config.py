@@ -258,6 +258,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "ModelConfig":
+        if not isinstance(model_dir, (str, os.PathLike)):   # os.path would take an int for a file descriptor
+            raise ValueError(f"model folder {model_dir!r} is invalid: it must be a string path to a converted model")
         path = os.path.join(model_dir, "config.json")
         if not os.path.isdir(model_dir):
             raise ModelFormatError(
@@ -296,7 +298,7 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB":
 
 def parse_size(text: str | int) -> int:
     """'2GiB' -> 2147483648, '512MB' -> 512000000, 1024 -> 1024. Raises ValueError naming the format."""
-    if isinstance(text, int):
+    if is_int(text):
         if text <= 0:
             raise ValueError(f"memory size must be positive, got {text}")
         return text
@@ -371,30 +373,28 @@ class EngineConfig:
     batch_invariant: bool = False           # CPU: one attention kernel for every query count (docs/kernels.md)
 
     def validate(self) -> "EngineConfig":
+        """Every field's type and range checked; a ValueError names the first bad one (bools are no integers)."""
         if isinstance(self.kv_cache_memory, str):
-            self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        checks = [
-            ("block_size", isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
-             "an integer from 1 to 1024 (16 is the default)"),
-            ("kv_cache_memory", self.kv_cache_memory is None
-             or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0),
-             "a positive size such as 2GiB, or None (sized automatically)"),
-            ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, "one of " + ", ".join(KV_CACHE_DTYPES)),
-            ("max_num_batched_tokens", isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
-             "a positive integer"),
-            ("max_num_seqs", isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "a positive integer"),
-            ("max_model_len", self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
-             "a positive integer or None"),
-            ("device", self.device in ("auto", "cpu", "cuda"), "one of auto, cpu, cuda"),
-            ("num_threads", self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
-             "a positive integer or None"),
-            ("gpu_memory_utilization", 0.0 < float(self.gpu_memory_utilization) <= 1.0, "a number in (0, 1]"),
-            ("cpu_int_gemm", isinstance(self.cpu_int_gemm, bool), "true or false"),
-            ("cache_dir", self.cache_dir is None or isinstance(self.cache_dir, str), "a folder path or None"),
-            ("warmup", isinstance(self.warmup, bool), "true or false"),
-            ("batch_invariant", isinstance(self.batch_invariant, bool), "true or false"),
-        ]
-        for name, ok, what in checks:
-            if not ok:
-                raise ValueError(f"engine option {name}={getattr(self, name)!r} is invalid: it must be {what}")
+            try:
+                self.kv_cache_memory = parse_size(self.kv_cache_memory)
+            except ValueError:              # left a string: the check below names the option
+                pass
+        pos, optional = (lambda v: is_int(v) and v >= 1), (lambda ok: lambda v: v is None or ok(v))
+        one_of = (lambda names: (lambda v: isinstance(v, str) and v in names, "one of " + ", ".join(names)))
+        checks = {
+            "block_size": (lambda v: is_int(v) and 1 <= v <= 1024, "an integer from 1 to 1024 (16 is the default)"),
+            "kv_cache_memory": (optional(pos), "a positive size such as 2GiB, or None (sized automatically)"),
+            "kv_cache_dtype": one_of(KV_CACHE_DTYPES), "device": one_of(("auto", "cpu", "cuda")),
+            "max_num_batched_tokens": (pos, "a positive integer"), "max_num_seqs": (pos, "a positive integer"),
+            **dict.fromkeys(("max_model_len", "num_threads"), (optional(pos), "a positive integer or None")),
+            "gpu_memory_utilization": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+            "seed": (lambda v: is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
+            "cache_dir": (optional(lambda v: isinstance(v, str)), "a folder path or None"),
+            **dict.fromkeys(("enable_prefix_caching", "use_cuda_graphs", "cpu_int_gemm", "warmup",
+                             "batch_invariant"), (lambda v: isinstance(v, bool), "true or false")),
+        }
+        for f in fields(self):              # a field missing from checks fails here, not silently
+            ok, what = checks[f.name]
+            if not ok(getattr(self, f.name)):
+                raise ValueError(f"engine option {f.name}={getattr(self, f.name)!r} is invalid: it must be {what}")
         return self

@@ -56,8 +56,11 @@ def warm_up(engine) -> float:
                 engine.step()
         while engine.has_unfinished():
             engine.step()
-    if ok(8):
-        engine.score(prompt(8), [5, 1, 1, 1])                   # teacher forcing: every row's logits
+    # teacher forcing (every row's logits): a prefill chunk within the step's token budget, then three
+    # decode steps, so that every chunk fits max_num_batched_tokens however small it is
+    head = min(5, engine.config.max_num_batched_tokens)
+    if ok(head + 3):
+        engine.score(prompt(head + 3), [head, 1, 1, 1])
     engine.reset_state()
     seconds = time.monotonic() - t0
     log.info("warm-up done in %.1f s", seconds)

@@ -70,9 +70,10 @@ def max_blocks_per_seq(cfg: ModelConfig, ecfg: EngineConfig) -> int:
     return -(-resolve_max_model_len(cfg, ecfg) // ecfg.block_size)
 
 
-def kv_region_bytes(ecfg: EngineConfig, fixed_bytes: int, free_device_bytes: int | None) -> tuple[int, str]:
-    """(bytes for the KV region, how they were chosen).  fixed_bytes: weights + workspace;
-    free_device_bytes: free GPU memory, or None on the CPU."""
+def kv_region_bytes(ecfg: EngineConfig, fixed_bytes: int, free_device_bytes: int | None,
+                    rope_bytes: int = 0) -> tuple[int, str]:
+    """(bytes for the KV region, how they were chosen).  fixed_bytes: weights + workspace, of which
+    rope_bytes are the RoPE tables; free_device_bytes: free GPU memory, or None on the CPU."""
     mib = 1024**2
     if ecfg.kv_cache_memory is not None:
         return ecfg.kv_cache_memory, "--kv-cache-memory"
@@ -80,11 +81,16 @@ def kv_region_bytes(ecfg: EngineConfig, fixed_bytes: int, free_device_bytes: int
         return CPU_KV_CACHE_BYTES, "the CPU default"
     budget = int(float(ecfg.gpu_memory_utilization) * free_device_bytes)
     if budget <= fixed_bytes:
+        # the RoPE tables grow with the context, not with the model: past half the total only a
+        # shorter context makes it fit
+        rope = rope_bytes * 2 > fixed_bytes
         raise ValueError(
-            f"the model's weights and workspace need {fixed_bytes / mib:.0f} MiB but gpu_memory_utilization "
-            f"{ecfg.gpu_memory_utilization} of the {free_device_bytes / mib:.0f} MiB free on the GPU is "
-            f"{budget / mib:.0f} MiB; raise --gpu-memory-utilization, lower --max-num-batched-tokens, or free "
-            "the GPU")
+            f"the model's weights and workspace need {fixed_bytes / mib:.0f} MiB"
+            f"{f' ({rope_bytes / mib:.0f} MiB of it the RoPE cos/sin table)' if rope else ''} but "
+            f"gpu_memory_utilization {ecfg.gpu_memory_utilization} of the {free_device_bytes / mib:.0f} MiB free "
+            f"on the GPU is {budget / mib:.0f} MiB; "
+            + ("give a smaller --max-model-len (it caps the RoPE table's positions)" if rope
+               else "raise --gpu-memory-utilization, lower --max-num-batched-tokens, or free the GPU"))
     return budget - fixed_bytes, (f"gpu_memory_utilization {ecfg.gpu_memory_utilization} x "
                                   f"{free_device_bytes / mib:.0f} MiB free")
 
@@ -101,14 +107,21 @@ def available_host_memory() -> int | None:
     return None
 
 
-def alloc_arena(backend, nbytes: int, kv_bytes: int, kv_sizing: str, ws_bytes: int = 0):
+def alloc_arena(backend, nbytes: int, kv_bytes: int, kv_sizing: str, ws_bytes: int = 0, rope_bytes: int = 0,
+                rope_rows: int = 0):
     """backend.alloc_arena(nbytes), or a ValueError of one sentence when the machine lacks the memory.
     On the CPU the size is checked first: the KV region is mapped in right after, and a mapping larger
-    than the free memory would be granted and then end in swapping or the out-of-memory killer."""
+    than the free memory would be granted and then end in swapping or the out-of-memory killer.
+    rope_bytes: the RoPE cos/sin tables' share of the weights, one row per position (rope_rows)."""
     gib = 1024**3
-    what = (f"the memory pool needs {nbytes / gib:.1f} GiB (of it {kv_bytes / gib:.1f} GiB of KV cache, sized by "
-            f"{kv_sizing}, and {ws_bytes / gib:.1f} GiB of workspace)")
-    if ws_bytes > kv_bytes:   # the activations for max_num_batched_tokens rows and logits for max_num_seqs
+    rope = (f"{rope_bytes / gib:.1f} GiB of RoPE cos/sin table for {rope_rows} positions, "
+            if rope_bytes >= gib / 20 else "")        # named where it shows at this precision
+    what = (f"the memory pool needs {nbytes / gib:.1f} GiB (of it {rope}{kv_bytes / gib:.1f} GiB of KV cache, "
+            f"sized by {kv_sizing}, and {ws_bytes / gib:.1f} GiB of workspace)")
+    if rope_bytes > max(kv_bytes, ws_bytes):   # a huge context: the table ends at max_model_len
+        fix = ("give a smaller --max-model-len (it caps the RoPE table's positions, the model's whole context "
+               "by default)")
+    elif ws_bytes > kv_bytes:   # the activations for max_num_batched_tokens rows and logits for max_num_seqs
         fix = "give a smaller --max-num-batched-tokens or --max-num-seqs (they size the workspace)"
     else:
         fix = "give a smaller --kv-cache-memory" + ("" if kv_sizing == "--kv-cache-memory" else " (e.g. 512MiB)")
@@ -220,12 +233,13 @@ class MemoryPool:
             ws_plan.append(("attention", (attn_bytes,), np.uint8))
         extra_plan = [(name, tuple(shape), dt) for name, (shape, dt) in (extra_workspace or {}).items()]
         weight_bytes = sum(_nbytes(s, d) for _, s, d in self._weight_plan)
+        rope_bytes = len(self._ropes) * _nbytes((self._rope_rows, cfg.head_dim), np.float32)
         ws_bytes = sum(_nbytes(s, d) for _, s, d in act_plan + ws_plan + extra_plan)
         free = None
         if kv_bytes is None:
             if backend.capabilities.on_gpu:
                 free = backend.device_memory_info()[0]
-            kv_bytes, self.kv_sizing = kv_region_bytes(ecfg, weight_bytes + ws_bytes, free)
+            kv_bytes, self.kv_sizing = kv_region_bytes(ecfg, weight_bytes + ws_bytes, free, rope_bytes)
         else:
             self.kv_sizing = "the caller"
         per_block = kv_bytes_per_block(cfg, ecfg.block_size, kdt)
@@ -242,7 +256,8 @@ class MemoryPool:
         self.total_bytes = weight_bytes + ws_bytes + self.kv_bytes
 
         # ---- allocate once and carve --------------------------------------------------------
-        self.arena = alloc_arena(backend, self.total_bytes, self.kv_bytes, self.kv_sizing, ws_bytes)
+        self.arena = alloc_arena(backend, self.total_bytes, self.kv_bytes, self.kv_sizing, ws_bytes, rope_bytes,
+                                 self._rope_rows)
         self._offset = 0
         self.weights: dict[str, Any] = {name: self._carve(shape, dt) for name, shape, dt in self._weight_plan}
         acts = Activations(**{name: self._carve(shape, dt) for name, shape, dt in act_plan})
