@@ -34,8 +34,10 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):       # lists (or tuples); anything else is _check's to name
+            v = getattr(self, name)
+            if v is None or isinstance(v, (list, tuple)):
+                setattr(self, name, list(v or []))
         bias = _token_keys(self.logit_bias)
         if bias is not None:               # else _check names the value as given
             self.logit_bias = bias
@@ -45,7 +47,9 @@ class SamplingParams:
 
     def _check(self) -> None:
         def bad(name: str, what: str):
-            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: it must be {what}")
+            shown = repr(getattr(self, name))
+            shown = shown if len(shown) <= 200 else f"{shown[:200]}... ({len(shown)} characters)"
+            raise ValueError(f"SamplingParams.{name}={shown} is invalid: it must be {what}")
 
         if not is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "an integer >= 0 (0 computes the prompt only)")
@@ -61,9 +65,9 @@ class SamplingParams:
             bad("repetition_penalty", "a number > 0 (1 disables it)")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             bad("seed", "an integer in [0, 2**63) or None")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "a list of non-empty strings")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "true or false")
@@ -120,7 +124,7 @@ def _token_keys(bias) -> dict | None:
         return None if bias is not None else {}
     out = {}
     for k, v in bias.items():
-        if isinstance(k, str) and k.isascii() and k.isdigit():
+        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 20:   # longer: no token id
             k = int(k)
         if not is_int(k):
             return None

@@ -58,7 +58,8 @@ class Sequence:
     def __init__(self, seq_id: str, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, priority: int = 0, timings: SequenceTimings | None = None,
                  chunk_sizes: tuple[int, ...] | None = None):
-        self.seq_id = seq_id                  # unique inside the engine: "<request_id>" or "<request_id>#<index>"
+        self.seq_id = seq_id                  # unique inside the engine: the request id, (request id, index)
+        #                                       for a forked sample, ("score", ns) for LLMEngine.score
         self.request_id = request_id
         self.index = index                    # sample index for n > 1
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output; read-only outside append_token

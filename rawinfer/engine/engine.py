@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any
 
@@ -35,6 +34,7 @@ from rawinfer.engine.logprobs import Logprobs, store_prompt_logprobs, take_promp
 from rawinfer.engine.metrics import EngineStats, request_metrics
 from rawinfer.engine.outputs import OutputRules, RequestOutput, SampleState
 from rawinfer.engine.sampler import Sampler, make_generator, sample_row
+from rawinfer.engine.scoring import Scoring
 from rawinfer.engine.warmup import warm_up
 from rawinfer.exec.graphs import DecodeGraphs
 from rawinfer.exec.memory import MemoryPool
@@ -59,8 +59,11 @@ def engine_config_from(options: dict[str, Any]) -> EngineConfig:
     return EngineConfig(**options).validate()
 
 
-class LLMEngine:
+class LLMEngine(Scoring):
     def __init__(self, model_dir: str = DEFAULT_MODEL, engine_config: EngineConfig | None = None, **options):
+        if engine_config is not None and (not isinstance(engine_config, EngineConfig) or options):
+            raise ValueError("engine_config must be an EngineConfig and comes alone: pass either it or the engine "
+                             f"options as keywords (got {type(engine_config).__name__} and {sorted(options)})")
         cfg = ModelConfig.from_dir(model_dir)
         ecfg = engine_config.validate() if engine_config is not None else engine_config_from(options)
         self._setup(cfg, ecfg)
@@ -218,6 +221,17 @@ class LLMEngine:
                                       request_metrics(parent)))
         return outs
 
+    def discard_all(self) -> None:
+        """The last resort after a failed step whose requests could not be aborted one by one: forget every
+        request and start a fresh block manager and scheduler over the same pool (the counters are kept,
+        the prefix cache is lost). Their outputs are the caller's to send."""
+        stats, transfer = self.stats_tracker, self.kv_transfer
+        self._requests = {}
+        self.reset_state()
+        self.stats_tracker = stats
+        transfer.__init__(self)                  # the same object, emptied: the decode role's link holds it
+        self.kv_transfer = transfer
+
     def has_unfinished(self) -> bool:   # NOTE: a request waiting for remote K/V is not (kv_transfer.py)
         return self.scheduler.has_unfinished or bool(self._pending)
 
@@ -281,7 +295,7 @@ class LLMEngine:
         picks = []
         for i in range(1, parent.params.n):
             t = parent.timings
-            child = Sequence(seq_id=f"{parent.request_id}#{i}", request_id=parent.request_id, index=i,
+            child = Sequence(seq_id=(parent.request_id, i), request_id=parent.request_id, index=i,
                              prompt_token_ids=parent.token_ids[:parent.num_prompt_tokens], params=parent.params,
                              priority=parent.priority, timings=SequenceTimings(arrival=t.arrival, scheduled=t.scheduled))
             self.scheduler.fork(parent, child)
@@ -322,60 +336,6 @@ class LLMEngine:
                              request_metrics(seq), logprobs, take_prompt_logprobs(st))
 
     # ---- scoring (teacher forcing) ------------------------------------------------------------
-    def score(self, token_ids: list[int], chunk_sizes: int | Iterable[int] | None = None) -> np.ndarray:
-        """Logits [T, V] float32 at every position of token_ids, computed through the paged cache in
-        chunks (an int: fixed chunk size; a list: e.g. [21, 1, 1, ...] = prefill then decode steps),
-        each chunk at most max_num_batched_tokens. The scoring sequence is scheduled like any request
-        (other requests in flight keep running; their outputs come with the next step())."""
-        ids = self.encode_prompt(list(token_ids))
-        T = len(ids)
-        limit = self.config.max_num_batched_tokens
-        if chunk_sizes is None:
-            chunk_sizes = limit
-        if isinstance(chunk_sizes, int):
-            sizes = (chunk_sizes,) * (-(-T // chunk_sizes))
-        else:
-            sizes = tuple(int(n) for n in chunk_sizes)
-        if any(n < 1 for n in sizes):
-            raise ValueError(f"chunk sizes must be positive, got {list(sizes)}")
-        covered = sum(min(n, limit) for n in sizes)
-        if covered < T:
-            raise ValueError(f"chunk_sizes cover {covered} of {T} tokens")
-        self._check_fits(T, 1, f"the scored sequence ({T} tokens)")
-        sid = f"__score_{time.monotonic_ns()}"
-        seq = Sequence(seq_id=sid, request_id=sid, index=0, prompt_token_ids=ids, params=SamplingParams(),
-                       chunk_sizes=sizes)
-        self._scores[sid] = np.empty((T, self.model_config.vocab_size), np.float32)
-        self.scheduler.add(seq)
-        try:
-            while not seq.is_finished:
-                batch = self.scheduler.schedule()
-                if batch.is_empty:
-                    raise RuntimeError("the KV pool is too small (or too busy) to score this sequence")
-                t0 = time.monotonic()
-                result = self.runner.run(batch.plan)
-                self.scheduler.advance(batch)
-                self.kv_transfer.after_step(batch)
-                self._pending += self._process(batch, result, t0)
-            return self._scores[sid]
-        finally:
-            del self._scores[sid]
-            if not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.ABORT)
-
-    def _store_scores(self, batch: ScheduledBatch, result: StepOutput) -> None:
-        """Copy the scored rows of this step into their sequences' logits; finish the sequences done."""
-        row = 0
-        for s in batch.seqs:
-            if not s.scores:
-                continue
-            seq, n = s.seq, s.num_new_tokens
-            end = seq.num_computed_tokens                       # advance() has moved it past this chunk
-            self._scores[seq.seq_id][end - n:end] = result.score_logits[row:row + n]
-            row += n
-            if end == seq.num_tokens:
-                self.scheduler.finish(seq, FinishReason.LENGTH)
-
     # ---- gauges -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Gauges and counters. A free block may still hold a cached prefix (prefix_cache_free_blocks, part

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass, field
 
 from rawinfer.config import DEFAULT_MODEL
-from rawinfer.engine.engine import LLMEngine
+from rawinfer.engine.engine import LLMEngine, RequestRejected
 from rawinfer.engine.logprobs import Logprobs
 from rawinfer.engine.metrics import RequestMetrics
 from rawinfer.sampling import SamplingParams
@@ -52,6 +53,7 @@ class LLM:
     def __init__(self, model_dir: str = DEFAULT_MODEL, **engine_options):
         self.engine = LLMEngine(model_dir, **engine_options)
         self.tokenizer = self.engine.tokenizer
+        self._calls = itertools.count()             # request ids never repeat between generate calls
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[GenerationResult]:
@@ -68,19 +70,31 @@ class LLM:
                              "pass one for all or one per prompt")
         results: dict[str, GenerationResult] = {}
         order = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            rid = f"gen-{id(self)}-{i}"
-            ids = self.engine.add_request(rid, prompt, p)
-            results[rid] = GenerationResult(rid, prompt, ids, [Completion(k) for k in range(p.n)])
-            order.append(rid)
+        call = next(self._calls)
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = f"gen-{call}-{i}"
+                try:
+                    ids = self.engine.add_request(rid, prompt, p)
+                except RequestRejected as e:
+                    raise RequestRejected(f"prompt {i}: {e}") from None
+                results[rid] = GenerationResult(rid, prompt, ids, [Completion(k) for k in range(p.n)])
+                order.append(rid)
+        except BaseException:          # one prompt refused: none of this call's requests stays queued
+            for rid in order:
+                self.engine.abort(rid)
+            raise
         bar = None
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=len(prompts), desc="generate", unit="req", file=sys.stderr,
                        disable=not sys.stderr.isatty())
         try:
-            while self.engine.has_unfinished():
+            left = sum(len(r.outputs) for r in results.values())     # samples of this call not finished
+            while left and self.engine.has_unfinished():
                 for out in self.engine.step():
+                    if out.request_id not in results:    # a request added to self.engine directly
+                        continue
                     c = results[out.request_id].outputs[out.index]
                     c.token_ids.extend(out.new_token_ids)
                     c.text += out.text_delta
@@ -90,6 +104,7 @@ class LLM:
                     if out.prompt_logprobs is not None:
                         results[out.request_id].prompt_logprobs = out.prompt_logprobs
                     if out.finished:
+                        left -= 1
                         c.finish_reason, c.metrics = out.finish_reason, out.metrics
                         if bar is not None and all(x.finish_reason for x in results[out.request_id].outputs):
                             bar.update(1)

@@ -34,7 +34,8 @@ def apply_repetition_penalty(row: np.ndarray, token_ids, penalty: float) -> None
         return
     ids = np.unique(np.asarray(token_ids, dtype=np.int64))
     vals = row[ids]
-    row[ids] = np.where(vals > 0, vals / penalty, vals * penalty)
+    with np.errstate(over="ignore", divide="ignore"):     # a tiny penalty overflows to inf: filtered_probs copes
+        row[ids] = np.where(vals > 0, vals / penalty, vals * penalty)
 
 
 def apply_logit_edits(row: np.ndarray, p: SamplingParams, history, num_prompt: int) -> None:
@@ -50,14 +51,18 @@ def apply_logit_edits(row: np.ndarray, p: SamplingParams, history, num_prompt: i
 
 
 def filtered_probs(row: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Probabilities [V] (float64, sums to 1) after temperature, top-k, top-p and min-p."""
-    x = row.astype(np.float64) / p.temperature
+    """Probabilities [V] (float64, sums to 1) after temperature, top-k, top-p and min-p. The maximum is
+    subtracted before dividing by the temperature, so that a tiny temperature (or a logit a penalty made
+    huge) gives the best tokens' share instead of inf / inf; +inf logits (a penalty's overflow) share it."""
+    x = row.astype(np.float64)
+    top = x.max()
+    with np.errstate(over="ignore", divide="ignore"):
+        x = np.where(x == np.inf, 0.0, -np.inf) if top == np.inf else (x - top) / p.temperature
     V = x.shape[0]
     if 0 < p.top_k < V:
         kth = np.partition(x, V - p.top_k)[V - p.top_k]
         x[x < kth] = -np.inf
-    x -= x.max()
-    probs = np.exp(x)
+    probs = np.exp(x - x.max())
     probs /= probs.sum()
     if p.top_p < 1.0:
         order = np.argsort(-probs, kind="stable")

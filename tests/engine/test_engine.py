@@ -167,6 +167,41 @@ def test_samples_beyond_max_num_seqs_wait_their_turn(tiny_llama_dir):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("order", ["parent first", "lookalike first"])
+def test_request_ids_that_look_like_forked_samples(tiny_llama_dir, order):
+    """A request "x" of n = 2 forks a second sample; a request named "x#1" (the name forked samples once
+    had) runs beside it, in either order: once it crashed the server's engine thread."""
+    engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB", warmup=False)
+    reqs = [("x", [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, n=2, **GREEDY)),
+            ("x#1", [9, 8, 7], SamplingParams(max_tokens=6, **GREEDY))]
+    got: dict = {}
+
+    def step():
+        for o in engine.step():
+            got.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+    for rid, prompt, params in (reqs if order == "parent first" else reqs[::-1]):
+        engine.add_request(rid, prompt, params)
+        step()                                            # the first one is prefilled (and forked) first
+    while engine.has_unfinished():
+        step()
+    assert sorted(got) == [("x", 0), ("x", 1), ("x#1", 0)] and all(len(t) == 6 for t in got.values())
+    assert got[("x", 0)] == got[("x", 1)]
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_refused_prompt_leaves_the_llm_usable(tiny_llama_dir):
+    """One bad prompt in a generate call: the call raises naming it, none of its requests stays queued, and
+    the next calls (which once found their request ids still in use) run normally."""
+    llm = make_llm(tiny_llama_dir)
+    want = run(llm, [[1, 2, 3]], [4])[0].token_ids
+    with pytest.raises(RequestRejected, match="prompt 2: .*outside the vocabulary"):
+        run(llm, [[1, 2, 3], [4, 5, 6], [1, 99999]], [4] * 3)
+    assert llm.engine.num_requests == 0 and llm.engine.block_manager.num_used_blocks == 0
+    assert run(llm, [[1, 2, 3]], [4])[0].token_ids == want
+    assert llm.generate([], use_tqdm=False) == []
+
+
 def test_rejections_and_validation(tiny_llama_dir):
     engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB")
     with pytest.raises(RequestRejected, match="maximum context"):
@@ -190,9 +225,13 @@ def test_rejections_and_validation(tiny_llama_dir):
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=2), dict(n=0),
                 dict(repetition_penalty=0), dict(seed=-1), dict(stop=[""]), dict(presence_penalty=2.5),
                 dict(frequency_penalty=-3), dict(logit_bias={"x": 1}), dict(logit_bias={3: 101}),
-                dict(logprobs=21), dict(prompt_logprobs=-1), dict(logprobs=True)):
+                dict(logprobs=21), dict(prompt_logprobs=-1), dict(logprobs=True), dict(stop=5), dict(stop=0),
+                dict(stop={"a": 1}), dict(stop_token_ids=5), dict(logit_bias={"9" * 5000: 1})):
         with pytest.raises(ValueError, match=list(bad)[0]):
             SamplingParams(**bad)
+    with pytest.raises(ValueError, match=r"stop_token_ids=\[-1, .*\.\.\. \(\d+ characters\)") as e:
+        SamplingParams(stop_token_ids=[-1] * 100000)          # the message shows the start of a huge value
+    assert len(str(e.value)) < 400
 
 
 def test_kv_cache_dtype(tiny_llama_dir):

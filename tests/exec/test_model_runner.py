@@ -314,3 +314,20 @@ def test_sampler_without_device_sampler_is_the_host_rule(tiny_llama_dir):
     got = Sampler(CPUBackend()).sample(logits, params, hist, [make_generator(9, i) for i in range(4)])
     want = [sample_row(logits[i], params[i], hist[i], make_generator(9, i)) for i in range(4)]
     assert got == want
+
+
+def test_sampling_survives_a_tiny_temperature_and_an_overflowing_penalty():
+    """temperature 5e-324 once divided every logit into +-inf and inf - inf gave NaN probabilities (the
+    last token every time); a repetition penalty of 1e-308 overflowed the penalized logits the same way.
+    Now the best token wins (ties share), as greedy decoding would pick."""
+    rng = np.random.default_rng(3)
+    row = rng.standard_normal(1000).astype(np.float32)
+    best = int(np.argmax(row))
+    for temp in (5e-324, 1e-300, 1e-30):
+        p = SamplingParams(temperature=temp, max_tokens=1)
+        assert all(sample_row(row, p, [], make_generator(s, 0)) == best for s in range(5))
+    history = [best, 7]
+    row[7] = row[best]                                       # both positive and penalized: +inf, tied
+    p = SamplingParams(temperature=1.0, repetition_penalty=1e-308, max_tokens=1)
+    got = {sample_row(row, p, history, make_generator(s, 0)) for s in range(40)}
+    assert got == {best, 7}

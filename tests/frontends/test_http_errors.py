@@ -55,6 +55,12 @@ def test_a_body_that_is_not_json_is_400(http_server):
     r = httpx.post(http_server.base_url + "/v1/completions", content=b"{nope", timeout=30,
                    headers={**AUTH, "content-type": "application/json"})
     assert "JSON" in _error(r, 400)["message"]
+    for body, ctype in ((b"", "application/json"), (b"[1, 2]", "application/json"), (b'"hi"', "application/json"),
+                        (b"prompt=hi", "application/x-www-form-urlencoded"), (b"\xff\xfe{", "application/json")):
+        r = httpx.post(http_server.base_url + "/v1/completions", content=body, timeout=30,
+                       headers={**AUTH, "content-type": ctype})
+        err = _error(r, 400)
+        assert "JSON" in err["message"] and not err["param"], (body, err)
 
 
 def test_an_unknown_model_is_404(http_server):
@@ -112,6 +118,44 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(http_server):
     assert time.monotonic() - t < 5
     assert after["requests_aborted_by_client"] == before["requests_aborted_by_client"] + 1
     assert after["tokens_generated"] - before["tokens_generated"] < 400
+
+
+def test_a_client_that_disconnects_from_a_non_streaming_request_frees_its_blocks(http_server):
+    """Without streaming, the request once ran to its end for nobody; now it is aborted within a moment."""
+    before = wait_idle(http_server)
+    body = {"prompt": "Tell me a long story about the sea.", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(http_server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=1.5)
+    t = time.monotonic()
+    after = wait_idle(http_server, timeout_s=10)
+    assert time.monotonic() - t < 5
+    assert after["requests_aborted_by_client"] == before["requests_aborted_by_client"] + 1
+    assert after["tokens_generated"] - before["tokens_generated"] < 400
+
+
+def test_requests_the_engine_link_cannot_send_are_400_or_413_not_500(http_server):
+    """Found by fuzzing: each of these was a 500 or dropped the HTTP worker's connection to the engine."""
+    huge = "a " * 600000                                          # over the engine's 1 MiB message limit
+    assert _error(post(http_server, "/tokenize", {"prompt": huge}), 413)["code"] == "request_too_large"
+    _error(post(http_server, "/detokenize", {"tokens": [-1]}), 400, "tokens")
+    err = _error(post(http_server, "/v1/completions", {"prompt": "a", "max_tokens": 10 ** 20}), 400)
+    assert "64 bits" in err["message"]
+    err = _error(post(http_server, "/v1/completions", {"prompt": [2 ** 40], "echo": True, "max_tokens": 1}), 400,
+                 "prompt")
+    assert "vocabulary" in err["message"]
+    r = post(http_server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})   # and the link still works
+    assert r.status_code == 200, r.text
+
+
+def test_a_chat_without_max_tokens_fits_the_kv_pool(http_server):
+    """OpenAI's default max_tokens for a chat is what the context leaves; here the pool (64 MiB) holds less
+    than the context, so the default is what the pool holds (it was refused as too big for the pool)."""
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0,
+            "stop": [" "]}
+    r = post(http_server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
 def test_metrics_agree_with_the_requests_sent(http_server):

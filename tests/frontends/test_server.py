@@ -162,8 +162,10 @@ def test_abort_mid_stream_frees_blocks(tiny_server):
         busy = c.stats()
         assert busy["running"] == 1 and busy["kv_blocks_used"] > 0
         c.abort("long")
+        c.abort("long")                        # asked twice before it ended: one final, counted once
         rest = list(it)
         assert rest[-1].finish_reason == "abort" and rest[-1].usage.completion_tokens < 1000
+        assert sum(isinstance(m, P.Final) for m in rest) == 1
         after = c.stats()                      # the abort was handled before this (one connection, in order)
         assert after["running"] == 0 and after["kv_blocks_used"] == 0
         assert after["requests_aborted_by_client"] == before["requests_aborted_by_client"] + 1

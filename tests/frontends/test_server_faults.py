@@ -320,6 +320,47 @@ def test_ipc_replaces_a_stale_socket_and_refuses_a_shared_folder(tiny_engine, pr
         check_bind_security(ServerConfig(bind="ipc://@rawinfer-test"))
 
 
+def test_a_failed_step_whose_abort_fails_too_leaves_the_server_serving(tiny_llama_dir, private_dir):
+    """A step raises, and so does aborting a request after it (the engine's bookkeeping is broken: request
+    ids that collided once did this). Every request in flight ends (a final of reason `error` or an
+    `internal` error), the engine starts over empty, and the next request is served; before, the engine
+    thread died and the server exited without a word to any client."""
+    from rawinfer import LLMEngine
+    from rawinfer.frontends.server.client_core import RequestError
+    engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="16MiB")
+    real_step, real_abort = engine.step, engine.abort
+    faults = {"step": 1, "abort": 1}
+
+    def step():
+        if faults["step"] and engine.num_requests == 2:
+            faults["step"] = 0
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    def abort(request_id):
+        if faults["abort"]:
+            faults["abort"] = 0
+            raise KeyError("injected abort failure")
+        return real_abort(request_id)
+    engine.step, engine.abort = step, abort
+    srv = InProcess(engine, bind=f"ipc://{private_dir}/s")
+    try:
+        with Client(srv.addr, timeout_s=20) as c:
+            its = [c.generate([5, 6, i], params={"max_tokens": 40, **GREEDY}) for i in range(2)]
+            ends = []
+            for it in its:
+                try:
+                    ends.append(list(it)[-1].finish_reason)
+                except RequestError as e:
+                    ends.append(e.code)
+            assert sorted(ends) == ["error", "internal"] and not faults["step"] and not faults["abort"]
+            assert c.complete([5, 6, 7], params={"max_tokens": 5, **GREEDY}).finish_reason == "length"
+            s = idle_stats(c)
+            assert s["kv_blocks_used"] == 0 and s["requests_in_flight"] == 0
+    finally:
+        srv.stop()
+
+
 # ---- 7: the client library and the size limit -----------------------------------------------------------------
 def test_an_oversized_request_is_refused_by_the_client_and_other_streams_live_on(tiny_server):
     """Issue 16: the client sent a message over the server's limit, timed out blaming the server, and the
@@ -331,6 +372,8 @@ def test_an_oversized_request_is_refused_by_the_client_and_other_streams_live_on
         t0 = time.monotonic()
         with pytest.raises(ValueError, match="over the server's limit"):
             c.generate(list(range(3, 500)) * 1500)                # about 1.7 MB of token ids
+        with pytest.raises(ValueError, match="over the server's limit"):
+            c.tokenize("a " * 600000)                              # a tokenize call: the same check
         assert time.monotonic() - t0 < 2
         got = [[first] + list(its[0]), list(its[1])]
         assert [sum(len(m.token_ids) for m in g) for g in got] == [30, 30]
@@ -341,6 +384,8 @@ def test_an_oversized_request_is_refused_by_the_client_and_other_streams_live_on
             with pytest.raises(ValueError, match="over the server's limit"):
                 async for _ in ac.generate("x" * (2 << 20)):
                     pass
+            with pytest.raises(ValueError, match="over the server's limit"):
+                await ac.tokenize("x" * (2 << 20))
             return await ac.complete([5, 6, 7], params={"max_tokens": 5, **GREEDY})
     assert asyncio.run(main()).finish_reason == "length"
 

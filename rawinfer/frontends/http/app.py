@@ -4,6 +4,7 @@ and the API key check. One app per worker process, with one EngineLink to the en
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import time
@@ -24,6 +25,8 @@ from rawinfer.frontends.http.schemas import (ChatCompletionRequest, CompletionRe
                                              TokenizeRequest)
 from rawinfer.frontends.http.sse import EventStream
 from rawinfer.frontends.http.tokens import detokenize, tokenize
+
+DISCONNECT_POLL_S = 0.25     # how often a non-streaming request checks that its client is still there
 
 OPEN_PATHS = ("/health", "/version")        # answered without the API key (load balancers, probes)
 
@@ -98,6 +101,9 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http(_req, e: HTTPException):
+        if e.status_code == 400:        # FastAPI could not read the body (not UTF-8, nested too deep, ...)
+            return _error(APIError(400, f"the request body cannot be read ({e.detail}): send a JSON object in "
+                                   "UTF-8", code="invalid_json"))
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return _error(APIError(e.status_code, f"{e.detail}: see GET /v1/models and the README's Serving section",
                                code=code))
@@ -130,24 +136,24 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
         stats = await link().stats()
         return Response(metrics.render(stats, await model_name()), media_type=metrics.CONTENT_TYPE)
 
-    async def run(job):
+    async def run(job, request: Request):
         if not job.stream:
-            return JSONResponse(await whole_response(link(), job))
+            return await _unless_gone(whole_response(link(), job), request)
         stream = ChunkStream(link(), job)
         await stream.start()
         return _SSEResponse(EventStream(stream.events()))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         name = await model_name()
         check_model(body.model, name)
-        return await run(completion_job(body, name))
+        return await run(completion_job(body, name), request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         name = await model_name()
         check_model(body.model, name)
-        return await run(chat_job(body, name))
+        return await run(chat_job(body, name), request)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):
@@ -163,3 +169,20 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
         app.add_middleware(_ApiKey, key=cfg.api_key)
     return app
 
+
+async def _unless_gone(work, request: Request) -> Response:
+    """A non-streaming response, whose engine requests are aborted as soon as the client has gone away
+    (checked every DISCONNECT_POLL_S) instead of running to the end for nobody: cancelling `work` closes
+    the engine iterators, and closing one sends `abort`."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return JSONResponse(task.result())
+            if await request.is_disconnected():
+                return Response(status_code=499)         # nginx's "client closed request": nobody reads it
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

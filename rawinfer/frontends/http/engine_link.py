@@ -61,12 +61,16 @@ class EngineLink:
                                                                     add_special_tokens=add_special_tokens))
         except RequestError as e:
             raise from_engine(e.code, e.message, prompt_param) from None
+        except ValueError as e:           # over the engine's message size limit, or a message it would refuse
+            raise refused(e, prompt_param) from None
 
     async def detokenize(self, token_ids: list[int]) -> str:
         try:
             return await self._control(lambda: self.client.detokenize(token_ids))
         except RequestError as e:
             raise from_engine(e.code, e.message, "tokens") from None
+        except ValueError as e:
+            raise refused(e, "tokens") from None
 
     async def stats(self) -> dict:
         return await self._control(self.client.stats)
@@ -92,9 +96,7 @@ class EngineLink:
         except RequestError as e:
             raise from_engine(e.code, e.message, prompt_param) from None
         except ValueError as e:           # over the engine's message size limit, or a message it would refuse
-            large = "limit" in str(e)
-            raise APIError(413 if large else 400, str(e), param=prompt_param if large else None,
-                           code="request_too_large" if large else "invalid_value") from None
+            raise refused(e, prompt_param) from None
         except ClientError as e:
             raise APIError(503, f"lost the engine at {self.addr}: {e}", code="engine_unavailable") from None
 
@@ -105,3 +107,11 @@ class EngineLink:
                 await self.client.abort(rid)
             except Exception:            # the socket is closing: the engine drops the requests with us
                 pass
+
+
+def refused(e: ValueError, param: str) -> APIError:
+    """The client library's refusal before sending (ValueError): 413 for a message over the engine's size
+    limit, else 400 for a message the engine would refuse (naming param)."""
+    if "limit" in str(e):
+        return APIError(413, str(e), param=param, code="request_too_large")
+    return APIError(400, str(e), param=param, code="invalid_value")

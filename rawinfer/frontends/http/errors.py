@@ -87,11 +87,12 @@ def from_validation(errors: list[dict]) -> APIError:
         name = ".".join(loc)
         return APIError(400, f"unknown field {name!r}: this server does not know it; leave it out",
                         param=name, code="unknown_parameter")
+    if not loc:                         # the body as a whole: missing, or JSON but not an object
+        return APIError(400, "the request body must be a JSON object (content-type application/json)",
+                        code="invalid_request")
     if e.get("type") == "missing":
         name = ".".join(loc)
         return APIError(400, f"the field {name!r} is required", param=name, code="missing_parameter")
-    if e.get("type") == "model_type" and not loc:
-        return APIError(400, "the request body must be a JSON object", code="invalid_request")
     top = loc[0] if loc else None
     if top in _SHAPES:
         return invalid(top, f"{top!r} must be {_SHAPES[top]}")

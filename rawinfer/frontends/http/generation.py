@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from rawinfer.config import is_int
 from rawinfer.frontends.http.engine_link import EngineLink
 from rawinfer.frontends.http.errors import APIError
 from rawinfer.frontends.http.logprobs import CompletionLogprobs, TokenTexts, chat_content, merge
@@ -63,13 +64,22 @@ async def prepare(link: EngineLink, job: Job) -> None:
     sent as those ids, so the echoed tokens are the ones computed) and each prompt's text."""
     if job.chat and "max_tokens" not in job.params:
         ids = await link.tokenize(messages=job.prompts[0]["messages"], prompt_param="messages")
-        limit = (await link.info()).get("max_model_len") or 0
-        job.params["max_tokens"] = max(1, limit - len(ids))
+        info = await link.info()
+        room = info.get("max_model_len") or 0
+        blocks, bs = info.get("kv_blocks_total"), info.get("block_size")
+        if is_int(blocks) and is_int(bs) and blocks > 0:     # nor more than the KV pool holds for n samples
+            room = min(room, blocks // max(1, job.n) * bs)
+        job.params["max_tokens"] = max(1, room - len(ids))
     if job.echo is not None:
         job.prompt_ids = []
         texts = await link.token_texts()
+        vocab = (await link.info()).get("vocab_size")
         for i, p in enumerate(job.prompts):
             ids = p["prompt"] if not isinstance(p["prompt"], str) else await link.tokenize(p["prompt"])
+            bad = [t for t in ids if is_int(vocab) and not 0 <= t < vocab]
+            if bad:                         # before decoding them for the echo
+                raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                               param="prompt", code="invalid_value")
             job.prompt_ids.append(list(ids))
             job.prompts[i] = {"prompt": list(ids)}
             if job.echo[i] is None:

@@ -171,6 +171,9 @@ class Client:
     def _call(self, cls, **fields) -> Any:
         tag, data = self.core.open_call(cls, **fields)
         try:
+            if self.core.needs_limit(len(data)):        # tokenize carries a prompt: as generate, checked first
+                self.core.learn_limit(self.model_info())
+            self.core.check_size(len(data))
             self.sock.send(data)
             self._pump(lambda: self.core.has_reply(tag))
             return self.core.take_reply(tag)
@@ -270,6 +273,9 @@ class AsyncClient:
         tag, data = self.core.open_call(cls, **fields)
         self._start_reader()
         try:
+            if self.core.needs_limit(len(data)):
+                self.core.learn_limit(await self.model_info())
+            self.core.check_size(len(data))
             await self.sock.send(data)
             await self._wait(("reply", tag), lambda: self.core.has_reply(tag))
             return self.core.take_reply(tag)

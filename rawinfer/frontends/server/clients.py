@@ -67,6 +67,7 @@ class ClientTable:
         self.clients: dict[bytes, ClientState] = {}
         self._owner: dict[str, tuple[bytes, str]] = {}      # engine id -> (client, its request id)
         self.cancelling: set[str] = set()                    # engine ids of vanished clients, not freed yet
+        self.aborting: set[str] = set()                      # engine ids whose client asked to abort them
         self.counts = Counters()
 
     # ---- requests -----------------------------------------------------------------------------------------
@@ -102,6 +103,7 @@ class ClientTable:
         """The request's last message was just sent or queued: a final (then it awaits confirmation) or the
         error that refused it. Its request id, or None if it was not in flight."""
         owner = self._owner.pop(engine_id, None)
+        self.aborting.discard(engine_id)
         if owner is None:
             return None
         client, request_id = owner
@@ -138,6 +140,7 @@ class ClientTable:
         running = list(st.requests.values())
         for engine_id in running:
             self._owner.pop(engine_id, None)
+        self.aborting.difference_update(running)
         self.cancelling.update(running)
         lost = list(st.requests) + [h.request_id for h in st.handed]
         if lost:

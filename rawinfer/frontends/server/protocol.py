@@ -272,6 +272,9 @@ def _plain(obj: Any) -> Any:
     """msgpack fallback for NumPy scalars in stats maps (anything with .item())."""
     if hasattr(obj, "item"):
         return obj.item()
+    if isinstance(obj, int):          # msgpack packs integers of up to 64 bits
+        text = str(obj) if obj.bit_length() < 200 else f"{str(obj)[:20]}... ({obj.bit_length()} bits)"
+        raise ValueError(f"the integer {text} is out of range: numbers in a request must fit in 64 bits")
     raise TypeError(f"cannot encode {type(obj).__name__} in a protocol message")
 
 
@@ -324,6 +327,6 @@ def _decode(data: bytes, registry: dict[str, type]) -> Any:
                             f"unknown message type {_short(kind)}; expected one of {', '.join(registry)}", rid, tag)
     body = {k: v for k, v in obj.items() if k not in ("v", "type")}
     try:
-        return _build(cls, body, f"a {kind} message")
+        return _build(cls, body, f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} message")
     except ValueError as e:
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, str(e), rid, tag) from None

@@ -142,6 +142,9 @@ class Server(ClientFront):
         engine_id = self._table.lookup(client, msg.request_id)
         if engine_id is None:
             return self._unknown_request(client, msg.request_id)
+        if engine_id in self._table.aborting:     # asked again before it ended: its final comes once
+            return
+        self._table.aborting.add(engine_id)
         self._table.counts.requests_aborted_by_client += 1
         self._admission.queue.put(Cancel(engine_id, notify=True))
 

@@ -153,8 +153,7 @@ class EngineWorker:
             outputs = self.engine.step()
         except Exception as e:          # fail the requests in flight, keep serving the next ones
             log.exception("engine step failed")
-            reason = f"the engine failed ({type(e).__name__}: {e}); the request was aborted"
-            return [o for engine_id in list(self._requests) for o in self._abort(engine_id, reason)]
+            return self._fail_all(f"the engine failed ({type(e).__name__}: {e}); the request was aborted")
         out = []
         for o in outputs:
             st = self._requests.get(o.request_id)
@@ -166,6 +165,26 @@ class EngineWorker:
                 chunk = st.chunk(o)
                 if chunk is not None:
                     out.append(Outgoing(st.client, P.encode(chunk), o.request_id))
+        return out
+
+
+    def _fail_all(self, reason: str) -> list[Outgoing]:
+        """After a failed step: every request in flight ends with `reason`. Should aborting one fail too (the
+        step left the engine's bookkeeping inconsistent), the engine starts over empty and the requests
+        not yet ended get an `internal` error, so this thread, and every other client, goes on."""
+        out: list[Outgoing] = []
+        broken = False
+        for engine_id in list(self._requests):
+            try:
+                out += self._abort(engine_id, reason)
+            except Exception:
+                log.exception("aborting %s after the failed step failed too", engine_id)
+                broken = True
+        if broken or self.engine.num_requests:
+            self.engine.discard_all()
+            for engine_id, st in list(self._requests.items()):
+                del self._requests[engine_id]
+                out.append(refusal(st.client, engine_id, P.Error(str(P.ErrorCode.INTERNAL), reason, st.request_id)))
         return out
 
 
