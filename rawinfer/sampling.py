@@ -73,8 +73,8 @@ class SamplingParams:
             bad("ignore_eos", "true or false")
         if not is_int(self.n) or not 1 <= self.n <= 64:
             bad("n", "an integer from 1 to 64")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            bad("min_tokens", "an integer >= 0")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"an integer from 0 to max_tokens ({self.max_tokens})")
         for name in ("presence_penalty", "frequency_penalty"):
             if not is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "a number in [-2, 2] (0 disables it)")

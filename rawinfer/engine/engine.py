@@ -137,7 +137,10 @@ class LLMEngine(Scoring):
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejected("this model has no tokenizer: pass the prompt as a list of token ids")
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except ValueError as e:              # text that is not UTF-8
+                raise RequestRejected(f"the prompt cannot be tokenized: {e}") from None
         elif isinstance(prompt, (list, tuple)) and all((is_int(t) or isinstance(t, np.integer)) for t in prompt):
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < V]

@@ -87,7 +87,11 @@ class Tokenizer:
         """Text -> ids. With add_special_tokens, BOS is prepended when the config asks for it, never twice."""
         if not isinstance(text, str):
             raise ValueError(f"can only encode a string, got {type(text).__name__}")
-        ids = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:                   # lone surrogates: undecodable bytes read as text (argv, stdin)
+            raise ValueError("the text is not valid UTF-8 (it holds undecodable bytes); give text in UTF-8, "
+                             "or token ids") from None
         bos = self.config.bos_token_id
         if not add_special_tokens or bos is None:
             return ids

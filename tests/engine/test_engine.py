@@ -226,7 +226,8 @@ def test_rejections_and_validation(tiny_llama_dir):
                 dict(repetition_penalty=0), dict(seed=-1), dict(stop=[""]), dict(presence_penalty=2.5),
                 dict(frequency_penalty=-3), dict(logit_bias={"x": 1}), dict(logit_bias={3: 101}),
                 dict(logprobs=21), dict(prompt_logprobs=-1), dict(logprobs=True), dict(stop=5), dict(stop=0),
-                dict(stop={"a": 1}), dict(stop_token_ids=5), dict(logit_bias={"9" * 5000: 1})):
+                dict(stop={"a": 1}), dict(stop_token_ids=5), dict(logit_bias={"9" * 5000: 1}),
+                dict(min_tokens=257)):
         with pytest.raises(ValueError, match=list(bad)[0]):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match=r"stop_token_ids=\[-1, .*\.\.\. \(\d+ characters\)") as e:

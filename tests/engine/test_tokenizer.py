@@ -138,6 +138,8 @@ def test_corrupt_tokenizer(tmp_path, content):
 def test_encode_rejects_non_text(bl):
     with pytest.raises(ValueError, match="can only encode a string"):
         bl.encode([1, 2, 3])
+    with pytest.raises(ValueError, match="not valid UTF-8"):            # b"ab\xffcd" read with surrogateescape
+        bl.encode(b"ab\xffcd".decode("utf-8", "surrogateescape"))
 
 
 # ---- chat templates ---------------------------------------------------------------------------------------

@@ -94,10 +94,13 @@ def test_chat_against_a_server(chat_setup):
     try:
         srv.wait_ready()
         r = rawinfer("chat", "--addr", srv.addr, "--max-tokens", "6", "--ignore-eos",
-                     stdin="hello\nhow are you\n/reset\nhello\n")
+                     stdin="hello\nhow are you\n/reset\nhello\n" + "word " * 250000 + "\nhello\n")
         assert r.returncode == 0, r.stderr
         p = prompts_of(r.stderr)
-        assert len(p) == 3 and p[0] < p[1] and p[2] == p[0]
+        assert len(p) == 4 and p[0] < p[1] and p[2] == p[0]
+        # a line over the server's 1 MiB message limit is refused with a notice; the chat goes on (it ended
+        # the whole session before)
+        assert "over the server's limit" in r.stderr
     finally:
         srv.stop()
 

@@ -126,6 +126,16 @@ def test_a_bad_flag_value_is_one_sentence(args, message):
     assert r.stderr == f"rawinfer: error: {message}{_help(command)}\n"
 
 
+def test_bench_outputs_are_checked_before_the_run(tmp_path):
+    """--json naming a folder failed after the whole benchmark had run, losing it; a malformed --base-url
+    gave a traceback."""
+    r = rawinfer("bench", "throughput", "--json", str(tmp_path))
+    assert r.returncode == 2 and r.stderr == (f"rawinfer: error: {str(tmp_path)!r} is a folder: name a file for "
+                                              "--json / --figure, or give --output-dir\n")
+    r = rawinfer("bench", "serve", "--backend", "openai", "--base-url", "http://[::1", "--json", str(tmp_path / "x.json"))
+    assert r.returncode == 1 and r.stderr.startswith("rawinfer: error: no HTTP server answered at http://[::1")
+
+
 def test_sizes_the_machine_cannot_hold_are_one_sentence(tiny_llama_dir, tmp_path):
     t = time.monotonic()
     r = rawinfer("generate", "5", "--token-ids", "--model", tiny_llama_dir, "--device", "cpu",

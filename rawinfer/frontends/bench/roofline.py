@@ -117,6 +117,11 @@ def time_prefill(engine, prompt_len: int, repeat: int = 3) -> float:
 def time_decode(engine, batch: int, context: int, steps: int = 24) -> float:
     """Mean seconds of one decode step with `batch` sequences of about `context` cached tokens."""
     from rawinfer.sampling import SamplingParams
+    bs, blocks = engine.config.block_size, engine.block_manager.num_blocks
+    need = batch * -(-(context + steps + 2) // bs)
+    if need > blocks:                 # else preemptions and recomputed prompts would be timed as decode steps
+        raise ValueError(f"a decode batch of {batch} x {context} cached tokens needs {need} KV blocks but the pool "
+                         f"holds {blocks}; raise --kv-cache-memory or lower --batch / --context")
     rng = np.random.default_rng(2)
     V = engine.model_config.vocab_size
     for i in range(batch):

@@ -175,6 +175,8 @@ def _output_path(args, kind: str, ext: str, given: str | None) -> str:
     if given:
         folder = os.path.dirname(os.path.abspath(given))
         path = given
+        if os.path.isdir(given):      # checked before the run: a finished benchmark is not thrown away
+            raise CLIError(f"{given!r} is a folder: name a file for --json / --figure, or give --output-dir")
     else:
         folder = args.output_dir or default_output_dir()
         path = os.path.join(folder, f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.{ext}")
@@ -182,13 +184,19 @@ def _output_path(args, kind: str, ext: str, given: str | None) -> str:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
         raise CLIError(f"cannot create the output folder {folder!r} ({e.strerror}); give a writable --output-dir")
+    if not os.access(folder, os.W_OK):
+        raise CLIError(f"the output folder {folder!r} is not writable; give a writable --output-dir or path")
     return path
 
 
 def _write_json(args, kind: str, result: dict) -> str:
     path = _output_path(args, kind, "json", args.json)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    try:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    except OSError as e:              # the disk is full, ...: the results go to stdout rather than nowhere
+        print(json.dumps(result, indent=1))
+        raise CLIError(f"cannot write {path!r} ({e.strerror}); the results are printed above", EXIT_FAILED) from None
     print(f"wrote {path}")
     return path
 
@@ -223,6 +231,7 @@ def cmd_serve_bench(args) -> int:
     path = _write_json(args, "serve", {**r, "config": {**r["config"], "request_rate": rate}})
     if args.figure != "":
         fig = args.figure or os.path.splitext(path)[0] + ".png"
+        fig = fig if fig.lower().endswith(".png") else fig + ".png"     # what matplotlib writes
         try:
             from rawinfer.frontends.bench import figure
             figure.plot(r, _output_path(args, "serve", "png", fig))
@@ -241,7 +250,7 @@ def _check_http(base_url: str, api_key: str | None) -> None:
     try:
         r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=3.0,
                       headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
         raise CLIError(f"no HTTP server answered at {base_url} ({type(e).__name__}): start one with `rawinfer serve`, "
                        "or check --base-url", EXIT_FAILED) from None
     if r.status_code != 200:

@@ -109,7 +109,13 @@ class RemoteModel:
 
     def answer(self, messages: list[dict], params, stop: Callable[[], bool]) -> Iterator[Event]:
         from rawinfer.frontends.server.client import RequestError
-        raw = self.client.generate(messages=messages, params=params, stream=True)
+        try:
+            raw = self.client.generate(messages=messages, params=params, stream=True)
+        except UnicodeError:                # lone surrogates: undecodable bytes read as text
+            raise Refused("this message is not valid UTF-8 text (it holds undecodable bytes); it was not sent") \
+                from None
+        except ValueError as e:             # over the server's message size limit: older turns go first
+            raise TooLong(str(e)) from None
         try:
             first = next(raw)               # a refusal arrives as the first answer
         except RequestError as e:

@@ -13,6 +13,10 @@ from rawinfer.config import VERSION, ModelFormatError
 from rawinfer.frontends.cli import bench, chat, convert, fetch, generate, models, serve, warmup
 from rawinfer.frontends.options import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, CLIError, Parser,
                                         size_cpu_pool)
+from rawinfer.frontends.server.client_core import RequestError
+
+# the server's error codes for a request refused because of what the user sent (exit status 2, not 1)
+REFUSED_INPUT = ("rejected", "invalid_params", "invalid_prompt", "invalid_message", "duplicate_request_id")
 
 EPILOG = """exit status: 0 done; 1 the run failed (no server answered, a request was aborted or failed, a
 benchmark request failed); 2 bad usage or input (a flag, a model path, a prompt); 130 interrupted.
@@ -71,6 +75,8 @@ def error_status(e: BaseException) -> int | None:
     if isinstance(e, MemoryError):       # the memory pool catches its own; this is any other allocation
         return EXIT_USAGE
     if isinstance(e, (ModelFormatError, ValueError, OSError, DeviceUnavailableError)):
+        return EXIT_USAGE
+    if isinstance(e, RequestError) and e.code in REFUSED_INPUT:   # the server refused what the user gave
         return EXIT_USAGE
     if isinstance(e, RuntimeError):      # the client library's errors (ClientError), a failed engine step
         return EXIT_FAILED

@@ -74,11 +74,11 @@ def _prompt(v: Any) -> str | list[int]:
 
 
 def _chat(v: Any) -> list[dict[str, str]]:
-    ok = isinstance(v, list) and all(
+    ok = isinstance(v, list) and v and all(
         isinstance(m, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in m.items())
         and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
     if not ok:
-        raise ValueError('must be a list of {"role": str, "content": str} maps')
+        raise ValueError('must be a non-empty list of {"role": str, "content": str} maps')
     return v
 
 
