@@ -34,6 +34,8 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "0 to 20"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"+5": 1}}, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"05": 1, "5": 2}}, "logit_bias", "token ids"),
     ("/v1/completions", {"prompt": [1, "a"]}, "prompt", "token ids"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ("/v1/completions", {"max_tokens": 2}, "prompt", "required"),

@@ -68,11 +68,11 @@ def _sampling(req, max_tokens: int | None, max_tokens_name: str, known: set[str]
     if req.logit_bias:
         if "logit_bias" not in known:
             raise unsupported("logit_bias")
-        try:
-            params["logit_bias"] = {str(int(k)): v for k, v in req.logit_bias.items()}   # msgpack maps key by str
-        except ValueError:
-            raise invalid("logit_bias", "'logit_bias' keys must be token ids written as strings, like \"50256\"") \
-                from None
+        keys = [k for k in req.logit_bias if not (k.isascii() and k.isdigit() and len(k) <= 20 and str(int(k)) == k)]
+        if keys:                            # plain decimals only: " 5", "+5", "1_0" or "05" are no token ids
+            raise invalid("logit_bias", f"'logit_bias' keys must be token ids written as strings, like \"50256\" "
+                                        f"(got {keys[0][:20]!r})")
+        params["logit_bias"] = dict(req.logit_bias)           # msgpack maps key by str
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
     params["n"] = 1 if req.n is None else req.n
