@@ -42,6 +42,10 @@ class Faulty(PrefillServer):
                       *frames[1:])
         elif self.mode == "silent":
             return True
+        elif self.mode == "full":               # ZeroMQ's queue to the decode instance is full, for a while
+            self.refusals = getattr(self, "refusals", 0) + 1
+            if self.refusals <= 30:
+                return None
         elif self.mode == "die":
             self.sock.close(0)
             self.dead = True
@@ -218,9 +222,14 @@ def test_prefill_side_refuses_another_models_fingerprint(engines, link):
     sock.connect(servers[0].endpoint)
     sock.send(wire.encode("prefill", id="t1", prompt=list(range(80)), start_block=0, fingerprint=fp.to_dict()))
     sock.send(b"not json")
+    # headers JSON cannot hold in Python (an integer of 5,000 digits, nesting past the recursion limit) once
+    # stopped the whole prefill instance; a field of the wrong type came back without its transfer id
+    sock.send(b'{"v": 1, "type": "prefill", "id": "t2", "prompt": [' + b"9" * 5000 + b"]}")
+    sock.send(b"[" * 100000)
+    sock.send(wire.encode("prefill", id="t3", prompt="not ids", start_block=0, fingerprint=servers[0].fingerprint))
     replies = []
     end = time.monotonic() + 10
-    while len(replies) < 2 and time.monotonic() < end:
+    while len(replies) < 5 and time.monotonic() < end:
         servers[0].run_once(0.01)
         while sock.poll(0):
             replies.append(wire.decode(sock.recv()))
@@ -228,8 +237,29 @@ def test_prefill_side_refuses_another_models_fingerprint(engines, link):
     err = replies[0]
     assert err.type == "error" and err.fields["code"] == "fingerprint"
     assert "block_size 16 here vs 32 there" in err.fields["message"] and "float16" in err.fields["message"]
-    assert replies[1].fields["code"] == "rejected"
+    assert [r.fields["code"] for r in replies[1:]] == ["rejected"] * 4
+    assert replies[4].fields["id"] == "t3"
+    with pytest.raises(wire.WireError):                  # the decode side reads headers with the same function
+        wire.decode(b'{"v": 1, "type": "pong", "seq": ' + b"9" * 5000 + b"}")
     assert_no_leak(engines[1])
+
+
+def test_a_burst_of_transfers_beyond_the_send_queue_waits_instead_of_being_dropped(engines, link):
+    """A step that finishes more prompts than the decode instance's ZeroMQ queue holds: the rest wait in
+    the prefill side's backlog (they were dropped, and their requests waited for the deadline)."""
+    servers, conn = link
+    colo, pa, pb, decode = engines
+    for srv in servers:
+        srv.mode = "full"
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(40, 90, 12)]
+    want = colocated(colo, reqs(prompts, "q"))
+    got, failed = generate(servers, conn, reqs(prompts, "q"))
+    assert got == want and not failed
+    assert conn.counters["fallbacks"] == 0 and all(s.counters["dropped"] == 0 for s in servers)
+    assert all(s.refusals > 1 for s in servers)          # their backlogs were used
+    assert conn.counters["remote"] >= 12
+    assert_no_leak(pa, pb, decode)
 
 
 def test_no_prefill_instance_up_or_bounds_reached_prefills_locally(engines, tiny_llama_dir):

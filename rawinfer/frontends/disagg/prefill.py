@@ -3,8 +3,10 @@
 One thread owns the engine and the ROUTER socket (bound on its own endpoint, reached by decode instances
 only; wire.py is the format). Between steps it takes in `prefill`, `abort` and `ping` messages; after each
 step it sends the K/V of every prompt just computed and the engine frees those blocks in the same step:
-nothing is held for a slow decode instance. A send that would block (the decode instance is not reading)
-drops that transfer; the decode side's deadline then prefills it there.
+no KV block is held for a slow decode instance. A send that would block (the decode instance is not reading
+fast enough, or a step finished more prompts than its ZeroMQ queue holds) waits in a backlog of host copies
+and goes out as the queue drains; one not taken within backlog_s is dropped, and the decode side's
+deadline has prefilled it there by then.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -23,13 +26,17 @@ from rawinfer.frontends.server.security import SecurityError, is_loopback_endpoi
 
 log = logging.getLogger("rawinfer")
 
+MAX_TAKEN_PER_STEP = 256      # messages taken in between two engine steps
+MAX_BACKLOG_ERRORS = 1024     # error replies kept for peers that do not read (K/V replies: max_queued, _queued)
+
 
 @dataclass
 class PrefillConfig:
     bind: str = "tcp://127.0.0.1:5560"
     max_queued: int = 64                     # prompts accepted and not yet sent; beyond: `busy`
     max_message_bytes: int = 8 * 1024**2     # inbound (a prompt's token ids); the K/V go the other way
-    send_queue_messages: int = 16            # per decode instance; a full queue drops the transfer
+    send_queue_messages: int = 16            # per decode instance in ZeroMQ's queue; the rest waits in a backlog
+    backlog_s: float = 60.0                  # K/V a decode instance has not taken in this long is dropped
     insecure: bool = False                   # allow a non-loopback bind without CurveZMQ
     curve_secret_key_file: str | None = None # CurveZMQ: this instance's key pair (`rawinfer keygen`)
     poll_s: float = 0.05                     # how long an idle loop waits for a message
@@ -56,6 +63,10 @@ class PrefillServer:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._jobs: dict[str, tuple[bytes, str]] = {}      # engine request id -> (decode identity, transfer id)
         self.counters = {"prefills": 0, "sent_bytes": 0, "dropped": 0, "refused": 0, "aborted": 0}
+        # replies that did not fit a decode instance's ZeroMQ queue (a step that finished many prompts sends
+        # them all at once), oldest first: (decode identity, frames, bytes of K/V, when queued). Host copies
+        # only: the prompt's KV blocks are free already.
+        self._backlog: deque[tuple[bytes, list, int, float]] = deque()
         self._stop = False
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -73,9 +84,12 @@ class PrefillServer:
         """Take in what arrived (waiting up to timeout_s, or poll_s, when idle), then one engine step."""
         busy = self.engine.has_unfinished()
         wait = 0 if busy else (self.cfg.poll_s if timeout_s is None else timeout_s)
+        self._flush()
         if self.sock.poll(int(wait * 1000)):
-            while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            taken = 0                                   # bounded: a peer flooding the socket cannot stall steps
+            while taken < MAX_TAKEN_PER_STEP and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._handle(self.sock.recv_multipart(copy=True))
+                taken += 1
         if self.engine.has_unfinished():
             self.engine.step()                          # prompt-only requests: their outputs say nothing new
             for export in self.engine.kv_transfer.take_ready():
@@ -89,13 +103,14 @@ class PrefillServer:
 
     # ---- messages ------------------------------------------------------------------------------
     def _handle(self, frames: list[bytes]) -> None:
-        ident = frames[0]
+        ident, tid = frames[0], None
         try:
             if len(frames) != 2:
                 raise wire.WireError(f"a prefill-link request is one header frame, got {len(frames) - 1}")
             h = wire.decode(frames[1])
+            tid = h.fields.get("id") if isinstance(h.fields.get("id"), str) else None   # for the error reply
             if h.type == "ping":
-                self._reply(ident, wire.encode("pong", seq=h.fields.get("seq"), queued=len(self._jobs),
+                self._reply(ident, wire.encode("pong", seq=h.fields.get("seq"), queued=self._queued(),
                                                fingerprint=self.fingerprint))
             elif h.type == "prefill":
                 self._prefill(ident, h)
@@ -108,7 +123,7 @@ class PrefillServer:
                 raise wire.WireError(f"unknown prefill-link message type {h.type!r}")
         except wire.WireError as e:
             log.warning("prefill link: %s", e)
-            self._error(ident, None, "rejected", str(e))
+            self._error(ident, tid, "rejected", str(e))
 
     def _prefill(self, ident: bytes, h: wire.Header) -> None:
         tid = h.get("id", str)
@@ -119,8 +134,9 @@ class PrefillServer:
         mismatch = Fingerprint.from_dict(self.fingerprint).mismatch(theirs)
         if mismatch:
             return self._error(ident, tid, "fingerprint", mismatch)
-        if len(self._jobs) >= self.cfg.max_queued:
-            return self._error(ident, tid, "busy", f"the prefill instance has {len(self._jobs)} prompts queued")
+        queued = self._queued()
+        if queued >= self.cfg.max_queued:
+            return self._error(ident, tid, "busy", f"the prefill instance has {queued} prompts queued or unsent")
         engine_id = self._engine_id(ident, tid)
         if engine_id in self._jobs:
             return self._error(ident, tid, "rejected", f"transfer {tid!r} is already running")
@@ -132,26 +148,57 @@ class PrefillServer:
         self._jobs[engine_id] = (ident, tid)
         self.counters["prefills"] += 1
 
+    def _queued(self) -> int:
+        """Prompts taken and not sent yet: computing, or their K/V waiting in the backlog (so host memory
+        for unsent K/V stays within max_queued prompts)."""
+        return len(self._jobs) + sum(1 for item in self._backlog if item[2])
+
     def _send_kv(self, export) -> None:
         job = self._jobs.pop(export.request_id, None)
         if job is None:
             return
         ident, tid = job
-        if self._reply(ident, *wire.kv_frames(export, tid, self.fingerprint)):
-            self.counters["sent_bytes"] += export.nbytes
-        else:
-            self.counters["dropped"] += 1
+        self._send_or_keep(ident, wire.kv_frames(export, tid, self.fingerprint), export.nbytes)
 
     def _error(self, ident: bytes, tid: str | None, code: str, message: str) -> None:
         self.counters["refused"] += 1
-        self._reply(ident, wire.encode("error", id=tid, code=code, message=message))
+        self._send_or_keep(ident, [wire.encode("error", id=tid, code=code, message=message)], 0)
 
-    def _reply(self, ident: bytes, *frames) -> bool:
+    def _send_or_keep(self, ident: bytes, frames: list, nbytes: int) -> None:
+        """Send behind whatever waits in the backlog; what does not fit ZeroMQ's queue waits there."""
+        sent = None if self._backlog else self._reply(ident, *frames)
+        if sent is None and (nbytes or len(self._backlog) < MAX_BACKLOG_ERRORS):   # errors to a flood: dropped
+            self._backlog.append((ident, frames, nbytes, time.monotonic()))
+        elif sent:
+            self.counters["sent_bytes"] += nbytes
+        elif nbytes:
+            self.counters["dropped"] += 1
+
+    def _flush(self) -> None:
+        """Send backlogged replies, oldest first, while their queues take them; drop those whose decode
+        instance is gone or has not taken them for backlog_s (it has long recomputed the prompt)."""
+        now, kept = time.monotonic(), deque()
+        while self._backlog:
+            ident, frames, nbytes, since = self._backlog.popleft()
+            if any(k[0] == ident for k in kept):         # keep one instance's replies in order
+                kept.append((ident, frames, nbytes, since))
+                continue
+            sent = self._reply(ident, *frames)
+            if sent:
+                self.counters["sent_bytes"] += nbytes
+            elif sent is None and now - since < self.cfg.backlog_s:
+                kept.append((ident, frames, nbytes, since))
+            elif nbytes:
+                self.counters["dropped"] += 1
+        self._backlog = kept
+
+    def _reply(self, ident: bytes, *frames) -> bool | None:
+        """True: sent; None: its queue is full (try again later); False: that decode instance is gone."""
         try:
             self.sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
             return True
-        except zmq.Again:               # its queue is full (not reading) or it is gone: drop, never wait
-            return False
+        except zmq.Again:
+            return None
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 return False

@@ -43,8 +43,9 @@ def encode(type_: str, **fields) -> bytes:
 def decode(frame: bytes) -> Header:
     try:
         msg = json.loads(bytes(frame))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError(f"a prefill-link header is not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:     # not UTF-8 or JSON, an integer of 4,300+ digits, deep nesting
+        raise WireError(f"a prefill-link header is not JSON this link can read ({type(e).__name__}: "
+                        f"{str(e)[:200]})") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise WireError("a prefill-link header must be a JSON object with a `type`")
     if msg.get("v") != VERSION:
