@@ -51,8 +51,18 @@ class GenerationResult:
 
 class LLM:
     def __init__(self, model_dir: str = DEFAULT_MODEL, **engine_options):
-        self.engine = LLMEngine(model_dir, **engine_options)
-        self.tokenizer = self.engine.tokenizer
+        self._use(LLMEngine(model_dir, **engine_options))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """generate() over an engine made elsewhere (LLMEngine.random, a test's shared engine)."""
+        llm = cls.__new__(cls)
+        llm._use(engine)
+        return llm
+
+    def _use(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self._calls = itertools.count()             # request ids never repeat between generate calls
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

@@ -53,8 +53,7 @@ def test_tiny_logits_match_reference(tiny, chunks):
 
 def test_tiny_greedy_ids_exact(tiny):
     engine, ref = tiny
-    llm = LLM.__new__(LLM)
-    llm.engine = engine
+    llm = LLM.from_engine(engine)
     out = llm.generate([ref["prompt_ids"].tolist()], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.token_ids == ref["greedy_ids"].tolist()

@@ -41,8 +41,7 @@ def test_tiny_logits_match_reference(tiny, chunks):
 def test_tiny_greedy_continuation(tiny):
     """Greedy generation follows the reference path up to the first near-tie (margin < 1e-3)."""
     engine, ref = tiny
-    llm = LLM.__new__(LLM)
-    llm.engine = engine
+    llm = LLM.from_engine(engine)
     out = llm.generate([ref["prompt_ids"].tolist()], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]
     ties = np.nonzero(ref["step_margin"] < 1e-3)[0]
