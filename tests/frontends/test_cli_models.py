@@ -74,6 +74,25 @@ def test_a_hugging_face_folder_without_weights_is_refused_before_hashing(tmp_pat
     assert not os.path.exists(tmp_path / "cache" / "models" / "digests.json")
 
 
+def test_a_damaged_copy_in_the_cache_is_converted_again(tmp_path):
+    """The cache's converted copy of a source the user gave (here a Hugging Face folder) is rawinfer's own:
+    found truncated, it is converted again with a warning instead of an error telling the user to
+    re-convert a model they never converted."""
+    cache = user_cache(tmp_path)
+    ask = ("generate", "--model", os.path.join(DATA, "tiny-llama"), "--token-ids", "--max-tokens", "3",
+           "--temperature", "0", "--ignore-eos", *ENGINE, "1 2 3")
+    first = rawinfer(*ask, RAWINFER_CACHE=cache)
+    assert first.returncode == 0, first.stderr
+    models = os.path.join(cache, "models")
+    (entry,) = [d for d in os.listdir(models) if os.path.isdir(os.path.join(models, d)) and not d.startswith(".")]
+    weights = os.path.join(models, entry, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    again = rawinfer(*ask, RAWINFER_CACHE=cache)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == first.stdout and "is damaged" in again.stderr and "converting it again" in again.stderr
+
+
 def test_fetch_knows_its_catalog():
     from rawinfer.frontends.cli.fetch import fetchable
     known = ", ".join(m.name for m in fetchable())

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import warnings
 
-from rawinfer.config import DEFAULT_MODEL, FORMAT_NAME, EngineConfig
+from rawinfer.config import DEFAULT_MODEL, FORMAT_NAME, EngineConfig, ModelFormatError
 from rawinfer.frontends.cli.fetch import CATALOG, fetchable
 from rawinfer.frontends.options import CLIError, add_command, engine_config_from_args, is_quiet
 
@@ -110,10 +111,33 @@ def open_engine(args):
     from rawinfer.frontends.cli.progress import ticking
     cfg = engine_config_from_args(args)
     path = resolve_model(args.model, progress=not is_quiet(args))
-    log.info("starting the engine on %s", path)
-    with ticking("starting the engine (loading the weights, compiling or loading the kernels)",
-                 enabled=not is_quiet(args)):
-        return LLMEngine(path, cfg)
+
+    def start():
+        log.info("starting the engine on %s", path)
+        with ticking("starting the engine (loading the weights, compiling or loading the kernels)",
+                     enabled=not is_quiet(args)):
+            return LLMEngine(path, cfg)
+    try:
+        return start()
+    except ModelFormatError as e:
+        if not _converted_into_cache(args.model, path):
+            raise
+        # rawinfer's own copy, damaged (a full disk, an interrupted copy): the user never converted anything,
+        # so it is converted again rather than left for them to find and delete
+        log.warning("the converted copy of %s in the cache (%s) is damaged (%s); converting it again", args.model,
+                    path, e)
+        shutil.rmtree(path, ignore_errors=True)
+        path = resolve_model(args.model, progress=not is_quiet(args))
+        return start()
+
+
+def _converted_into_cache(arg: str | None, path: str) -> bool:
+    """Whether `--model arg` is a source (a GGUF file or Hugging Face folder) that resolve_model converted
+    into `path`, a folder of the user cache."""
+    root = cache_models_dir()
+    src = os.path.expanduser(arg) if arg else None
+    return bool(root and src and os.path.exists(src) and not is_converted(src)
+                and os.path.abspath(path).startswith(os.path.abspath(root) + os.sep))
 
 
 # ---- rawinfer models -------------------------------------------------------------------------------------
