@@ -117,6 +117,12 @@ class SamplingParams:
         return d
 
 
+def is_decimal_id(k) -> bool:
+    """Whether k is a token id written as a decimal string (how JSON and msgpack maps carry integer keys):
+    ASCII digits only, at most 20 of them (longer is no token id, and int() of thousands of digits fails)."""
+    return isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 20
+
+
 def _token_keys(bias) -> dict | None:
     """logit_bias with its keys as integers (JSON and msgpack maps carry them as decimal strings); None when
     it is not a map of such keys, for _check to name."""
@@ -124,7 +130,7 @@ def _token_keys(bias) -> dict | None:
         return None if bias is not None else {}
     out = {}
     for k, v in bias.items():
-        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 20:   # longer: no token id
+        if is_decimal_id(k):
             k = int(k)
         if not is_int(k):
             return None

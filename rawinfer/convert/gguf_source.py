@@ -36,7 +36,7 @@ from rawinfer.config import ModelConfig, RopeConfig
 
 from rawinfer.convert.errors import ConversionError
 from rawinfer.convert.gguf_tokenizer import gguf_tokenizer
-from rawinfer.convert.layout import TokenizerInfo
+from rawinfer.convert.layout import TokenizerInfo, some_names
 
 SUPPORTED_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K, QT.Q6_K})
 
@@ -285,9 +285,8 @@ class GGUFSource:
         used = {self._name(part, layer) for part, layer in parts} | {ROPE_FREQS}   # rope_freqs: read by _rope
         extra = sorted(n for n in self._tensors if n not in used)
         if extra:
-            more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
             raise ConversionError(
-                f"{self._where} holds tensor(s) {', '.join(extra[:5])}{more} that its metadata does not describe "
+                f"{self._where} holds tensor(s) {some_names(extra)} that its metadata does not describe "
                 f"({self.arch}.block_count = {self.config.num_layers}), so they would be dropped; the file is "
                 "inconsistent: download it again or re-export it")
 

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from rawinfer.convert.errors import ConversionError, ConversionWarning
 from rawinfer.convert.hf_config import FAMILIES, hf_architecture, hf_model_config, hf_tie_setting
 from rawinfer.convert.hf_tokenizer import fit_to_vocab, read_hf_tokenizer, read_json
-from rawinfer.convert.layout import NORM_PARTS
+from rawinfer.convert.layout import NORM_PARTS, some_names
 
 # part -> tensor name in the checkpoint (after the "model." prefix of the decoder stack).
 HF_NAMES = {
@@ -169,9 +169,8 @@ class HFReader:
             used.add(LM_HEAD)              # a tied checkpoint may still store its (identical) output layer
         extra = sorted(n for n in self._files if n not in used and not n.endswith(DERIVED_SUFFIXES))
         if extra:
-            more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
             raise ConversionError(
-                f"{self._folder!r} holds tensor(s) {', '.join(extra[:5])}{more} (in {self._where[extra[0]]}) that "
+                f"{self._folder!r} holds tensor(s) {some_names(extra)} (in {self._where[extra[0]]}) that "
                 f"{self._config_path} does not describe (num_hidden_layers = {self.config.num_layers}), so they would "
                 "be dropped; the weights and config.json disagree: use the config.json that came with these weights")
 

@@ -146,6 +146,11 @@ def plan_parts(plan: list[TensorSpec]) -> list[tuple[str, int | None]]:
     return [(part, spec.layer) for spec in plan for part in RECIPES[spec.kind]]
 
 
+def some_names(names: list[str], most: int = 5) -> str:
+    """The first `most` names, and how many more there are: for errors that list a checkpoint's tensors."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def check_finite(x: np.ndarray, where: str) -> None:
     """ConversionError if float32 x holds a NaN or an infinity. One sum per tensor (both propagate
     through it); only a sum that is not finite pays for the elementwise count."""

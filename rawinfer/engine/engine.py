@@ -249,12 +249,15 @@ class LLMEngine(Scoring):
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
+        return outputs + self._run(batch)
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """One forward pass of a scheduled batch, then its outputs (step and score share it)."""
         t0 = time.monotonic()
         result = self.runner.run(batch.plan)
         self.scheduler.advance(batch)
         self.kv_transfer.after_step(batch)
-        outputs += self._process(batch, result, t0)
-        return outputs
+        return self._process(batch, result, t0)
 
     def _process(self, batch: ScheduledBatch, result: StepOutput, started: float) -> list[RequestOutput]:
         """Sample the sampled rows, store the scored rows and prompt log-probabilities, finish what is done."""
@@ -338,7 +341,6 @@ class LLMEngine(Scoring):
         return RequestOutput(seq.request_id, seq.index, new_ids, text, True, str(seq.finish_reason),
                              request_metrics(seq), logprobs, take_prompt_logprobs(st))
 
-    # ---- scoring (teacher forcing) ------------------------------------------------------------
     # ---- gauges -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Gauges and counters. A free block may still hold a cached prefix (prefix_cache_free_blocks, part

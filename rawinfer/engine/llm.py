@@ -81,6 +81,7 @@ class LLM:
         results: dict[str, GenerationResult] = {}
         order = []
         call = next(self._calls)
+        bar = None
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = f"gen-{call}-{i}"
@@ -90,16 +91,10 @@ class LLM:
                     raise RequestRejected(f"prompt {i}: {e}") from None
                 results[rid] = GenerationResult(rid, prompt, ids, [Completion(k) for k in range(p.n)])
                 order.append(rid)
-        except BaseException:          # one prompt refused: none of this call's requests stays queued
-            for rid in order:
-                self.engine.abort(rid)
-            raise
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(prompts), desc="generate", unit="req", file=sys.stderr,
-                       disable=not sys.stderr.isatty())
-        try:
+            if use_tqdm:
+                from tqdm import tqdm
+                bar = tqdm(total=len(prompts), desc="generate", unit="req", file=sys.stderr,
+                           disable=not sys.stderr.isatty())
             left = sum(len(r.outputs) for r in results.values())     # samples of this call not finished
             while left and self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -118,8 +113,8 @@ class LLM:
                         c.finish_reason, c.metrics = out.finish_reason, out.metrics
                         if bar is not None and all(x.finish_reason for x in results[out.request_id].outputs):
                             bar.update(1)
-        except BaseException:
-            for rid in order:          # leave the engine clean if interrupted
+        except BaseException:          # a refused prompt or an interruption: none of this call's requests stays
+            for rid in order:
                 self.engine.abort(rid)
             raise
         finally:

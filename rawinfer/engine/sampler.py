@@ -62,7 +62,7 @@ def filtered_probs(row: np.ndarray, p: SamplingParams) -> np.ndarray:
     if 0 < p.top_k < V:
         kth = np.partition(x, V - p.top_k)[V - p.top_k]
         x[x < kth] = -np.inf
-    probs = np.exp(x - x.max())
+    probs = np.exp(x)                        # its maximum is 0 already: top-k only adds -inf
     probs /= probs.sum()
     if p.top_p < 1.0:
         order = np.argsort(-probs, kind="stable")

@@ -18,7 +18,7 @@ from rawinfer.sampling import SamplingParams
 
 
 class Scoring:
-    """LLMEngine's scoring half (a mixin: it uses the engine's scheduler, runner, _scores and _process)."""
+    """LLMEngine's scoring half (a mixin: it uses the engine's scheduler, _scores and _run)."""
 
     def score(self, token_ids: list[int], chunk_sizes: int | Iterable[int] | None = None) -> np.ndarray:
         """Logits [T, V] float32 at every position of token_ids, computed through the paged cache in
@@ -50,11 +50,7 @@ class Scoring:
                 batch = self.scheduler.schedule()
                 if batch.is_empty:
                     raise RuntimeError("the KV pool is too small (or too busy) to score this sequence")
-                t0 = time.monotonic()
-                result = self.runner.run(batch.plan)
-                self.scheduler.advance(batch)
-                self.kv_transfer.after_step(batch)
-                self._pending += self._process(batch, result, t0)
+                self._pending += self._run(batch)
             return self._scores[sid]
         finally:
             del self._scores[sid]

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, models
 from rawinfer.convert import ConversionError, ConversionWarning, convert
 
 from conftest import DATA  # noqa: E402
+from test_convert import edit_config  # noqa: E402
 TINY_LLAMA = os.path.join(DATA, "tiny-llama")
 V = 512                                   # tiny-llama's vocab_size
 
@@ -25,16 +26,7 @@ def hf_source(tmp_path, config: dict | None = None, tensors=None) -> str:
     """A copy of tiny-llama with config.json keys replaced (None: removed) and tensors edited by `tensors`."""
     src = str(tmp_path / "src")
     shutil.copytree(TINY_LLAMA, src)
-    path = os.path.join(src, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    for key, value in (config or {}).items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    edit_config(src, **(config or {}))
     if tensors is not None:
         weights = load_file(os.path.join(src, "model.safetensors"))
         tensors(weights)

@@ -177,16 +177,17 @@ class PrefillServer:
     def _flush(self) -> None:
         """Send backlogged replies, oldest first, while their queues take them; drop those whose decode
         instance is gone or has not taken them for backlog_s (it has long recomputed the prompt)."""
-        now, kept = time.monotonic(), deque()
+        now, kept, full = time.monotonic(), deque(), set()
         while self._backlog:
             ident, frames, nbytes, since = self._backlog.popleft()
-            if any(k[0] == ident for k in kept):         # keep one instance's replies in order
+            if ident in full:                            # keep one instance's replies in order
                 kept.append((ident, frames, nbytes, since))
                 continue
             sent = self._reply(ident, *frames)
             if sent:
                 self.counters["sent_bytes"] += nbytes
             elif sent is None and now - since < self.cfg.backlog_s:
+                full.add(ident)
                 kept.append((ident, frames, nbytes, since))
             elif nbytes:
                 self.counters["dropped"] += 1

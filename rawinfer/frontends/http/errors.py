@@ -93,7 +93,7 @@ def from_validation(errors: list[dict]) -> APIError:
     if e.get("type") == "missing":
         name = ".".join(loc)
         return APIError(400, f"the field {name!r} is required", param=name, code="missing_parameter")
-    top = loc[0] if loc else None
+    top = loc[0]
     if top in _SHAPES:
         return invalid(top, f"{top!r} must be {_SHAPES[top]}")
     # the path without pydantic's union member names ("str", "list[int]", ...)

@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, fields
 
-from rawinfer.sampling import SamplingParams
+from rawinfer.sampling import SamplingParams, is_decimal_id
 from rawinfer.frontends.http.errors import APIError, invalid, unsupported
 from rawinfer.frontends.http.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -68,7 +68,7 @@ def _sampling(req, max_tokens: int | None, max_tokens_name: str, known: set[str]
     if req.logit_bias:
         if "logit_bias" not in known:
             raise unsupported("logit_bias")
-        keys = [k for k in req.logit_bias if not (k.isascii() and k.isdigit() and len(k) <= 20 and str(int(k)) == k)]
+        keys = [k for k in req.logit_bias if not (is_decimal_id(k) and str(int(k)) == k)]
         if keys:                            # plain decimals only: " 5", "+5", "1_0" or "05" are no token ids
             raise invalid("logit_bias", f"'logit_bias' keys must be token ids written as strings, like \"50256\" "
                                         f"(got {keys[0][:20]!r})")

@@ -167,7 +167,6 @@ class EngineWorker:
                     out.append(Outgoing(st.client, P.encode(chunk), o.request_id))
         return out
 
-
     def _fail_all(self, reason: str) -> list[Outgoing]:
         """After a failed step: every request in flight ends with `reason`. Should aborting one fail too (the
         step left the engine's bookkeeping inconsistent), the engine starts over empty and the requests
