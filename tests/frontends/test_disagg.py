@@ -90,7 +90,7 @@ def pump(servers, conn, until, limit_s: float = 20.0) -> list:
     return failed
 
 
-def generate(servers, conn, requests, remote=True) -> tuple[dict, list]:
+def generate(servers, conn, requests, remote=True, limit_s: float = 20.0) -> tuple[dict, list]:
     decode = conn.engine
     out: dict[str, list[int]] = {}
     for rid, prompt, params in requests:
@@ -102,7 +102,7 @@ def generate(servers, conn, requests, remote=True) -> tuple[dict, list]:
         for o in decode.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
         return not decode.has_unfinished() and not conn.num_inflight and not decode.stats()["receiving_kv"]
-    failed = pump(servers, conn, done)
+    failed = pump(servers, conn, done, limit_s)
     return out, failed
 
 
