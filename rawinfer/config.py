@@ -16,8 +16,7 @@ version FORMAT_VERSION. Its keys:
     head_dim          D
     rms_norm_eps      float
     max_position_embeddings  int
-    rope              {"theta": float, "type": "default" | "llama3",
-                       "factor", "low_freq_factor", "high_freq_factor",
+    rope              {"theta": float, "type": "default" | "llama3", "factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings"}   (the last four for llama3 only)
     tie_word_embeddings  bool   (no lm_head tensor; the embedding table is reused)
     qkv_bias          bool
@@ -166,13 +165,15 @@ class ModelConfig:
             raise ModelFormatError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
 
     def _check_values(self) -> None:
-        """Every field's type; sizes positive, token ids inside the vocabulary, a positive norm epsilon."""
+        """Every field's type; sizes and scales positive, token ids inside the vocabulary."""
         V = self.vocab_size if _has_type(self.vocab_size, "int") else 0
-        size = (lambda v: v >= 1, "a positive integer")
+        size, positive = (lambda v: v >= 1, "a positive integer"), (lambda v: v > 0, "a positive number")
         token = (lambda v: v is None or 0 <= v < V, f"null or a token id below vocab_size {V}")
         _check_fields(self, {**{k: size for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                                   "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings")},
-                             "rms_norm_eps": (lambda v: v > 0, "a positive number"),
+                             "rms_norm_eps": positive, "embed_scale": positive,
+                             **dict.fromkeys(("attn_scale", "sliding_window"),
+                                             (lambda v: v is None or v > 0, "null or a positive number")),
                              "bos_token_id": token, "pad_token_id": token,
                              "eos_token_ids": (lambda v: all(0 <= t < V for t in v),
                                                f"a list of token ids below vocab_size {V}"),
@@ -243,8 +244,7 @@ class ModelConfig:
                 f"{where} has quant {d['quant']!r}, which this rawinfer does not read ({', '.join(QUANT_TYPES)}); "
                 "re-convert the model (`rawinfer convert SRC DST --quant ...`) or upgrade rawinfer")
         try:
-            if isinstance(d.get("rope", {}), dict):         # else the field check names it
-                d["rope"] = RopeConfig(**d.get("rope", {}))
+            d["rope"] = RopeConfig(**d["rope"]) if isinstance(d.get("rope"), dict) else d.get("rope")
             if isinstance(d.get("eos_token_ids", ()), list):
                 d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
             d["layer_types"] = tuple(d.get("layer_types", ()))

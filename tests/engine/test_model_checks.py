@@ -60,6 +60,10 @@ CONFIG_CASES = [
     ({"tie_word_embeddings": "no"}, ["tie_word_embeddings"]),
     ({"rope": {"theta": -5.0}}, ["theta"]),
     ({"rope": [1, 2]}, ["rope"]),
+    ({"rope": None}, ["rope=None", "RoPE settings"]),
+    ({"embed_scale": 0}, ["embed_scale=0", "positive"]),
+    ({"attn_scale": -0.125}, ["attn_scale=-0.125"]),
+    ({"sliding_window": 0}, ["sliding_window=0"]),
 ]
 
 
@@ -130,6 +134,9 @@ def test_model_config_from_json_checks_types_directly():
                        ("quant", 8), ("pad_token_id", -1), ("chat_template", 5), ("rms_norm_eps", "1e-5")]:
         with pytest.raises(ModelFormatError, match=key):
             ModelConfig.from_json({**d, key: value})
+    # a config without RoPE settings once ran with theta 10,000, whatever the model was trained with
+    with pytest.raises(ModelFormatError, match="rope=None is invalid"):
+        ModelConfig.from_json({k: v for k, v in d.items() if k != "rope"})
 
 
 def test_the_cli_prints_one_line_not_a_traceback(tiny_llama_dir, tmp_path):
