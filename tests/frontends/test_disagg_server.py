@@ -57,6 +57,13 @@ def test_decode_server_with_a_prefill_process_that_gets_killed(tiny_llama_dir):
                 time.sleep(0.05)
             got = [c.complete(p, params={"max_tokens": 8, **GREEDY}).token_ids for p in prompts[:4]]
             assert got == want[:4] and conn.counters["remote"] == 4
+            # the prefill process's own gauges, from its heartbeats: four prompts sent, no block kept there
+            end = time.monotonic() + 10
+            while not (p := c.stats()["prefill_instances"][0]).get("prefills") == 4 or p["kv_blocks_used"]:
+                assert time.monotonic() < end, p
+                time.sleep(0.05)
+            assert p["up"] and p["addr"] == paddr and p["running"] == p["waiting"] == p["backlog"] == 0, p
+            assert p["kv_blocks_total"] > 0 and p["sent_bytes"] == conn.counters["bytes"], p
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
             its = [c.generate(p, params={"max_tokens": 8, **GREEDY}, stream=False) for p in prompts[4:]]
@@ -65,6 +72,7 @@ def test_decode_server_with_a_prefill_process_that_gets_killed(tiny_llama_dir):
             s = c.stats()
             assert s["kv_blocks_used"] == 0 and s["receiving_kv"] == 0
             assert s["kv_transfer"]["remote"] == conn.counters["remote"] >= 4 and s["kv_transfer"]["bytes"] > 0
+            assert not s["prefill_instances"][0]["up"]
         assert conn.counters["bytes"] > 0 and conn.peers_up() == []
         assert conn.counters["fallbacks"] + conn.counters["local"] >= 4     # the last four: prefilled here
     finally:

@@ -69,6 +69,7 @@ class _Peer:
     last_seen: float = 0.0          # 0: never answered
     last_ping: float = 0.0
     queued: int = 0                 # prompts queued there, from its last pong
+    stats: dict = field(default_factory=dict)   # its gauges and counters, from its last pong
     inflight: set = field(default_factory=set)
     refusal: str | None = None      # why it cannot serve us (another model), once known
 
@@ -116,6 +117,12 @@ class DecodeConnector:
     @property
     def num_inflight(self) -> int:
         return len(self._transfers)
+
+    def peer_stats(self) -> list[dict]:
+        """Per prefill instance: its endpoint, whether it is up, and its last pong's gauges and counters."""
+        now = time.monotonic()
+        return [{"addr": p.addr, "up": p.up(now, self.cfg.peer_timeout_s), "inflight": len(p.inflight), **p.stats}
+                for p in self.peers]
 
     def peers_up(self) -> list[str]:
         now = time.monotonic()
@@ -252,8 +259,9 @@ class DecodeConnector:
         return None
 
     def _on_pong(self, peer: _Peer, h: wire.Header) -> None:
-        q = h.fields.get("queued")
+        q, stats = h.fields.get("queued"), h.fields.get("stats")
         peer.queued = q if isinstance(q, int) else 0
+        peer.stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))} if isinstance(stats, dict) else {}
         try:
             theirs = Fingerprint.from_dict(h.fields.get("fingerprint"))
         except (TypeError, ValueError) as e:

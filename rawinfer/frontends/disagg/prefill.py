@@ -101,6 +101,13 @@ class PrefillServer:
         self._jobs.clear()
         self.sock.close(0)
 
+    def stats(self) -> dict:
+        """This instance's gauges and counters, sent with every pong: a decode instance's `stats` shows them
+        (prefill_instances), so leaked blocks or a growing backlog here are visible from the client side."""
+        e = self.engine.stats()
+        return {**{k: e[k] for k in ("kv_blocks_used", "kv_blocks_total", "running", "waiting")},
+                "queued": self._queued(), "backlog": len(self._backlog), **self.counters}
+
     # ---- messages ------------------------------------------------------------------------------
     def _handle(self, frames: list[bytes]) -> None:
         ident, tid = frames[0], None
@@ -111,7 +118,7 @@ class PrefillServer:
             tid = h.fields.get("id") if isinstance(h.fields.get("id"), str) else None   # for the error reply
             if h.type == "ping":
                 self._reply(ident, wire.encode("pong", seq=h.fields.get("seq"), queued=self._queued(),
-                                               fingerprint=self.fingerprint))
+                                               fingerprint=self.fingerprint, stats=self.stats()))
             elif h.type == "prefill":
                 self._prefill(ident, h)
             elif h.type == "abort":

@@ -4,7 +4,7 @@
                                                       abort {id} | ping {seq}
     prefill -> decode   [header, layer 0 .. L-1]      kv {id, start_block, num_blocks, num_tokens,
                                                           num_layers, layer_bytes, fingerprint}
-                        [header]                      error {id, code, message} | pong {seq, queued, fingerprint}
+                        [header]                      error {id, code, message} | pong {seq, queued, fingerprint, stats}
 
 A layer frame is KVExport.layers[l]'s bytes as they lie in the cache ([2, n, Hkv, R, D], storage dtype):
 nothing is encoded per element. Every header carries the link's version; a reader refuses another.

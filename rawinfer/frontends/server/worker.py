@@ -87,6 +87,7 @@ class EngineWorker:
         snapshot = self.engine.stats()
         if self.connector is not None:           # the decode role's transfers: remote, local, fallbacks, bytes
             snapshot["kv_transfer"] = dict(self.connector.counters)
+            snapshot["prefill_instances"] = self.connector.peer_stats()
         self.snapshot = snapshot
         self.outbound.put(out)
 
