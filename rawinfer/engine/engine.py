@@ -129,7 +129,9 @@ class LLMEngine(Scoring):
         self._scores: dict[str, np.ndarray] = {}           # scoring sequence id -> host logits [T, V]
         self._pending: list[RequestOutput] = []            # outputs of steps that score() ran for others
         self.stats_tracker = EngineStats(max_model_len=self.max_model_len)
-        self.kv_transfer = KVTransfer(self)                # K/V exported to / received from another engine
+        if getattr(self, "kv_transfer", None) is None:     # K/V exported to / received from another engine
+            self.kv_transfer = KVTransfer(self)
+        self.kv_transfer.clear()                           # the same object: the decode role's link holds it
 
     # ---- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -228,12 +230,10 @@ class LLMEngine(Scoring):
         """The last resort after a failed step whose requests could not be aborted one by one: forget every
         request and start a fresh block manager and scheduler over the same pool (the counters are kept,
         the prefix cache is lost). Their outputs are the caller's to send."""
-        stats, transfer = self.stats_tracker, self.kv_transfer
+        stats = self.stats_tracker
         self._requests = {}
         self.reset_state()
         self.stats_tracker = stats
-        transfer.__init__(self)                  # the same object, emptied: the decode role's link holds it
-        self.kv_transfer = transfer
 
     def has_unfinished(self) -> bool:   # NOTE: a request waiting for remote K/V is not (kv_transfer.py)
         return self.scheduler.has_unfinished or bool(self._pending)

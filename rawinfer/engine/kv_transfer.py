@@ -107,6 +107,11 @@ class KVTransfer:
     def __init__(self, engine):
         self.engine = engine
         self._fingerprint: Fingerprint | None = None
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every export and reservation (for an engine starting over: their blocks went with its block
+        manager)."""
         self._exports: dict[str, int] = {}          # request id -> start block, prompt not yet computed
         self._ready: list[KVExport] = []
         self._receiving: dict[str, _Receiving] = {}
