@@ -94,6 +94,23 @@ def test_abort_while_receiving_and_cancel_free_every_block(engines):
     assert_clean(prefill, decode)
 
 
+def test_discard_all_empties_the_transfers_the_link_holds(engines):
+    """The last resort after a failed step: the engine starts over, and the KVTransfer object a decode link
+    took at its start (the same object) forgets the reservations and exports of the discarded requests."""
+    _, prefill, decode = engines
+    link_side, prompt = decode.kv_transfer, list(range(30, 100))
+    decode.add_request("d", prompt, SamplingParams(max_tokens=3, **GREEDY))
+    assert link_side.reserve("d") is not None and link_side.is_receiving("d")
+    prefill.kv_transfer.add_export("e", prompt, 0)
+    for e in (decode, prefill):
+        e.discard_all()
+    assert decode.kv_transfer is link_side and not link_side.is_receiving("d")
+    assert not prefill.kv_transfer.take_ready() and not prefill.has_unfinished()
+    assert transfer(prefill, decode, "d2", prompt, SamplingParams(max_tokens=3, **GREEDY)) > 0
+    assert len(drain(decode)["d2"]) == 3
+    assert_clean(prefill, decode)
+
+
 def test_bad_bytes_are_refused_and_nothing_leaks(engines):
     _, _, decode = engines
     decode.add_request("c", list(range(30, 80)), SamplingParams(max_tokens=2, **GREEDY))
