@@ -14,7 +14,7 @@ import zmq
 
 from rawinfer import LLMEngine, SamplingParams
 from rawinfer.frontends.disagg import wire
-from rawinfer.frontends.disagg.connector import DecodeConfig, DecodeConnector
+from rawinfer.frontends.disagg.connector import PEER_STATS, DecodeConfig, DecodeConnector
 from rawinfer.frontends.disagg.prefill import PrefillConfig, PrefillServer
 
 OPTS = dict(device="cpu", kv_cache_memory="4MiB", max_num_batched_tokens=256, max_num_seqs=48, warmup=False)
@@ -157,6 +157,7 @@ def test_32_mixed_prompts_equal_the_colocated_engine(engines, link):
     # what the decode side knows of each prefill instance (its stats), from the heartbeats after the run
     pump(servers, conn, until=lambda: [p.get("prefills") for p in conn.peer_stats()] ==
          [s.counters["prefills"] for s in servers])
+    assert all(set(s.stats()) == set(PEER_STATS) for s in servers)       # every key the decode side keeps
     for p, s, e in zip(conn.peer_stats(), servers, (pa, pb)):
         assert p["addr"] == s.endpoint and p["up"] and p["sent_bytes"] == s.counters["sent_bytes"] > 0, p
         assert p["kv_blocks_used"] == 0 and p["kv_blocks_total"] == e.stats()["kv_blocks_total"], p

@@ -28,6 +28,8 @@ from rawinfer.frontends.server.monitor import disconnected, unwatch, watch
 
 log = logging.getLogger("rawinfer")
 POLICIES = ("recompute", "fail")
+PEER_STATS = ("kv_blocks_used", "kv_blocks_total", "running", "waiting", "queued", "backlog", "prefills",
+              "sent_bytes", "dropped", "refused", "aborted")      # what a pong's stats may carry (prefill.py)
 
 
 @dataclass
@@ -261,7 +263,8 @@ class DecodeConnector:
     def _on_pong(self, peer: _Peer, h: wire.Header) -> None:
         q, stats = h.fields.get("queued"), h.fields.get("stats")
         peer.queued = q if isinstance(q, int) else 0
-        peer.stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))} if isinstance(stats, dict) else {}
+        stats = stats if isinstance(stats, dict) else {}
+        peer.stats = {k: stats[k] for k in PEER_STATS if isinstance(stats.get(k), (int, float))}
         try:
             theirs = Fingerprint.from_dict(h.fields.get("fingerprint"))
         except (TypeError, ValueError) as e:
