@@ -85,17 +85,21 @@ def test_32_concurrent_streaming_clients_get_their_own_tokens_in_order(tiny_serv
     async def main():
         return await asyncio.wait_for(asyncio.gather(*(one(p, i) for i, p in enumerate(prompts))), 90)
 
+    with Client(tiny_server.addr, timeout_s=60) as c:
+        before = c.stats()
     results = asyncio.run(main())
+    with Client(tiny_server.addr, timeout_s=60) as c:
+        after = c.stats()
     for (got, final, _, _), want, prompt in zip(results, expected, prompts):
         assert got == want
         assert final.finish_reason == "length" and final.prompt_token_ids == prompt
         assert final.usage.completion_tokens == 24 and final.usage.prompt_tokens == len(prompt)
         assert final.timings.ttft_s > 0 and final.timings.e2e_s >= final.timings.ttft_s
-    # the streams really ran side by side: most overlapped in time with another one
-    spans = [(r[2], r[3]) for r in results]
-    overlapping = sum(any(j != i and a < d and c < b for j, (c, d) in enumerate(spans))
-                      for i, (a, b) in enumerate(spans))
-    assert overlapping >= 16
+    # the streams really ran side by side: the engine batched them, 32 x 24 tokens in far fewer steps (the
+    # clients' own clocks cannot show it: a client process descheduled during the run reads every stream's
+    # buffered messages one stream after another)
+    steps, tokens = (after[k] - before[k] for k in ("steps", "tokens_generated"))
+    assert tokens == 32 * 24 and steps <= tokens / 4, (steps, tokens)
 
 
 def test_several_requests_on_one_client_are_demultiplexed(tiny_server, tiny_llm):
