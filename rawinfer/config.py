@@ -317,8 +317,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 # Environment switches: read here and nowhere else, as the defaults of EngineConfig fields.
 ENV_SWITCHES = {
     "RAWINFER_CPU_INT_GEMM": "0 runs int8 and q4 models' products on their older kernels: dequantized float32 weights for BLAS, matrix-vector kernels for a few rows (EngineConfig.cpu_int_gemm)",
-    "RAWINFER_CACHE": "the user cache: compiled CPU kernels (and the tools' downloads); default ~/.cache/rawinfer "
-                      "(EngineConfig.cache_dir)",
+    "RAWINFER_CACHE": "the user cache: compiled CPU kernels (and the tools' downloads); default ~/.cache/rawinfer (EngineConfig.cache_dir)",
 }
 DEFAULT_CACHE_DIR = "~/.cache/rawinfer"
 
@@ -354,6 +353,7 @@ class EngineConfig:
                                             # int8 models, float32 for float models
     max_num_batched_tokens: int = 2048      # token budget of one step (also sizes the workspace)
     max_num_seqs: int = 128                 # sequences in one step at most
+    long_prefill_token_threshold: int | None = None   # a prefill chunk's cap while others wait (None: the budget)
     max_model_len: int | None = None        # cap on prompt + output; defaults to the model's context
     enable_prefix_caching: bool = True
     device: str = "cpu"                     # "auto" | "cpu" | "cuda"
@@ -368,8 +368,7 @@ class EngineConfig:
                                             # weights on BLAS, matrix-vector kernels for a few rows)
     cache_dir: str | None = field(default_factory=lambda: env_path("RAWINFER_CACHE", DEFAULT_CACHE_DIR))
                                             # user cache for compiled kernels (None: Numba's own places)
-    warmup: bool = True                     # run every step shape once at start, so that no request
-                                            # waits for a kernel to compile
+    warmup: bool = True                     # compile every step shape at start (no request waits for it)
     batch_invariant: bool = False           # CPU: one attention kernel for every query count (docs/kernels.md)
 
     def validate(self) -> "EngineConfig":
@@ -386,7 +385,8 @@ class EngineConfig:
             "kv_cache_memory": (optional(pos), "a positive size such as 2GiB, or None (sized automatically)"),
             "kv_cache_dtype": one_of(KV_CACHE_DTYPES), "device": one_of(("auto", "cpu", "cuda")),
             "max_num_batched_tokens": (pos, "a positive integer"), "max_num_seqs": (pos, "a positive integer"),
-            **dict.fromkeys(("max_model_len", "num_threads"), (optional(pos), "a positive integer or None")),
+            **dict.fromkeys(("max_model_len", "num_threads", "long_prefill_token_threshold"),
+                            (optional(pos), "a positive integer or None")),
             "gpu_memory_utilization": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
             "seed": (lambda v: is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
             "cache_dir": (optional(lambda v: isinstance(v, str)), "a folder path or None"),

@@ -2,7 +2,8 @@
 
 Every step fills one budget of `max_num_batched_tokens` tokens and at most `max_num_seqs` sequences:
 
-  1. running sequences, oldest admission first: one decode token each, or their next prefill chunk;
+  1. running sequences, oldest admission first: one decode token each, or their next prefill chunk (at
+     most long_prefill_token_threshold tokens, if set);
      when the pool has no block for one of them, the most recently admitted running sequence is
      preempted (blocks freed, sent back to the head of the waiting queue, recomputed later with the
      tokens it has already generated) until it fits;
@@ -169,11 +170,14 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens seq advances by this step within `budget` (0: it waits). A scoring sequence takes its
-        next chunk whole (capped at the step budget) or waits for a step with room for it."""
+        """Tokens seq advances by this step within `budget` (0: it waits). No chunk is longer than
+        long_prefill_token_threshold, if set: a long prompt takes several short steps, so that prompts
+        arriving meanwhile start, and running sequences decode, after one of them instead of after the
+        whole prompt. A scoring sequence takes its next chunk whole (capped at the step budget) or waits
+        for a step with room for it."""
         n = min(seq.num_uncomputed_tokens, budget)
         if seq.chunk_sizes is None:
-            return n
+            return min(n, self.ecfg.long_prefill_token_threshold or n)
         if seq.chunk_index >= len(seq.chunk_sizes):
             raise ValueError(f"chunk_sizes of {seq.seq_id!r} cover {seq.num_computed_tokens} of its "
                              f"{seq.num_tokens} tokens; give chunks for every token")

@@ -154,6 +154,10 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="token budget of one step; also sizes the activation workspace (default: 2048)")
     g.add_argument("--max-num-seqs", type=positive_int, default=128, metavar="N",
                    help="sequences in one step at most (default: 128)")
+    g.add_argument("--long-prefill-token-threshold", type=positive_int, default=None, metavar="N",
+                   help="while other requests wait, prefill a prompt at most N tokens per step, so that short "
+                        "prompts start beside a long one instead of after it (default: none, a chunk fills "
+                        "the step's budget)")
     g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                    help="cap on prompt + output tokens (default: the model's context length)")
     g.add_argument("--no-prefix-caching", action="store_true",
@@ -179,6 +183,7 @@ def engine_config_from_args(args) -> EngineConfig:
             raise CLIError(f"--kv-cache-memory: {e}") from None
     cfg = EngineConfig(block_size=args.block_size, kv_cache_memory=kv, kv_cache_dtype=args.kv_cache_dtype,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                       long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                        device=args.device, num_threads=args.threads,
                        gpu_memory_utilization=args.gpu_memory_utilization,

@@ -150,3 +150,22 @@ def test_random_traffic_keeps_the_invariants_and_frees_everything(seed):
                 s.finish(x, FinishReason.LENGTH)
                 live.remove(x)
     assert s.bm.num_used_blocks == 0 and s.num_preemptions > 0
+
+
+def test_long_prefill_threshold_lets_short_prompts_start_beside_a_long_one():
+    """A long prompt's chunks stop at the threshold: prompts queued with it start in its first step and decode
+    beside its next chunks, and one arriving later starts after one short step. Without the threshold they
+    wait for its last chunk."""
+    def run(threshold, steps=4):
+        s = make(max_num_batched_tokens=16, long_prefill_token_threshold=threshold)
+        for x in (seq("long", 40), seq("s1", 3, start=100), seq("s2", 4, start=200)):
+            s.add(x)
+        got = [step(s) for _ in range(steps)]
+        s.add(seq("late", 5, start=300))
+        return got + [step(s)]
+    assert run(None) == [{"long": 16}, {"long": 16}, {"long": 8, "s1": 3, "s2": 4}, {"long": 1, "s1": 1, "s2": 1},
+                         {"long": 1, "s1": 1, "s2": 1, "late": 5}]
+    assert run(6, steps=1) == [{"long": 6, "s1": 3, "s2": 4}, {"long": 6, "s1": 1, "s2": 1, "late": 5}]
+    assert run(6, steps=3)[1:] == [{"long": 6, "s1": 1, "s2": 1}] * 2 + [{"long": 6, "s1": 1, "s2": 1, "late": 5}]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=0 is invalid"):
+        EngineConfig(long_prefill_token_threshold=0).validate()
