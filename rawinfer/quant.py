@@ -65,6 +65,16 @@ class Q4Weight:
         return (self.qs.shape[0], 2 * self.qs.shape[1])
 
 
+def non_finite_count(x: np.ndarray) -> int:
+    """How many NaN or infinite values a float array holds (conversion and loading refuse such weights).
+    One float32 sum per tensor, as NaN and Inf propagate through it; only a sum that is not finite (also
+    one that merely overflowed) pays for the elementwise count."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(x.sum(dtype=np.float32)):
+            return 0
+    return int(x.size - np.count_nonzero(np.isfinite(x)))
+
+
 def storage_kind(name: str, shape: tuple[int, ...], quant: str | None) -> str | None:
     """How tensor `name` of a model quantized as `quant` is stored: "int8", "q4", or None (float)."""
     if quant is None or len(shape) != 2:

@@ -38,6 +38,7 @@ import numpy as np
 from rawinfer.config import ModelConfig
 
 from rawinfer.convert.errors import ConversionError
+from rawinfer.quant import non_finite_count
 
 # Converted tensor (without its "layers.{i}." prefix) -> the parts stacked along axis 0, in order.
 RECIPES: dict[str, tuple[str, ...]] = {
@@ -152,12 +153,8 @@ def some_names(names: list[str], most: int = 5) -> str:
 
 
 def check_finite(x: np.ndarray, where: str) -> None:
-    """ConversionError if float32 x holds a NaN or an infinity. One sum per tensor (both propagate
-    through it); only a sum that is not finite pays for the elementwise count."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(x.sum(dtype=np.float32)):
-            return
-    bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+    """ConversionError if float32 x holds a NaN or an infinity."""
+    bad = non_finite_count(x)
     if bad:
         raise ConversionError(f"{where} holds {bad} NaN or Inf value(s), so the source checkpoint is damaged; "
                               "download it again or export it again from a model with finite weights")

@@ -21,7 +21,7 @@ import struct
 import numpy as np
 
 from rawinfer.config import ModelConfig, ModelFormatError
-from rawinfer.quant import quantize, storage_kind, stored_parts
+from rawinfer.quant import non_finite_count, quantize, storage_kind, stored_parts
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -129,14 +129,10 @@ def load_weights(cfg: ModelConfig, model_dir: str, views: dict, upload) -> None:
 
 def check_finite(path: str, name: str, host: np.ndarray) -> None:
     """ModelFormatError if a floating-point tensor holds a NaN or an infinity (a damaged file that would
-    otherwise run and print token 0 or changed text). One float32 sum per tensor (NaN and Inf propagate
-    through it); only a sum that overflowed or is not finite pays for the elementwise check."""
+    otherwise run and print token 0 or changed text)."""
     if host.dtype.kind not in "fV" or host.size == 0:     # integer parts of quantized weights cannot be
         return                                           # non-finite ("V": bfloat16 without ml_dtypes)
-    values = host.astype(np.float32) if host.dtype.kind == "V" else host
-    if np.isfinite(values.sum(dtype=np.float32)):
-        return
-    bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+    bad = non_finite_count(host.astype(np.float32) if host.dtype.kind == "V" else host)
     if bad:
         raise ModelFormatError(f"{path}: tensor {name} holds {bad} NaN or Inf value(s); the file is damaged: "
                                "re-convert the model")
