@@ -353,7 +353,7 @@ class EngineConfig:
                                             # int8 models, float32 for float models
     max_num_batched_tokens: int = 2048      # token budget of one step (also sizes the workspace)
     max_num_seqs: int = 128                 # sequences in one step at most
-    long_prefill_token_threshold: int | None = None   # a prefill chunk's cap while others wait (None: the budget)
+    long_prefill_token_threshold: int | None = None   # longest prefill chunk (None: the step's budget)
     max_model_len: int | None = None        # cap on prompt + output; defaults to the model's context
     enable_prefix_caching: bool = True
     device: str = "cpu"                     # "auto" | "cpu" | "cuda"
