@@ -117,8 +117,9 @@ class PrefillServer:
             h = wire.decode(frames[1])
             tid = h.fields.get("id") if isinstance(h.fields.get("id"), str) else None   # for the error reply
             if h.type == "ping":
-                self._reply(ident, wire.encode("pong", seq=h.fields.get("seq"), queued=self._queued(),
-                                               fingerprint=self.fingerprint, stats=self.stats()))
+                stats = self.stats()
+                self._reply(ident, wire.encode("pong", seq=h.fields.get("seq"), queued=stats["queued"],
+                                               fingerprint=self.fingerprint, stats=stats))
             elif h.type == "prefill":
                 self._prefill(ident, h)
             elif h.type == "abort":
