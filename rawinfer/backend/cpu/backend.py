@@ -45,10 +45,12 @@ class CPUBackend(QuantizedProducts):
     capabilities = Capabilities(quantized_weights=("int8", "q4"))
 
     def fused_max_tokens(self, quant):
-        # int8 / q4 decode: every layer in one Numba call (fused.py), which saves the per-op dispatch.
-        # Float weights keep the per-op path: BLAS's GEMV streams float32 rows faster than a Numba row
-        # kernel would. q4's matrix-vector kernel is AVX2 code (q4.py): elsewhere its products take the
+        # Decode steps with every layer in one Numba call (fused.py), which saves the per-op dispatch:
+        # int8 / q4 models, and float32 ones where fgemm runs (AVX2 + FMA; fused_limits says which
+        # batches). q4's matrix-vector kernel is AVX2 code (q4.py): elsewhere its products take the
         # per-op BLAS path. Measurements: docs/kernels.md.
+        if quant is None:
+            return 1 if cpu_fgemm.available() else 0
         if quant == "q4" and not cpu_llvm.available():
             return 0
         return INT8_GEMV_MAX_ROWS if quant in ("int8", "q4") else 0
@@ -294,13 +296,16 @@ class CPUBackend(QuantizedProducts):
         mats = (("qkv", "qkv_proj"), ("o", "o_proj"), ("gu", "gate_up_proj"), ("down", "down_proj"))
         cols = {f"{kind}_{short}s": [] for short, _ in mats for kind in ("w", "s", "p")}
         for L in layers:
-            for short, name in mats:                        # fused only for quantized models
+            for short, name in mats:
                 w = getattr(L, name)
-                q4 = isinstance(w, Q4Weight)                # fused.weight_matvec takes either kind
-                a, b = self._q4_parts(w) if q4 else (w.q, w.scale)
+                if isinstance(w, np.ndarray):               # float32: the batched kernel's fgemm reads W
+                    a, b, packed = w, NO_BIAS, w
+                else:                                       # fused.weight_matvec takes int8 or q4
+                    a, b = self._q4_parts(w) if isinstance(w, Q4Weight) else (w.q, w.scale)
+                    packed = w.packed
                 cols[f"w_{short}s"].append(a)
                 cols[f"s_{short}s"].append(b)
-                cols[f"p_{short}s"].append(w.packed)
+                cols[f"p_{short}s"].append(packed)
         # the batched kernel when every matrix has a packed copy, all of one kind per list (a typed list
         # holds one array type)
         packed = all(p is not None for short, _ in mats for p in cols[f"p_{short}s"]) and \
@@ -314,6 +319,7 @@ class CPUBackend(QuantizedProducts):
         plan["avx2_attention"] = A.decode_attention_avx2_fits(plan["k_caches"][0])
         plan["windows"] = np.array([L.window for L in layers], np.int64)
         plan["max_k"] = max(getattr(L, name).shape[1] for L in layers for _, name in mats)
+        plan["float"] = isinstance(layers[0].qkv_proj, np.ndarray)
         return plan
 
     def fused_limits(self, plan) -> tuple[int, int]:
@@ -321,6 +327,9 @@ class CPUBackend(QuantizedProducts):
         # integer GEMMs, and nothing else fused: a row then takes the same kernels alone or in any batch
         # (the matrix-vector kernels round differently). Otherwise (unpacked): batches of a few rows.
         # With one_attention, the few-row fused path (its own tiled attention) is off: per-op then.
+        # float32: pure decode batches the per-op path gives fgemm too (every row count with one_attention).
+        if plan["float"]:
+            return 0, (1 << 30) if self.one_attention else cpu_fgemm.DEFAULT_MAX_ROWS
         if plan["packed"]:
             return 0, 1 << 30
         return (0, 0) if self.one_attention else (INT8_GEMV_MAX_ROWS, 0)
@@ -341,7 +350,8 @@ class CPUBackend(QuantizedProducts):
                 p["in_norms"], p["p_qkvs"], p["s_qkvs"], p["b_qkvs"], p["p_os"], p["s_os"], p["post_norms"],
                 p["p_gus"], p["s_gus"], p["p_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
                 batch.block_tables, batch.context_lens, p["k_caches"], p["v_caches"], cos_sin, np.float32(eps),
-                np.float32(scale), num_heads, num_kv_heads, qx, qs, qb, p["avx2_attention"], p["windows"])
+                np.float32(scale), num_heads, num_kv_heads, qx, qs, qb, p["avx2_attention"], p["windows"],
+                self.max_threads)
             return
         decoder_stack_kernel(
             acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],

@@ -1,4 +1,4 @@
-"""One Numba call per decode step for quantized (int8, q4) models: the CPU's answer to launch overhead.
+"""One Numba call per decode step: the CPU's answer to launch overhead.
 
 A decode step of one token does microseconds of work per op but pays Python and Numba dispatch for
 each of the ~11 ops of every layer, a large share of a small model's step (docs/kernels.md).
@@ -9,10 +9,11 @@ the gate/up one, as CPUBackend.linear_silu_mul does for a few rows) and attentio
 writes the same workspace buffers, and its products sum in the kernels' fixed orders (the int8 rows'
 dot products are reductions.py's dot_i8), so it gives the per-op path's tokens (tests/backend/test_quant.py).
 
-`decoder_stack_batched_kernel` does the same for pure decode batches of any size when the weights
-have packed copies for the integer GEMMs (int8: qgemm.py, q4: q4gemm.py): the parallel builds of every
-op, the integer GEMM for the matrices (silu * up in the gate/up GEMM's epilogue, as CPUBackend.linear_silu_mul).
-There the dispatch it saves is small next to the step's GEMMs, but it comes at no cost.
+`decoder_stack_batched_kernel` does the same for pure decode batches when the weights have packed
+copies for the integer GEMMs (int8: qgemm.py, q4: q4gemm.py; silu * up in the gate/up GEMM's epilogue,
+as CPUBackend.linear_silu_mul) or are float32 (the row-invariant GEMM, fgemm.py, which the per-op path
+takes for these row counts too; then silu_mul apart, as there). Dispatch is a large share of a
+float32 model's single-stream step and small next to a big batch's GEMMs, but it comes at no cost.
 
 NOTE: the compiled kernels here carry copies of the kernels.py, attention.py, q4.py, q4gemm.py and qgemm.py
 kernels they call, and Numba's disk cache only checks this file's timestamp; cache.refresh() drops
@@ -34,6 +35,7 @@ from numba import types
 from numba.extending import overload
 
 from rawinfer.backend.cpu import attention as A
+from rawinfer.backend.cpu import fgemm as cpu_fgemm
 from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import q4 as cpu_q4
 from rawinfer.backend.cpu import q4gemm as cpu_q4gemm
@@ -115,7 +117,7 @@ def decoder_stack_kernel(h, res, x, qkv, attn, gu, act,
                              k_caches[i], v_caches[i], cos_sin, eps, scale, num_heads, num_kv_heads, windows[i])
 
 
-# ---- batched decode (int8 models with packed weights, any number of sequences) ------------------------
+# ---- batched decode (int8 / q4 models with packed weights, float32 models; any number of sequences) --
 _rmsnorm_p = K.rmsnorm_kernel.parallel
 _add_rmsnorm_p = K.add_rmsnorm_kernel.parallel
 _rope_p = K.rope_kernel.parallel
@@ -129,29 +131,67 @@ _int8_matmul = cpu_qgemm.int8_matmul
 _int8_matmul_silu = cpu_qgemm.int8_matmul_silu
 _q4_matmul = cpu_q4gemm.q4_matmul
 _q4_matmul_silu = cpu_q4gemm.q4_matmul_silu
+_fgemm = cpu_fgemm.matmul_nt
 
 
-def packed_matmul(x, p, s, out, xbuf, sbuf, bbuf):
+def packed_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
     """out = x @ W^T on a packed copy p: int8 (qgemm.pack_weights, 4-d int8, s = row scales) or q4
-    (q4gemm.pack_weights, 3-d uint8, s unused; bbuf its block sums). Compiled code only (an overload)."""
+    (q4gemm.pack_weights, 3-d uint8, s unused; bbuf its block sums), or on a float32 W itself (p = W,
+    [N, K], fgemm split over `threads` as CPUBackend.linear splits it; s and the buffers unused).
+    Compiled code only (an overload)."""
+
+
+def _fgemm_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
+    _fgemm(x, p, out, max(1, min(threads, p.shape[0] // 64)))
 
 
 @overload(packed_matmul)
-def _packed_matmul(x, p, s, out, xbuf, sbuf, bbuf):
+def _packed_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
+    if p.dtype == types.float32:
+        return _fgemm_matmul
     if p.dtype == types.uint8:
-        return lambda x, p, s, out, xbuf, sbuf, bbuf: _q4_matmul(x, p, out, xbuf, sbuf, bbuf)
-    return lambda x, p, s, out, xbuf, sbuf, bbuf: _int8_matmul(x, p, s, out, xbuf, sbuf)
+        return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _q4_matmul(x, p, out, xbuf, sbuf, bbuf)
+    return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _int8_matmul(x, p, s, out, xbuf, sbuf)
 
 
-def packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf):
+def packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf, threads):
     """silu(x @ Wg^T) * (x @ Wu^T) on a packed gate_up copy (as packed_matmul)."""
 
 
 @overload(packed_matmul_silu)
-def _packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf):
+def _packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf, threads):
     if p.dtype == types.uint8:
-        return lambda x, p, s, out, xbuf, sbuf, bbuf: _q4_matmul_silu(x, p, out, xbuf, sbuf, bbuf)
-    return lambda x, p, s, out, xbuf, sbuf, bbuf: _int8_matmul_silu(x, p, s, out, xbuf, sbuf)
+        return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _q4_matmul_silu(x, p, out, xbuf, sbuf, bbuf)
+    return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _int8_matmul_silu(x, p, s, out, xbuf, sbuf)
+
+
+def gate_up_silu(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads):
+    """act = silu(x @ Wg^T) * (x @ Wu^T): in the integer GEMM's epilogue where its packed gate_up copy
+    pairs the halves (an even count of column blocks), else the product into gu and silu_mul apart (the
+    serial build for `small` row counts), as CPUBackend.linear_silu_mul does. Compiled code only."""
+
+
+@nb.njit(inline="always")
+def _silu_after(gu, act, small):
+    if small:
+        _silu_mul(gu, act)
+    else:
+        _silu_mul_p(gu, act)
+
+
+@overload(gate_up_silu)
+def _gate_up_silu(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads):
+    def apart(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads):
+        packed_matmul(x, p, s, gu, xbuf, sbuf, bbuf, threads)
+        _silu_after(gu, act, small)
+
+    def fused_if_paired(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads):
+        if p.shape[0] % 2 == 0:
+            packed_matmul_silu(x, p, s, act, xbuf, sbuf, bbuf, threads)
+        else:
+            packed_matmul(x, p, s, gu, xbuf, sbuf, bbuf, threads)
+            _silu_after(gu, act, small)
+    return apart if p.dtype == types.float32 else fused_if_paired
 
 
 @nb.njit(cache=True)
@@ -159,11 +199,11 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
                                  in_norms, p_qkvs, s_qkvs, b_qkvs, p_os, s_os, post_norms, p_gus, s_gus, p_downs,
                                  s_downs, positions, slot_mapping, block_tables, context_lens, k_caches, v_caches,
                                  cos_sin, eps, scale, num_heads, num_kv_heads, xbuf, sbuf, bbuf, avx2_attention,
-                                 windows):
+                                 windows, threads):
     # Every layer of a pure decode batch (row b = sequence b's new token) in one call: the per-op path's
     # kernels in its order (the serial builds of the elementwise ops for a few rows, where waking the
     # pool costs more than the work), the matrix products on the integer GEMMs (p_* = packed weights,
-    # int8 or q4; bbuf: the q4 GEMM's block sums).
+    # int8 or q4; bbuf: the q4 GEMM's block sums) or, for float32 weights (p_* = the weights), fgemm.
     D = cos_sin.shape[1]
     small = x.shape[0] < _PARALLEL_ROWS
     for i in range(len(in_norms)):
@@ -176,7 +216,7 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
             _add_rmsnorm(h, res, in_norms[i], eps, x)
         else:
             _add_rmsnorm_p(h, res, in_norms[i], eps, x)
-        packed_matmul(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf, bbuf)
+        packed_matmul(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf, bbuf, threads)
         if b_qkvs[i].shape[0] > 0:
             for t in range(qkv.shape[0]):
                 qkv[t] += b_qkvs[i]
@@ -192,20 +232,13 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
         else:
             _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, windows[i],
                               attn)
-        packed_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf, bbuf)
+        packed_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf, bbuf, threads)
         if small:
             _add_rmsnorm(h, res, post_norms[i], eps, x)
         else:
             _add_rmsnorm_p(h, res, post_norms[i], eps, x)
-        if p_gus[i].shape[0] % 2 == 0:
-            packed_matmul_silu(x, p_gus[i], s_gus[i], act, xbuf, sbuf, bbuf)
-        else:
-            packed_matmul(x, p_gus[i], s_gus[i], gu, xbuf, sbuf, bbuf)
-            if small:
-                _silu_mul(gu, act)
-            else:
-                _silu_mul_p(gu, act)
-        packed_matmul(act, p_downs[i], s_downs[i], h, xbuf, sbuf, bbuf)
+        gate_up_silu(x, p_gus[i], s_gus[i], gu, act, xbuf, sbuf, bbuf, small, threads)
+        packed_matmul(act, p_downs[i], s_downs[i], h, xbuf, sbuf, bbuf, threads)
 
 
 NO_BIAS = np.zeros(0, np.float32)   # stands in for a missing QKV bias

@@ -1,0 +1,91 @@
+"""float32 models' decode steps in one call (fused.decoder_stack_batched_kernel on fgemm) give the per-op
+path's bits: the same tokens and the same logprobs, alone and in batches, for every Llama-shaped family
+the fused path takes (QKV bias, sliding window), in the default and the batch-invariant mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rawinfer import SamplingParams
+from rawinfer.backend.cpu import fgemm
+from rawinfer.backend.cpu.fgemm import DEFAULT_MAX_ROWS
+from rawinfer.engine.llm import LLM
+
+pytestmark = pytest.mark.skipif(not fgemm.available(), reason="the fused float32 path runs on fgemm (AVX2, FMA)")
+
+
+@pytest.fixture(scope="module")
+def tiny_swa_dir(tmp_path_factory):
+    from conftest import _convert_tiny
+    return _convert_tiny(tmp_path_factory, "tiny-mistral-swa")
+
+
+def _run(llm, prompts, fused: bool):
+    """(token ids, logprobs) of every request, and the row counts the fused call decoded."""
+    model, be = llm.engine.model, llm.engine.backend
+    saved = model.fused_decode_max
+    if not fused:
+        model.fused_decode_max = 0
+    rows = []
+    real = be.decoder_layers
+    be.decoder_layers = lambda plan, ws, T, *a: (rows.append(T), real(plan, ws, T, *a))[1]
+    try:
+        sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+        out = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        be.decoder_layers = real
+        model.fused_decode_max = saved
+    toks = [r.outputs[0].token_ids for r in out]
+    lps = [np.array(r.outputs[0].logprobs.logprobs + sum(r.outputs[0].logprobs.top_logprobs, []), np.float64)
+           for r in out]
+    return toks, lps, rows
+
+
+def _prompts(llm, lengths, seed=4):
+    rng = np.random.default_rng(seed)
+    V = llm.engine.model_config.vocab_size
+    return [[int(t) for t in rng.integers(3, V, n)] for n in lengths]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "swa"])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_fused_float32_decode_is_the_per_op_path(family, batch_invariant, tiny_llama_dir, tiny_qwen2_dir,
+                                                  tiny_swa_dir):
+    d = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "swa": tiny_swa_dir}[family]
+    llm = LLM(d, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256, enable_prefix_caching=False,
+              batch_invariant=batch_invariant)
+    model = llm.engine.model
+    assert model.fused_plan is not None and model.fused_plan["float"]
+    assert model.fused_decode_max == ((1 << 30) if batch_invariant else DEFAULT_MAX_ROWS)
+    # 1 row (serial elementwise builds), 9 rows, 20 rows (parallel builds); prompts past the window
+    for lengths in ((7,), (3, 17, 30, 5, 64, 9, 1, 40, 22), tuple(range(1, 41, 2))):
+        prompts = _prompts(llm, lengths)
+        f_toks, f_lps, rows = _run(llm, prompts, fused=True)
+        p_toks, p_lps, none = _run(llm, prompts, fused=False)
+        assert max(rows) == len(lengths) and none == []
+        assert f_toks == p_toks
+        for a, b in zip(f_lps, p_lps):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_smollm2_fused_float32_decode_is_the_per_op_path(smollm2_dir):
+    """SmolLM2's shapes (head_dim 64: the AVX2 attention; 576 x 1536 down: fgemm's K slices)."""
+    llm = LLM(smollm2_dir, device="cpu", kv_cache_memory="256MiB", max_num_batched_tokens=512,
+              enable_prefix_caching=False)
+    prompts = _prompts(llm, (3, 17, 30, 5, 64, 9))
+    f_toks, f_lps, rows = _run(llm, prompts, fused=True)
+    p_toks, p_lps, _ = _run(llm, prompts, fused=False)
+    assert max(rows) == 6 and f_toks == p_toks
+    for a, b in zip(f_lps, p_lps):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_decode_batches_past_fgemm_rows_stay_per_op(tiny_llama_dir):
+    """The default mode multiplies more than DEFAULT_MAX_ROWS rows on BLAS: such decode batches keep the
+    per-op path, whose products are those of the same rows in any other step."""
+    llm = LLM(tiny_llama_dir, device="cpu", kv_cache_memory="16MiB", max_num_batched_tokens=256, max_num_seqs=128,
+              enable_prefix_caching=False)
+    n = DEFAULT_MAX_ROWS + 4
+    _, _, rows = _run(llm, _prompts(llm, [2 + i % 5 for i in range(n)]), fused=True)
+    assert rows and max(rows) <= DEFAULT_MAX_ROWS      # the steps of all n rows did not take it
