@@ -266,8 +266,9 @@ class Backend(ABC):
         token per sequence) of at most D tokens take decoder_layers() (0: none)."""
         return 0, 0
 
-    def fused_plan(self, layers: list[LayerWeights], k_caches: list, v_caches: list):
-        """Optional: whatever decoder_layers() needs prepared once (called when fused_max_tokens > 0)."""
+    def fused_plan(self, layers: list[LayerWeights], k_caches: list, v_caches: list, gelu: bool = False):
+        """Optional: whatever decoder_layers() needs prepared once (called when fused_max_tokens > 0);
+        gelu: the MLP is GeGLU (hidden_act gelu_tanh), not SwiGLU."""
         raise NotImplementedError
 
     def decoder_layers(self, plan, acts: Activations, T: int, batch: FlatBatch, cos_sin, eps: float, scale: float,

@@ -50,11 +50,8 @@ class DecoderModel:
         self.lm_head = self.embed if cfg.tie_word_embeddings else weight("lm_head")
         self.acts = pool.workspace.acts
         self.scratch = pool.workspace.dequant if cfg.quant else None
-        # the fused decode path (Backend.decoder_layers) runs the Llama layer: per-window attention, but
-        # none of the other family ops
-        llama_shaped = (cfg.hidden_act == "silu" and not cfg.qk_norm and not cfg.sandwich_norms
-                        and cfg.rope_local is None)
-        self.fused_max_tokens = self.backend.fused_max_tokens(cfg.quant) if llama_shaped else 0
+        # the fused decode path (Backend.decoder_layers; its plan says which batches it takes)
+        self.fused_max_tokens = self.backend.fused_max_tokens(cfg.quant)
         self.fused_plan = None            # built by weights_loaded()
         self.fused_decode_max = 0         # pure decode batches up to this many tokens take the fused path too
         self.final_norm = w["final_norm"]
@@ -68,7 +65,8 @@ class DecoderModel:
                        for L in self.layers]
         self.lm_head = repack(self.lm_head)
         if self.fused_max_tokens:
-            self.fused_plan = be.fused_plan(self.layers, self.pool.kv.k, self.pool.kv.v)
+            self.fused_plan = be.fused_plan(self.layers, self.pool.kv.k, self.pool.kv.v,
+                                            gelu=self.cfg.hidden_act == "gelu_tanh")
             self.fused_max_tokens, self.fused_decode_max = be.fused_limits(self.fused_plan)
 
     def forward(self, batch: FlatBatch):

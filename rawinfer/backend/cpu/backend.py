@@ -284,7 +284,7 @@ class CPUBackend(QuantizedProducts):
         check_array("query_start_loc", query_start_loc, np.int32)
         return B, H, Hkv
 
-    def fused_plan(self, layers, k_caches, v_caches):
+    def fused_plan(self, layers, k_caches, v_caches, gelu=False):
         """The per-layer tensors as typed lists (built once), so one Numba call can walk every layer."""
         from numba.typed import List
 
@@ -320,6 +320,13 @@ class CPUBackend(QuantizedProducts):
         plan["windows"] = np.array([L.window for L in layers], np.int64)
         plan["max_k"] = max(getattr(L, name).shape[1] for L in layers for _, name in mats)
         plan["float"] = isinstance(layers[0].qkv_proj, np.ndarray)
+        for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):   # family ops (empty: none)
+            plan[name + "s"] = typed([NO_BIAS if getattr(L, name) is None else getattr(L, name) for L in layers])
+        plan["cos_sins"] = typed([L.cos_sin for L in layers])
+        plan["gelu"] = gelu
+        # the few-row kernel (decoder_stack_kernel) runs the Llama layer only
+        plan["llama"] = not gelu and all(L.q_norm is None and L.attn_out_norm is None and L.mlp_out_norm is None
+                                         and L.cos_sin is layers[0].cos_sin for L in layers)
         return plan
 
     def fused_limits(self, plan) -> tuple[int, int]:
@@ -328,11 +335,12 @@ class CPUBackend(QuantizedProducts):
         # (the matrix-vector kernels round differently). Otherwise (unpacked): batches of a few rows.
         # With one_attention, the few-row fused path (its own tiled attention) is off: per-op then.
         # float32: pure decode batches the per-op path gives fgemm too (every row count with one_attention).
+        # Families other than Llama (plan["llama"] false) take the batched kernel alone.
         if plan["float"]:
             return 0, (1 << 30) if self.one_attention else cpu_fgemm.DEFAULT_MAX_ROWS
         if plan["packed"]:
             return 0, 1 << 30
-        return (0, 0) if self.one_attention else (INT8_GEMV_MAX_ROWS, 0)
+        return (0, 0) if self.one_attention or not plan["llama"] else (INT8_GEMV_MAX_ROWS, 0)
 
     def decoder_layers(self, plan, acts, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
         for name in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc"):
@@ -349,9 +357,10 @@ class CPUBackend(QuantizedProducts):
                 acts.act[:T],
                 p["in_norms"], p["p_qkvs"], p["s_qkvs"], p["b_qkvs"], p["p_os"], p["s_os"], p["post_norms"],
                 p["p_gus"], p["s_gus"], p["p_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
-                batch.block_tables, batch.context_lens, p["k_caches"], p["v_caches"], cos_sin, np.float32(eps),
-                np.float32(scale), num_heads, num_kv_heads, qx, qs, qb, p["avx2_attention"], p["windows"],
-                self.max_threads)
+                batch.block_tables, batch.context_lens, p["k_caches"], p["v_caches"], p["cos_sins"],
+                np.float32(eps), np.float32(scale), num_heads, num_kv_heads, qx, qs, qb, p["avx2_attention"],
+                p["windows"], self.max_threads, p["q_norms"], p["k_norms"], p["attn_out_norms"],
+                p["mlp_out_norms"], p["gelu"])
             return
         decoder_stack_kernel(
             acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],

@@ -12,8 +12,10 @@ dot products are reductions.py's dot_i8), so it gives the per-op path's tokens (
 `decoder_stack_batched_kernel` does the same for pure decode batches when the weights have packed
 copies for the integer GEMMs (int8: qgemm.py, q4: q4gemm.py; silu * up in the gate/up GEMM's epilogue,
 as CPUBackend.linear_silu_mul) or are float32 (the row-invariant GEMM, fgemm.py, which the per-op path
-takes for these row counts too; then silu_mul apart, as there). Dispatch is a large share of a
-float32 model's single-stream step and small next to a big batch's GEMMs, but it comes at no cost.
+takes for these row counts too; then silu_mul apart, as there), for every family the engine runs
+(q/k head norms, sandwich norms, GeGLU, a RoPE table per layer: Qwen3, Gemma 3), where the few-row
+kernel runs the Llama layer only. Dispatch is a large share of a single-stream step and small next to
+a big batch's GEMMs, but it comes at no cost.
 
 NOTE: the compiled kernels here carry copies of the kernels.py, attention.py, q4.py, q4gemm.py and qgemm.py
 kernels they call, and Numba's disk cache only checks this file's timestamp; cache.refresh() drops
@@ -40,6 +42,7 @@ from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import q4 as cpu_q4
 from rawinfer.backend.cpu import q4gemm as cpu_q4gemm
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
+from rawinfer.backend.cpu import variants as V
 
 # Module-level names for the compiled builds, so the jitted function below can call them.
 _rmsnorm = K.rmsnorm_kernel.serial
@@ -124,6 +127,10 @@ _rope_p = K.rope_kernel.parallel
 _silu_mul_p = K.silu_mul_kernel.parallel
 _kv_write_p = K.kv_write_kernel.parallel
 _silu_mul = K.silu_mul_kernel.serial
+_gelu_mul = V.gelu_tanh_mul_kernel.serial
+_gelu_mul_p = V.gelu_tanh_mul_kernel.parallel
+_head_rmsnorm = V.head_rmsnorm_kernel.serial
+_head_rmsnorm_p = V.head_rmsnorm_kernel.parallel
 _PARALLEL_ROWS = K.rmsnorm_kernel.min_parallel_rows   # fewer rows: the serial builds (same bits per row)
 _decode_attention_avx2 = A.decode_attention_avx2_kernel.parallel
 _decode_attention = A.decode_attention_kernel.parallel
@@ -165,66 +172,90 @@ def _packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf, threads):
     return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _int8_matmul_silu(x, p, s, out, xbuf, sbuf)
 
 
-def gate_up_silu(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads):
-    """act = silu(x @ Wg^T) * (x @ Wu^T): in the integer GEMM's epilogue where its packed gate_up copy
-    pairs the halves (an even count of column blocks), else the product into gu and silu_mul apart (the
-    serial build for `small` row counts), as CPUBackend.linear_silu_mul does. Compiled code only."""
+def gate_up_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
+    """act = silu(x @ Wg^T) * (x @ Wu^T), or gelu_tanh(...) * ... with `gelu`: silu in the integer GEMM's
+    epilogue where its packed gate_up copy pairs the halves (an even count of column blocks), else the
+    product into gu and the activation apart (the serial build for `small` row counts), as
+    CPUBackend.linear_silu_mul and the per-op GeGLU do. Compiled code only."""
 
 
 @nb.njit(inline="always")
-def _silu_after(gu, act, small):
-    if small:
+def _act_after(gu, act, small, gelu):
+    if gelu:
+        if small:
+            _gelu_mul(gu, act)
+        else:
+            _gelu_mul_p(gu, act)
+    elif small:
         _silu_mul(gu, act)
     else:
         _silu_mul_p(gu, act)
 
 
-@overload(gate_up_silu)
-def _gate_up_silu(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads):
-    def apart(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads):
+@overload(gate_up_act)
+def _gate_up_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
+    def apart(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
         packed_matmul(x, p, s, gu, xbuf, sbuf, bbuf, threads)
-        _silu_after(gu, act, small)
+        _act_after(gu, act, small, gelu)
 
-    def fused_if_paired(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads):
-        if p.shape[0] % 2 == 0:
+    def fused_if_paired(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
+        if not gelu and p.shape[0] % 2 == 0:
             packed_matmul_silu(x, p, s, act, xbuf, sbuf, bbuf, threads)
         else:
             packed_matmul(x, p, s, gu, xbuf, sbuf, bbuf, threads)
-            _silu_after(gu, act, small)
+            _act_after(gu, act, small, gelu)
     return apart if p.dtype == types.float32 else fused_if_paired
+
+
+@nb.njit(inline="always")
+def _norm(x, w, eps, out, small):
+    if small:
+        _rmsnorm(x, w, eps, out)
+    else:
+        _rmsnorm_p(x, w, eps, out)
+
+
+@nb.njit(inline="always")
+def _add_norm(h, res, w, eps, out, small):
+    if small:
+        _add_rmsnorm(h, res, w, eps, out)
+    else:
+        _add_rmsnorm_p(h, res, w, eps, out)
 
 
 @nb.njit(cache=True)
 def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
                                  in_norms, p_qkvs, s_qkvs, b_qkvs, p_os, s_os, post_norms, p_gus, s_gus, p_downs,
                                  s_downs, positions, slot_mapping, block_tables, context_lens, k_caches, v_caches,
-                                 cos_sin, eps, scale, num_heads, num_kv_heads, xbuf, sbuf, bbuf, avx2_attention,
-                                 windows, threads):
+                                 cos_sins, eps, scale, num_heads, num_kv_heads, xbuf, sbuf, bbuf, avx2_attention,
+                                 windows, threads, q_norms, k_norms, attn_out_norms, mlp_out_norms, gelu):
     # Every layer of a pure decode batch (row b = sequence b's new token) in one call: the per-op path's
-    # kernels in its order (the serial builds of the elementwise ops for a few rows, where waking the
-    # pool costs more than the work), the matrix products on the integer GEMMs (p_* = packed weights,
-    # int8 or q4; bbuf: the q4 GEMM's block sums) or, for float32 weights (p_* = the weights), fgemm.
-    D = cos_sin.shape[1]
+    # kernels in its order (exec/model.py's _layer; the serial builds of the elementwise ops for a few
+    # rows, where waking the pool costs more than the work), the matrix products on the integer GEMMs
+    # (p_* = packed weights, int8 or q4; bbuf: the q4 GEMM's block sums) or, for float32 weights (p_* =
+    # the weights), fgemm. The family ops where a layer has them: q/k head norms, norms of the attention
+    # and MLP outputs (empty arrays where absent), its own RoPE table (cos_sins[i]), GeGLU (gelu).
     small = x.shape[0] < _PARALLEL_ROWS
     for i in range(len(in_norms)):
         if i == 0:
-            if small:
-                _rmsnorm(res, in_norms[i], eps, x)
-            else:
-                _rmsnorm_p(res, in_norms[i], eps, x)
-        elif small:
-            _add_rmsnorm(h, res, in_norms[i], eps, x)
+            _norm(res, in_norms[i], eps, x, small)
         else:
-            _add_rmsnorm_p(h, res, in_norms[i], eps, x)
+            _add_norm(h, res, in_norms[i], eps, x, small)
         packed_matmul(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf, bbuf, threads)
         if b_qkvs[i].shape[0] > 0:
             for t in range(qkv.shape[0]):
                 qkv[t] += b_qkvs[i]
+        if q_norms[i].shape[0] > 0:
+            if small:
+                _head_rmsnorm(qkv, q_norms[i], k_norms[i], eps, num_heads, num_kv_heads)
+            else:
+                _head_rmsnorm_p(qkv, q_norms[i], k_norms[i], eps, num_heads, num_kv_heads)
+        D = cos_sins[i].shape[1]
         if small:
-            _rope(qkv, positions, cos_sin, num_heads, num_kv_heads, D)
+            _rope(qkv, positions, cos_sins[i], num_heads, num_kv_heads, D)
             _kv_write(qkv, k_caches[i], v_caches[i], slot_mapping, num_heads)
         else:
-            _rope_p(qkv, positions, cos_sin, num_heads, num_kv_heads, D)
+            _rope_p(qkv, positions, cos_sins[i], num_heads, num_kv_heads, D)
             _kv_write_p(qkv, k_caches[i], v_caches[i], slot_mapping, num_heads)
         if avx2_attention:
             _decode_attention_avx2(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads,
@@ -233,12 +264,13 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
             _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, windows[i],
                               attn)
         packed_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf, bbuf, threads)
-        if small:
-            _add_rmsnorm(h, res, post_norms[i], eps, x)
-        else:
-            _add_rmsnorm_p(h, res, post_norms[i], eps, x)
-        gate_up_silu(x, p_gus[i], s_gus[i], gu, act, xbuf, sbuf, bbuf, small, threads)
+        if attn_out_norms[i].shape[0] > 0:
+            _norm(h, attn_out_norms[i], eps, h, small)
+        _add_norm(h, res, post_norms[i], eps, x, small)
+        gate_up_act(x, p_gus[i], s_gus[i], gu, act, xbuf, sbuf, bbuf, small, threads, gelu)
         packed_matmul(act, p_downs[i], s_downs[i], h, xbuf, sbuf, bbuf, threads)
+        if mlp_out_norms[i].shape[0] > 0:
+            _norm(h, mlp_out_norms[i], eps, h, small)
 
 
-NO_BIAS = np.zeros(0, np.float32)   # stands in for a missing QKV bias
+NO_BIAS = np.zeros(0, np.float32)   # stands in for a missing QKV bias or family norm

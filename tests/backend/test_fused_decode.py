@@ -1,6 +1,8 @@
-"""float32 models' decode steps in one call (fused.decoder_stack_batched_kernel on fgemm) give the per-op
-path's bits: the same tokens and the same logprobs, alone and in batches, for every Llama-shaped family
-the fused path takes (QKV bias, sliding window), in the default and the batch-invariant mode."""
+"""Decode steps in one call (fused.decoder_stack_batched_kernel) give the per-op path's bits: the same
+tokens and the same logprobs, alone and in batches. float32 models (fgemm) of every family: Llama, QKV
+bias (Qwen2), a sliding window (Mistral), q/k norms (Qwen3), Gemma 3's sandwich norms, GeGLU, local
+RoPE and window, in the default and the batch-invariant mode; int8 and q4 models of the families
+beyond Llama (tests/backend/test_quant.py holds Llama's)."""
 
 from __future__ import annotations
 
@@ -9,16 +11,26 @@ import pytest
 
 from rawinfer import SamplingParams
 from rawinfer.backend.cpu import fgemm
+from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.fgemm import DEFAULT_MAX_ROWS
 from rawinfer.engine.llm import LLM
 
-pytestmark = pytest.mark.skipif(not fgemm.available(), reason="the fused float32 path runs on fgemm (AVX2, FMA)")
+pytestmark = pytest.mark.skipif(not (fgemm.available() and cpu_llvm.available()),
+                                reason="the fused paths run on fgemm and the integer GEMMs (AVX2, FMA)")
+FAMILIES = {"llama": "tiny-llama", "qwen2": "tiny-qwen2", "swa": "tiny-mistral-swa", "qwen3": "tiny-qwen3",
+            "gemma3": "tiny-gemma3"}
 
 
 @pytest.fixture(scope="module")
-def tiny_swa_dir(tmp_path_factory):
+def tiny_dir(tmp_path_factory):
     from conftest import _convert_tiny
-    return _convert_tiny(tmp_path_factory, "tiny-mistral-swa")
+    made = {}
+
+    def get(family, quant=None):
+        if (family, quant) not in made:
+            made[family, quant] = _convert_tiny(tmp_path_factory, FAMILIES[family], quant=quant)
+        return made[family, quant]
+    return get
 
 
 def _run(llm, prompts, fused: bool):
@@ -48,18 +60,8 @@ def _prompts(llm, lengths, seed=4):
     return [[int(t) for t in rng.integers(3, V, n)] for n in lengths]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "swa"])
-@pytest.mark.parametrize("batch_invariant", [False, True])
-def test_fused_float32_decode_is_the_per_op_path(family, batch_invariant, tiny_llama_dir, tiny_qwen2_dir,
-                                                  tiny_swa_dir):
-    d = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "swa": tiny_swa_dir}[family]
-    llm = LLM(d, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256, enable_prefix_caching=False,
-              batch_invariant=batch_invariant)
-    model = llm.engine.model
-    assert model.fused_plan is not None and model.fused_plan["float"]
-    assert model.fused_decode_max == ((1 << 30) if batch_invariant else DEFAULT_MAX_ROWS)
-    # 1 row (serial elementwise builds), 9 rows, 20 rows (parallel builds); prompts past the window
-    for lengths in ((7,), (3, 17, 30, 5, 64, 9, 1, 40, 22), tuple(range(1, 41, 2))):
+def _same(llm, lengths_list):
+    for lengths in lengths_list:
         prompts = _prompts(llm, lengths)
         f_toks, f_lps, rows = _run(llm, prompts, fused=True)
         p_toks, p_lps, none = _run(llm, prompts, fused=False)
@@ -67,6 +69,32 @@ def test_fused_float32_decode_is_the_per_op_path(family, batch_invariant, tiny_l
         assert f_toks == p_toks
         for a, b in zip(f_lps, p_lps):
             np.testing.assert_array_equal(a, b)
+
+
+# 1 row (serial elementwise builds), 20 rows (parallel builds); prompts past the windows
+LENGTHS = ((7,), (64, 3, 17, 30, 5) + tuple(range(1, 31, 2)))
+
+
+@pytest.mark.parametrize("family,batch_invariant", [(f, False) for f in FAMILIES] +
+                         [("llama", True), ("gemma3", True)])
+def test_fused_float32_decode_is_the_per_op_path(family, batch_invariant, tiny_dir):
+    llm = LLM(tiny_dir(family), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
+              enable_prefix_caching=False, batch_invariant=batch_invariant)
+    model = llm.engine.model
+    assert model.fused_plan is not None and model.fused_plan["float"]
+    assert model.fused_decode_max == ((1 << 30) if batch_invariant else DEFAULT_MAX_ROWS)
+    _same(llm, LENGTHS)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_fused_quantized_decode_of_other_families_is_the_per_op_path(family, quant, tiny_dir):
+    llm = LLM(tiny_dir(family, quant), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
+              enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.fused_plan["packed"] and not model.fused_plan["llama"]
+    assert model.fused_max_tokens == 0            # the few-row kernel runs the Llama layer only
+    _same(llm, LENGTHS)
 
 
 def test_smollm2_fused_float32_decode_is_the_per_op_path(smollm2_dir):
@@ -81,10 +109,10 @@ def test_smollm2_fused_float32_decode_is_the_per_op_path(smollm2_dir):
         np.testing.assert_array_equal(a, b)
 
 
-def test_decode_batches_past_fgemm_rows_stay_per_op(tiny_llama_dir):
+def test_decode_batches_past_fgemm_rows_stay_per_op(tiny_dir):
     """The default mode multiplies more than DEFAULT_MAX_ROWS rows on BLAS: such decode batches keep the
     per-op path, whose products are those of the same rows in any other step."""
-    llm = LLM(tiny_llama_dir, device="cpu", kv_cache_memory="16MiB", max_num_batched_tokens=256, max_num_seqs=128,
+    llm = LLM(tiny_dir("llama"), device="cpu", kv_cache_memory="16MiB", max_num_batched_tokens=256, max_num_seqs=128,
               enable_prefix_caching=False)
     n = DEFAULT_MAX_ROWS + 4
     _, _, rows = _run(llm, _prompts(llm, [2 + i % 5 for i in range(n)]), fused=True)
