@@ -75,11 +75,12 @@ def _same(llm, lengths_list):
 LENGTHS = ((7,), (64, 3, 17, 30, 5) + tuple(range(1, 31, 2)))
 
 
-@pytest.mark.parametrize("family,batch_invariant", [(f, False) for f in FAMILIES] +
-                         [("llama", True), ("gemma3", True)])
-def test_fused_float32_decode_is_the_per_op_path(family, batch_invariant, tiny_dir):
+@pytest.mark.parametrize("family,batch_invariant,kv", [(f, False, "auto") for f in FAMILIES] +
+                         [("llama", True, "auto"), ("gemma3", True, "auto"), ("llama", False, "float16"),
+                          ("gemma3", False, "int8")])
+def test_fused_float32_decode_is_the_per_op_path(family, batch_invariant, kv, tiny_dir):
     llm = LLM(tiny_dir(family), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
-              enable_prefix_caching=False, batch_invariant=batch_invariant)
+              enable_prefix_caching=False, batch_invariant=batch_invariant, kv_cache_dtype=kv)
     model = llm.engine.model
     assert model.fused_plan is not None and model.fused_plan["float"]
     assert model.fused_decode_max == ((1 << 30) if batch_invariant else DEFAULT_MAX_ROWS)
