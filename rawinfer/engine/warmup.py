@@ -2,11 +2,11 @@
 
 The CPU kernels compile on their first call with each combination of argument types, and a step of
 another shape takes other kernels: a prompt under 32 tokens and one over it (attention on BLAS), a
-decode step of one sequence (quantized models: the fused one-call path), of a few (matrix-vector
-kernels) and of many (the integer GEMM), a prompt past 96 tokens (float32 products on BLAS), a step
-that mixes prefill chunks and decode tokens. Without a warm-up each of those compiles during the
-first request that reaches it. On CUDA the same steps
-compile the RawKernels and capture the decode graphs of the bucket sizes they meet.
+decode step of one sequence (the fused one-call path), of a few (matrix-vector kernels where no
+integer GEMM applies) and of many (the integer GEMM), a prompt past 96 tokens (float32 products on
+BLAS), a step that mixes prefill chunks and decode tokens. Without a warm-up each of those compiles
+during the first request that reaches it. On CUDA the same steps compile the RawKernels and capture
+the decode graphs of the bucket sizes they meet.
 
 The warm-up runs dummy requests through the ordinary engine (scheduler, runner, sampler), then gives
 the engine a fresh block manager and scheduler, so nothing of it is left: no cached prefix, no
