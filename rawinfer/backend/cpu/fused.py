@@ -192,19 +192,23 @@ def _act_after(gu, act, small, gelu):
         _silu_mul_p(gu, act)
 
 
+@nb.njit(inline="always")
+def _gate_up_then_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
+    packed_matmul(x, p, s, gu, xbuf, sbuf, bbuf, threads)
+    _act_after(gu, act, small, gelu)
+
+
 @overload(gate_up_act)
 def _gate_up_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
-    def apart(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
-        packed_matmul(x, p, s, gu, xbuf, sbuf, bbuf, threads)
-        _act_after(gu, act, small, gelu)
-
     def fused_if_paired(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
         if not gelu and p.shape[0] % 2 == 0:
             packed_matmul_silu(x, p, s, act, xbuf, sbuf, bbuf, threads)
         else:
-            packed_matmul(x, p, s, gu, xbuf, sbuf, bbuf, threads)
-            _act_after(gu, act, small, gelu)
-    return apart if p.dtype == types.float32 else fused_if_paired
+            _gate_up_then_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu)
+    if p.dtype == types.float32:
+        return lambda x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu: \
+            _gate_up_then_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu)
+    return fused_if_paired
 
 
 @nb.njit(inline="always")
