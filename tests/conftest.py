@@ -72,6 +72,23 @@ def golden_decode_agreement(engine, golden: str = "smollm2", margin: float = 0.5
     return checked, agreed, worst
 
 
+def fused_vs_per_op(llm, prompts, params):
+    """llm.generate(prompts, params) twice: with the fused one-call decode as configured, then with pure
+    decode batches op by op (fused_decode_max 0). Returns (fused results, per-op results, the token
+    counts of the fused calls in the first run, those in the second)."""
+    model, be = llm.engine.model, llm.engine.backend
+    rows, real, saved = [], be.decoder_layers, model.fused_decode_max
+    be.decoder_layers = lambda plan, ws, T, *a: (rows.append(T), real(plan, ws, T, *a))[1]
+    try:
+        fused = llm.generate(prompts, params, use_tqdm=False)
+        n = len(rows)
+        model.fused_decode_max = 0
+        per_op = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        be.decoder_layers, model.fused_decode_max = real, saved
+    return fused, per_op, rows[:n], rows[n:]
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     """tests/data/tiny-llama converted to rawinfer's format (float32, no tokenizer)."""

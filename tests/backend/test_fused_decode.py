@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import fused_vs_per_op
 from rawinfer import SamplingParams
 from rawinfer.backend.cpu import fgemm
 from rawinfer.backend.cpu import llvm as cpu_llvm
@@ -33,25 +34,10 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
-def _run(llm, prompts, fused: bool):
-    """(token ids, logprobs) of every request, and the row counts the fused call decoded."""
-    model, be = llm.engine.model, llm.engine.backend
-    saved = model.fused_decode_max
-    if not fused:
-        model.fused_decode_max = 0
-    rows = []
-    real = be.decoder_layers
-    be.decoder_layers = lambda plan, ws, T, *a: (rows.append(T), real(plan, ws, T, *a))[1]
-    try:
-        sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
-        out = llm.generate(prompts, sp, use_tqdm=False)
-    finally:
-        be.decoder_layers = real
-        model.fused_decode_max = saved
-    toks = [r.outputs[0].token_ids for r in out]
-    lps = [np.array(r.outputs[0].logprobs.logprobs + sum(r.outputs[0].logprobs.top_logprobs, []), np.float64)
-           for r in out]
-    return toks, lps, rows
+def _tokens_and_logprobs(results):
+    return ([r.outputs[0].token_ids for r in results],
+            [np.array(r.outputs[0].logprobs.logprobs + sum(r.outputs[0].logprobs.top_logprobs, []), np.float64)
+             for r in results])
 
 
 def _prompts(llm, lengths, seed=4):
@@ -60,11 +46,17 @@ def _prompts(llm, lengths, seed=4):
     return [[int(t) for t in rng.integers(3, V, n)] for n in lengths]
 
 
+def _compare(llm, prompts):
+    """Tokens and logprobs through the fused path and op by op, and the token counts of the fused calls
+    in each run."""
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    fused, per_op, rows, none = fused_vs_per_op(llm, prompts, sp)
+    return (*_tokens_and_logprobs(fused), rows), (*_tokens_and_logprobs(per_op), none)
+
+
 def _same(llm, lengths_list):
     for lengths in lengths_list:
-        prompts = _prompts(llm, lengths)
-        f_toks, f_lps, rows = _run(llm, prompts, fused=True)
-        p_toks, p_lps, none = _run(llm, prompts, fused=False)
+        (f_toks, f_lps, rows), (p_toks, p_lps, none) = _compare(llm, _prompts(llm, lengths))
         assert max(rows) == len(lengths) and none == []
         assert f_toks == p_toks
         for a, b in zip(f_lps, p_lps):
@@ -102,9 +94,7 @@ def test_smollm2_fused_float32_decode_is_the_per_op_path(smollm2_dir):
     """SmolLM2's shapes (head_dim 64: the AVX2 attention; 576 x 1536 down: fgemm's K slices)."""
     llm = LLM(smollm2_dir, device="cpu", kv_cache_memory="256MiB", max_num_batched_tokens=512,
               enable_prefix_caching=False)
-    prompts = _prompts(llm, (3, 17, 30, 5, 64, 9))
-    f_toks, f_lps, rows = _run(llm, prompts, fused=True)
-    p_toks, p_lps, _ = _run(llm, prompts, fused=False)
+    (f_toks, f_lps, rows), (p_toks, p_lps, _) = _compare(llm, _prompts(llm, (3, 17, 30, 5, 64, 9)))
     assert max(rows) == 6 and f_toks == p_toks
     for a, b in zip(f_lps, p_lps):
         np.testing.assert_array_equal(a, b)
@@ -116,5 +106,5 @@ def test_decode_batches_past_fgemm_rows_stay_per_op(tiny_dir):
     llm = LLM(tiny_dir("llama"), device="cpu", kv_cache_memory="16MiB", max_num_batched_tokens=256, max_num_seqs=128,
               enable_prefix_caching=False)
     n = DEFAULT_MAX_ROWS + 4
-    _, _, rows = _run(llm, _prompts(llm, [2 + i % 5 for i in range(n)]), fused=True)
+    (_, _, rows), _ = _compare(llm, _prompts(llm, [2 + i % 5 for i in range(n)]))
     assert rows and max(rows) <= DEFAULT_MAX_ROWS      # the steps of all n rows did not take it

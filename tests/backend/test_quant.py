@@ -101,23 +101,19 @@ def test_smollm2_int8_agrees_with_golden(smollm2_int8_dir, kv_dtype):
 def _fused_vs_per_op(model_dir, kv_cache_memory):
     """Greedy tokens of 9 requests decoded together, through decoder_stack_batched_kernel (one call per
     step) and through the per-op path; returns both and how many tokens the fused call decoded."""
+    from conftest import fused_vs_per_op
     from rawinfer import SamplingParams
     from rawinfer.engine.llm import LLM
     llm = LLM(model_dir, device="cpu", kv_cache_memory=kv_cache_memory, max_num_batched_tokens=512,
               enable_prefix_caching=False)
-    model, be = llm.engine.model, llm.engine.backend
+    model = llm.engine.model
     assert model.fused_plan["packed"] and model.fused_decode_max > 64
     rng = np.random.default_rng(4)
     V = llm.engine.model_config.vocab_size
     prompts = [[int(t) for t in rng.integers(3, V, n)] for n in (3, 17, 30, 5, 64, 9, 1, 40, 22)]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    fused_rows = []
-    real = be.decoder_layers
-    be.decoder_layers = lambda plan, ws, T, *a: (fused_rows.append(T), real(plan, ws, T, *a))[1]
-    fused = [r.token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]
-    model.fused_decode_max = 0
-    per_op = [r.token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]
-    return fused, per_op, max(fused_rows)
+    fused, per_op, fused_rows, _ = fused_vs_per_op(llm, prompts, sp)
+    return [r.token_ids for r in fused], [r.token_ids for r in per_op], max(fused_rows)
 
 
 def test_batched_decode_in_one_call_matches_the_per_op_path(tiny_int8_dir, smollm2_int8_dir):
