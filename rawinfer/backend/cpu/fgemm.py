@@ -20,6 +20,9 @@ tiles of other shapes compute the same per-element sequence, so the driver picks
 number of rows (one row: streaming C weight rows at once; more: a register block that reuses loads).
 
 It reads x and w in their natural layouts (row-major, K contiguous): nothing is packed at load.
+A tile's weight rows come from memory (DRAM, for a model's weights) at its first row tile and from L1
+at the others; every tile call also prefetches a slice of the next tile's rows, so that read overlaps
+the arithmetic instead of stalling the first row tile (it does not change what is computed).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from numba.extending import intrinsic
 
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu import llvm as cpu_llvm
-from rawinfer.backend.cpu.llvm import F32, I32, _fma, _ptr, _vload, _vstore, counted_loop, i64, keep_alive
+from rawinfer.backend.cpu.llvm import F32, I32, _fma, _ptr, _vload, _vstore, counted_loop, i64, keep_alive, prefetch_l2
 
 LANES = 16
 _VF = ir.VectorType(F32, LANES)
@@ -202,6 +205,27 @@ def available() -> bool:
     return cpu_llvm.available()
 
 
+@nb.njit(inline="always")
+def _prefetch_step(K, row_tiles, slices):
+    """Bytes of the next weight tile (_C rows of K floats) to prefetch before each of the row_tiles x
+    slices tile calls on the current one, whole cache lines; none for a single row tile (each weight
+    row is then read once, a plain stream the hardware prefetcher follows)."""
+    if row_tiles < 2:
+        return 0
+    return (_C * K * 4 // (row_tiles * slices) + 63) // 64 * 64
+
+
+@nb.njit(inline="always")
+def _prefetch_next(w0, K, n, n_hi, i, step):
+    """Before the i-th tile call on weight rows n .. n + _C: prefetch the i-th `step` bytes of the next
+    tile's rows (contiguous: rows are K floats apart), none past this thread's last row n_hi, into L2
+    (into L1 they would evict the rows the tile calls are reusing)."""
+    a = w0 + ((n + _C) * K * 4 + i * step)
+    end = w0 + min(n + 2 * _C, n_hi) * K * 4
+    if step > 0 and a < end:
+        prefetch_l2(a, min(step, end - a))
+
+
 @nb.njit(parallel=True, cache=True)
 def matmul_nt(x, w, out, parts):
     """out[M, N] = x[M, K] @ w[N, K]^T (all C-contiguous float32), the N weight rows split into `parts`
@@ -219,9 +243,13 @@ def matmul_nt(x, w, out, parts):
         elif K <= _K_SPLIT:
             for mb in range(0, M, _M_BLOCK):
                 me = min(M, mb + _M_BLOCK)
+                step = _prefetch_step(Kl, (me - mb + _R - 1) // _R, 1)
                 for n in range(n_lo, n_hi, _C):
                     cols = np.int64(min(_C, n_hi - n))
+                    i = 0
                     for m in range(mb, me, _R):
+                        _prefetch_next(w0, Kl, n, n_hi, i, step)
+                        i += 1
                         _many(x0 + m * Kl * 4, Kl, w0 + n * Kl * 4, Kl, o0 + (m * ldo + n) * 4, ldo, Kl,
                               np.int64(min(_R, me - m)), cols)
         else:
@@ -231,13 +259,17 @@ def matmul_nt(x, w, out, parts):
             a0 = np.int64(acc.ctypes.data)
             for mb in range(0, M, _M_BLOCK):
                 me = min(M, mb + _M_BLOCK)
+                step = _prefetch_step(Kl, (me - mb + _R - 1) // _R, (K + _K_SLICE - 1) // _K_SLICE)
                 for n in range(n_lo, n_hi, _C):
                     cols = np.int64(min(_C, n_hi - n))
                     acc[:] = np.float32(0.0)
+                    i = 0
                     for k0 in range(0, K, _K_SLICE):
                         kc = np.int64(min(_K_SLICE, K - k0))
                         finish = np.int64(k0 + _K_SLICE >= K)
                         for m in range(mb, me, _R):
+                            _prefetch_next(w0, Kl, n, n_hi, i, step)
+                            i += 1
                             _many_carried(x0 + (m * Kl + k0) * 4, Kl, w0 + (n * Kl + k0) * 4, Kl,
                                           o0 + (m * ldo + n) * 4, ldo, kc, np.int64(min(_R, me - m)), cols,
                                           a0 + (m - mb) // _R * (_R * _C * LANES * 4), finish)

@@ -327,28 +327,36 @@ def _make_axpy_rows32(heads: int, elem: str):
     return axpy_rows32
 
 
-@intrinsic
-def prefetch(typingctx, addr, nbytes):
-    """Ask the CPU to bring [addr, addr + nbytes) into its caches (one prefetcht0 per 64-byte line);
-    a hint: it never faults, whatever the address."""
-    sig = types.void(types.int64, types.int64)
+def _make_prefetch(locality: int):
+    @intrinsic
+    def prefetch(typingctx, addr, nbytes):
+        sig = types.void(types.int64, types.int64)
+        return sig, lambda context, builder, signature, args: _prefetch_code(context, builder, args, locality)
+    return prefetch
 
-    def codegen(context, builder, signature, args):
-        addr, nbytes = args
-        i8p = ir.IntType(8).as_pointer()
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
-                                              ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]))
-        lines = builder.sdiv(builder.add(nbytes, i64(63)), i64(64))
 
-        def step(i, _):
-            p = builder.inttoptr(builder.add(addr, builder.mul(i, i64(64))), i8p)
-            builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
-            return []
+def _prefetch_code(context, builder, args, locality):
+    """One prefetch per 64-byte line of [addr, addr + nbytes), LLVM's locality hint `locality` (3: into
+    every cache level, prefetcht0; 2: not L1, prefetcht1)."""
+    addr, nbytes = args
+    i8p = ir.IntType(8).as_pointer()
+    fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
+                                          ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]))
+    lines = builder.sdiv(builder.add(nbytes, i64(63)), i64(64))
 
-        counted_loop(builder, lines, [], step)
-        return context.get_dummy_value()
+    def step(i, _):
+        p = builder.inttoptr(builder.add(addr, builder.mul(i, i64(64))), i8p)
+        builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
+        return []
 
-    return sig, codegen
+    counted_loop(builder, lines, [], step)
+    return context.get_dummy_value()
+
+
+# Ask the CPU to bring [addr, addr + nbytes) into its caches: prefetch into L1 (and the levels below),
+# prefetch_l2 not into L1. Hints: they never fault, whatever the address.
+prefetch = _make_prefetch(3)
+prefetch_l2 = _make_prefetch(2)
 
 
 # dot_rows4[elem][heads] and axpy_rows32[elem][heads] for elem in ELEMS, 1 <= heads <= HEADS_MAX (index 0
