@@ -219,7 +219,7 @@ def _prefetch_step(K, row_tiles, slices):
 def _prefetch_next(w0, K, n, n_hi, i, step):
     """Before the i-th tile call on weight rows n .. n + _C: prefetch the i-th `step` bytes of the next
     tile's rows (contiguous: rows are K floats apart), none past this thread's last row n_hi, into L2
-    (into L1 they would evict the rows the tile calls are reusing)."""
+    (L1 holds the rows the tile calls are reusing)."""
     a = w0 + ((n + _C) * K * 4 + i * step)
     end = w0 + min(n + 2 * _C, n_hi) * K * 4
     if step > 0 and a < end:

@@ -12,7 +12,8 @@ the way the hardware wants are written here instead, each one a straight-line bl
                          over rows with a reduction each pays a horizontal sum per row)
     axpy_rows32          o[g, 0:32] += sum_r p[g, r] * v[r, 0:32] for up to 3 heads, o held in registers
                          across the rows (a vectorized loop over d would load and store o for every row)
-    prefetch             prefetcht0 over a byte range (the next KV block while this one is scored)
+    prefetch             prefetcht0 over a byte range (the next KV block while this one is scored);
+    prefetch_l2          prefetcht1, not into L1 (fgemm's next weight tile, while L1 holds this one)
     abs_max              max |x| over a float32 row, 8 lanes at a time (the activation quantizer's scale)
 
     half_to_float,       float16 <-> float32 of one value held as its uint16 bits (Numba has no float16
@@ -327,30 +328,29 @@ def _make_axpy_rows32(heads: int, elem: str):
     return axpy_rows32
 
 
+def prefetch_line(builder, ptr, locality: int = 3) -> None:
+    """Emit one read prefetch of the cache line holding `ptr` (any pointer type), LLVM's locality hint
+    `locality` (3: into every cache level, prefetcht0; 2: not L1, prefetcht1). A hint: never a fault."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]))
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
+
+
 def _make_prefetch(locality: int):
     @intrinsic
     def prefetch(typingctx, addr, nbytes):
-        sig = types.void(types.int64, types.int64)
-        return sig, lambda context, builder, signature, args: _prefetch_code(context, builder, args, locality)
+        def codegen(context, builder, signature, args):     # prefetch_line over each 64-byte line
+            addr, nbytes = args
+            i8p = ir.IntType(8).as_pointer()
+
+            def step(i, _):
+                prefetch_line(builder, builder.inttoptr(builder.add(addr, builder.mul(i, i64(64))), i8p), locality)
+                return []
+
+            counted_loop(builder, builder.sdiv(builder.add(nbytes, i64(63)), i64(64)), [], step)
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64), codegen
     return prefetch
-
-
-def _prefetch_code(context, builder, args, locality):
-    """One prefetch per 64-byte line of [addr, addr + nbytes), LLVM's locality hint `locality` (3: into
-    every cache level, prefetcht0; 2: not L1, prefetcht1)."""
-    addr, nbytes = args
-    i8p = ir.IntType(8).as_pointer()
-    fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
-                                          ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]))
-    lines = builder.sdiv(builder.add(nbytes, i64(63)), i64(64))
-
-    def step(i, _):
-        p = builder.inttoptr(builder.add(addr, builder.mul(i, i64(64))), i8p)
-        builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
-        return []
-
-    counted_loop(builder, lines, [], step)
-    return context.get_dummy_value()
 
 
 # Ask the CPU to bring [addr, addr + nbytes) into its caches: prefetch into L1 (and the levels below),

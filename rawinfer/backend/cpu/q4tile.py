@@ -23,6 +23,7 @@ from numba.extending import intrinsic
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
 from rawinfer.backend.cpu.llvm import F16, F32, I8, I16, I32, _ptr, _vload, _vstore, counted_loop, i64, splat
+from rawinfer.backend.cpu.llvm import prefetch_line
 from rawinfer.quant import Q4_BLOCK
 
 BLOCK_COLS = 16                 # output columns per packed column block
@@ -67,12 +68,9 @@ def _tile_code(builder, path, R, C, args):
         rec = [builder.gep(wb, [builder.mul(b, i64(RECORD))]) for wb in wbs]
         if PREFETCH_AHEAD[R]:
             # prefetcht0 of the record PREFETCH_AHEAD k-blocks on (past the end: a hint, never a fault)
-            pf = builder.module.declare_intrinsic("llvm.prefetch", [I8.as_pointer()],
-                                                  ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
             for r0 in rec:
                 for line in range(0, RECORD, 64):
-                    builder.call(pf, [builder.gep(r0, [i64(PREFETCH_AHEAD[R] * RECORD + line)]), ir.Constant(I32, 0),
-                                      ir.Constant(I32, 3), ir.Constant(I32, 1)])
+                    prefetch_line(builder, builder.gep(r0, [i64(PREFETCH_AHEAD[R] * RECORD + line)]))
         kp0 = builder.mul(b, i64(Q4_BLOCK // 2))
         # S independent int32 sums per output vector (k pair j into sum j % S), added at the end of the
         # k-block: exact, so any split gives the same bits. A few rows give few sums, each a chain of
