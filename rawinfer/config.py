@@ -53,8 +53,7 @@ DEFAULT_MODEL = "weights/smollm2-135m-instruct"   # where tools/fetch_default_mo
 FORMAT_NAME = "rawinfer"
 FORMAT_VERSION = 2
 SUPPORTED_FORMAT_VERSIONS = (1, 2)
-HIDDEN_ACTS = ("silu", "gelu_tanh")
-LAYER_TYPES = ("full", "sliding")
+HIDDEN_ACTS, LAYER_TYPES = ("silu", "gelu_tanh"), ("full", "sliding")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -363,9 +362,10 @@ class EngineConfig:
     use_cuda_graphs: bool = True            # CUDA: replay pure decode steps as captured CUDA graphs
     seed: int = 0                           # default seed for requests that set none
     cpu_int_gemm: bool = field(default_factory=lambda: env_flag("RAWINFER_CPU_INT_GEMM", True))
-                                            # CPU, int8 and q4 models: integer GEMMs on int16-quantized
-                                            # activations for every row count (False: dequantized
-                                            # weights on BLAS, matrix-vector kernels for a few rows)
+                                            # CPU, int8 and q4 models: integer GEMMs on int16-quantized activations for
+                                            # every row count (False: dequantized weights on BLAS, few rows: GEMV)
+    int8_activations: bool = False          # CPU, int8 models: activations in 8 bits per block of 32 (a8gemm.py):
+                                            # faster prefill and batches, coarser numerics (docs/kernels.md)
     cache_dir: str | None = field(default_factory=lambda: env_path("RAWINFER_CACHE", DEFAULT_CACHE_DIR))
                                             # user cache for compiled kernels (None: Numba's own places)
     warmup: bool = True                     # compile every step shape at start (no request waits for it)
@@ -390,8 +390,8 @@ class EngineConfig:
             "gpu_memory_utilization": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
             "seed": (lambda v: is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
             "cache_dir": (optional(lambda v: isinstance(v, str)), "a folder path or None"),
-            **dict.fromkeys(("enable_prefix_caching", "use_cuda_graphs", "cpu_int_gemm", "warmup",
-                             "batch_invariant"), (lambda v: isinstance(v, bool), "true or false")),
+            **dict.fromkeys(("enable_prefix_caching", "use_cuda_graphs", "cpu_int_gemm", "warmup", "batch_invariant",
+                             "int8_activations"), (lambda v: isinstance(v, bool), "true or false")),
         }
         for f in fields(self):              # a field missing from checks fails here, not silently
             ok, what = checks[f.name]

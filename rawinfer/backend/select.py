@@ -24,10 +24,10 @@ def cuda_usable() -> bool:
 
 
 def get_backend(device: str = "auto", num_threads: int | None = None, cpu_int_gemm: bool = True,
-                cache_dir: str | None = None, batch_invariant: bool = False) -> Backend:
+                cache_dir: str | None = None, batch_invariant: bool = False, int8_activations: bool = False) -> Backend:
     """The backend for `device` (EngineConfig.device); num_threads, cpu_int_gemm, cache_dir (where
-    compiled kernels are kept) and batch_invariant (one attention kernel for every query count: CPU only)
-    configure the CPU one."""
+    compiled kernels are kept), batch_invariant (one attention kernel for every query count) and
+    int8_activations (int8 models' products on 8-bit activations) configure the CPU one (CPU only)."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device {device!r} is not one of auto, cpu, cuda")
     if device == "cuda" or (device == "auto" and cuda_usable()):
@@ -35,11 +35,12 @@ def get_backend(device: str = "auto", num_threads: int | None = None, cpu_int_ge
             raise DeviceUnavailableError("--device cuda was asked for but no usable GPU was found (CuPy missing or "
                                          "no device); install rawinfer[cuda12] or rawinfer[cuda13], or use "
                                          "--device cpu")
-        if batch_invariant:
-            raise ValueError("batch_invariant (--batch-invariant) is built for the CPU backend only; use "
-                             "--device cpu, or leave it off on a GPU")
+        for name, on in (("batch_invariant", batch_invariant), ("int8_activations", int8_activations)):
+            if on:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) is built for the CPU backend only; use "
+                                 "--device cpu, or leave it off on a GPU")
         from rawinfer.backend.cuda.backend import CUDABackend
         return CUDABackend()
     from rawinfer.backend.cpu.backend import CPUBackend
     return CPUBackend(num_threads=num_threads, int_gemm=cpu_int_gemm, cache_dir=cache_dir,
-                      one_attention=batch_invariant)
+                      one_attention=batch_invariant, int8_activations=int8_activations)

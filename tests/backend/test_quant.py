@@ -84,14 +84,17 @@ def test_tiny_int8_model_tracks_the_float_reference(tiny_int8_dir):
     np.testing.assert_allclose(engine.score(ref["seq_ids"].tolist(), [20] + [1] * 130), logits, atol=tol)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "float16"])
-def test_smollm2_int8_agrees_with_golden(smollm2_int8_dir, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,a8", [("auto", False), ("float16", False), ("auto", True)])
+def test_smollm2_int8_agrees_with_golden(smollm2_int8_dir, kv_dtype, a8):
     """Teacher-forced argmax agreement on every golden step with margin > 0.5, with the int8 KV cache
-    auto picks for int8 models and with a float16 one; the prompt prefilled, then the continuation
-    decoded against the cache token by token."""
+    auto picks for int8 models and with a float16 one, and with 8-bit activations (int8_activations:
+    a8gemm.py); the prompt prefilled, then the continuation decoded against the cache token by token."""
     from conftest import golden_decode_agreement
+    from rawinfer.backend.cpu import a8gemm
+    if a8 and not a8gemm.available():
+        pytest.skip("8-bit activations need AVX2 and FMA")
     engine = LLMEngine(smollm2_int8_dir, device="cpu", kv_cache_memory="256MiB", max_num_batched_tokens=1024,
-                       kv_cache_dtype=kv_dtype)
+                       kv_cache_dtype=kv_dtype, int8_activations=a8)
     assert engine.pool.kv.k[0].dtype == (np.int8 if kv_dtype == "auto" else np.float16)
     checked, agreed, _ = golden_decode_agreement(engine)
     assert checked > 50

@@ -1,5 +1,6 @@
 """A request's greedy tokens do not depend on what else the engine runs, on SmolLM2 in every weight
-format: alone vs inside a batch, and (batch_invariant) after prefix-cache hits and preemption.
+format (int8 also with 8-bit activations: int8a8): alone vs inside a batch, and (batch_invariant) after
+prefix-cache hits and preemption.
 
 Why each holds (docs/kernels.md): int8 and q4 products of any number of rows run on integer GEMMs whose
 per-row bits do not depend on the row count; float32 products of up to 96 rows run on the row-invariant
@@ -15,28 +16,34 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rawinfer.backend.cpu import a8gemm as cpu_a8gemm
 from rawinfer.backend.cpu import q4gemm as cpu_q4gemm
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain KV caches.",
              "Who wrote Hamlet?", "Why is the sky blue?", "Translate hello to Spanish.", "Tell a joke.",
              "Count to five."]
-FORMATS = ["float32", "int8", pytest.param("q4", marks=pytest.mark.skipif(
-    not cpu_q4gemm.available(), reason="the q4 GEMM needs AVX2, FMA and F16C"))]
+FORMATS = ["float32", "int8",
+           pytest.param("int8a8", marks=pytest.mark.skipif(not cpu_a8gemm.available(),
+                                                           reason="8-bit activations need AVX2 and FMA")),
+           pytest.param("q4", marks=pytest.mark.skipif(not cpu_q4gemm.available(),
+                                                       reason="the q4 GEMM needs AVX2, FMA and F16C"))]
 
 
 @pytest.fixture
-def model_dir(request):
-    """The SmolLM2 conversion named by the test's parameter."""
-    fixture = {"float32": "smollm2_dir", "int8": "smollm2_int8_dir", "q4": "smollm2_q4_dir"}[request.param]
-    return request.getfixturevalue(fixture)
+def model(request):
+    """(the SmolLM2 conversion named by the test's parameter, the engine options it runs with)."""
+    fixture = {"float32": "smollm2_dir", "int8": "smollm2_int8_dir", "int8a8": "smollm2_int8_dir",
+               "q4": "smollm2_q4_dir"}[request.param]
+    return request.getfixturevalue(fixture), {"int8_activations": request.param == "int8a8"}
 
 
-@pytest.mark.parametrize("model_dir", FORMATS, indirect=True)
-def test_greedy_tokens_alone_equal_batched(model_dir):
+@pytest.mark.parametrize("model", FORMATS, indirect=True)
+def test_greedy_tokens_alone_equal_batched(model):
     """8 chat prompts x 40 tokens, prefix caching off: the batch of 8 vs each alone (before the integer
     GEMMs took every row count, 9 of 16 int8 prompts changed within 48 tokens)."""
     from rawinfer import LLM, SamplingParams
-    llm = LLM(model_dir, device="cpu", kv_cache_memory="256MiB", enable_prefix_caching=False)
+    model_dir, opts = model
+    llm = LLM(model_dir, device="cpu", kv_cache_memory="256MiB", enable_prefix_caching=False, **opts)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     batched = [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
@@ -44,8 +51,8 @@ def test_greedy_tokens_alone_equal_batched(model_dir):
     assert alone == batched
 
 
-@pytest.mark.parametrize("model_dir", FORMATS, indirect=True)
-def test_batch_invariant_mode_survives_prefix_hits_and_preemption(model_dir):
+@pytest.mark.parametrize("model", FORMATS, indirect=True)
+def test_batch_invariant_mode_survives_prefix_hits_and_preemption(model):
     """batch_invariant: the same greedy tokens and the same logprobs, to the bit, in a batch (cold
     prompts), alone after the batch (each prompt's full blocks now prefix-cache hits, its remainder a
     short query run) and in a pool so small that sequences are preempted and recomputed. Without it, a
@@ -53,6 +60,7 @@ def test_batch_invariant_mode_survives_prefix_hits_and_preemption(model_dir):
     but changed the logprobs of all 16 requests."""
     from rawinfer import LLM, SamplingParams
     from rawinfer.config import ModelConfig
+    model_dir, opts = model
     rng = np.random.default_rng(0)
     prompts = [[int(x) for x in rng.integers(100, 40000, int(rng.integers(5, 60)))] for _ in range(16)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=1)
@@ -60,12 +68,13 @@ def test_batch_invariant_mode_survives_prefix_hits_and_preemption(model_dir):
     def run(llm, batch):
         return [(r.outputs[0].token_ids, r.outputs[0].logprobs.logprobs)
                 for r in llm.generate(batch, params, use_tqdm=False)]
-    llm = LLM(model_dir, device="cpu", kv_cache_memory="256MiB", batch_invariant=True)
+    llm = LLM(model_dir, device="cpu", kv_cache_memory="256MiB", batch_invariant=True, **opts)
     batched = run(llm, prompts)
     alone = [run(llm, [p])[0] for p in prompts]
     assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
     assert alone == batched
     pool = "8MiB" if ModelConfig.from_dir(model_dir).quant is None else "4MiB"   # a float32 cache is 2x-4x larger
-    small = LLM(model_dir, device="cpu", kv_cache_memory=pool, max_num_batched_tokens=256, batch_invariant=True)
+    small = LLM(model_dir, device="cpu", kv_cache_memory=pool, max_num_batched_tokens=256, batch_invariant=True,
+                **opts)
     assert run(small, prompts) == batched
     assert small.engine.stats()["num_preemptions"] > 0

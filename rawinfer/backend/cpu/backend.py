@@ -8,6 +8,7 @@ import numpy as np
 
 from rawinfer.backend import shapes
 from rawinfer.backend.base import Capabilities
+from rawinfer.backend.cpu import a8gemm as cpu_a8gemm
 from rawinfer.backend.cpu import attention as A
 from rawinfer.backend.cpu import blas as cpu_blas
 from rawinfer.backend.cpu import fgemm as cpu_fgemm
@@ -48,7 +49,10 @@ class CPUBackend(QuantizedProducts):
         # Decode steps with every layer in one Numba call (fused.py), which saves the per-op dispatch:
         # int8 / q4 models, and float32 ones where fgemm runs (AVX2 + FMA; fused_limits says which
         # batches). q4's matrix-vector kernel is AVX2 code (q4.py): elsewhere its products take the
-        # per-op BLAS path. Measurements: docs/kernels.md.
+        # per-op BLAS path. int8 models on 8-bit activations run op by op (the fused kernels are built
+        # on the int16-activation GEMM). Measurements: docs/kernels.md.
+        if quant == "int8" and self.int8_activations:
+            return 0
         if quant is None:
             return 1 if cpu_fgemm.available() else 0
         if quant == "q4" and not cpu_llvm.available():
@@ -56,7 +60,7 @@ class CPUBackend(QuantizedProducts):
         return INT8_GEMV_MAX_ROWS if quant in ("int8", "q4") else 0
 
     def __init__(self, num_threads: int | None = None, int_gemm: bool = True, cache_dir: str | None = None,
-                 one_attention: bool = False):
+                 one_attention: bool = False, int8_activations: bool = False):
         """num_threads: the Numba pool's size (None: every core). int_gemm: int8 and q4 models' products in
         integer arithmetic on int16-quantized activations (qgemm.py, q4gemm.py), for any row count, where
         the CPU has AVX2; False dequantizes the weights to float32 for BLAS instead (matrix-vector
@@ -65,8 +69,13 @@ class CPUBackend(QuantizedProducts):
         folder keeps the compiled kernels (EngineConfig.cache_dir; None: Numba's own locations).
         one_attention: every query of every step through the decode attention kernel, whatever its
         sequence's query count, and every float32 product through the row-invariant GEMM (fgemm.py)
-        whatever its row count (EngineConfig.batch_invariant)."""
+        whatever its row count (EngineConfig.batch_invariant). int8_activations: int8 models' products on
+        activations quantized to 8 bits per block of 32 (a8gemm.py; EngineConfig.int8_activations)."""
         self.one_attention = one_attention
+        if int8_activations and not cpu_a8gemm.available():
+            raise ValueError("int8_activations (--int8-activations) needs a CPU with AVX2 and FMA, which this one "
+                             "lacks; leave the option off")
+        self.int8_activations = int8_activations
         # before any kernel of this process compiles or loads
         self.kernel_cache = cpu_cache.install(cache_dir) if cache_dir is not None else None
         self.blas_on_numba_pool = cpu_blas.available()   # else np.matmul on OpenBLAS's (or MKL's) own pool
@@ -84,6 +93,7 @@ class CPUBackend(QuantizedProducts):
         self._qx = np.empty(0, np.int16)                   # activation buffers of the integer GEMM,
         self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
         self._qb = np.empty(0, np.float32)                 # (and the q4 GEMM's block sums)
+        self._a8 = (np.empty(0, np.int8), np.empty(0, np.float32), np.empty(0, np.int32))   # a8gemm's
 
     def begin_step(self) -> None:
         if self._governor is not None and (n := self._governor.update()) != self.threads:

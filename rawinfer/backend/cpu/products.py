@@ -4,6 +4,8 @@ rows, and the buffers they share.
     int8 with a packed copy (made at load where the shape fits): the integer GEMM (qgemm.py) for any
          number of rows, silu * up in its epilogue for the gate/up product. Every row is computed the
          same way whatever its batch: a request's tokens do not depend on what else runs.
+    int8 with int8_activations (the engine's 8-bit-activation mode): the 8-bit-activation GEMM (a8gemm.py)
+         on its own packed copy for any number of rows, silu * up in its epilogue; the same invariance.
     int8 without one: the matrix-vector kernels for up to INT8_GEMV_MAX_ROWS rows, BLAS on
          dequantized row tiles above.
     q4 with a packed copy (made at load where the shape fits): the q4 integer GEMM (q4gemm.py) for any
@@ -20,6 +22,7 @@ import numpy as np
 
 from rawinfer.backend import shapes
 from rawinfer.backend.base import Backend
+from rawinfer.backend.cpu import a8gemm as cpu_a8gemm
 from rawinfer.backend.cpu import blas as cpu_blas
 from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import llvm as cpu_llvm
@@ -47,10 +50,16 @@ def check_array(name: str, x, dtype=None, contiguous: bool = True) -> None:
 
 class QuantizedProducts(Backend):
     """The int8 / q4 halves of CPUBackend.linear and linear_silu_mul. Reads the backend's int_gemm,
-    blas_on_numba_pool, max_threads and its integer GEMM buffers _qx, _qs, _qb."""
+    int8_activations, blas_on_numba_pool, max_threads and its integer GEMM buffers _qx, _qs, _qb, _a8."""
 
     def prepare_weight(self, w):
         import dataclasses
+        if isinstance(w, Int8Weight) and self.int8_activations:
+            if not cpu_a8gemm.supports(w.shape):
+                raise ValueError(f"int8_activations needs int8 matrices [N, K] with N % {cpu_qgemm.BLOCK_COLS} == 0 "
+                                 f"and K % {cpu_a8gemm.KBLOCK} == 0; this model has one of {w.shape}: leave the "
+                                 "option off for it")
+            return dataclasses.replace(w, packed=cpu_a8gemm.pack_weights(w.q))
         if isinstance(w, Int8Weight) and self.int_gemm and cpu_qgemm.supports(w.shape):
             return dataclasses.replace(w, packed=cpu_qgemm.pack_weights(w.q))
         if isinstance(w, Q4Weight) and self.int_gemm and cpu_q4gemm.supports(w.shape):
@@ -62,8 +71,15 @@ class QuantizedProducts(Backend):
         # int8 GEMMs on packed weights: silu * up in the GEMM's epilogue, gate_up never stored (the same
         # bits as the GEMM and silu_mul apart). Gate block j pairs with up block j + half: an even count
         # of 16-column blocks (the batched decode kernel's test too). Without a packed copy, a few rows:
-        # silu * up in the int8 matrix-vector kernel the same way.
-        if isinstance(w, Int8Weight):
+        # silu * up in the int8 matrix-vector kernel the same way. 8-bit activations: the same shape.
+        if isinstance(w, Int8Weight) and self.int8_activations:
+            if w.packed.shape[0] % 2 == 0:
+                shapes.linear_silu_mul(x, w.shape, out)
+                check_array("x", x, np.float32)
+                check_array("out", out)
+                cpu_a8gemm.a8_matmul_silu(x, w.packed, w.scale, out, *self._a8_buffers(*x.shape))
+                return
+        elif isinstance(w, Int8Weight):
             gemm = self._on_packed_gemm(x, w, scratch) and w.packed.shape[0] % 2 == 0
             if gemm or x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None:
                 shapes.linear_silu_mul(x, w.shape, out)
@@ -96,6 +112,9 @@ class QuantizedProducts(Backend):
 
     def _linear_int8(self, x, w: Int8Weight, out, scratch) -> None:
         T, Kd = x.shape[0], w.shape[1]
+        if self.int8_activations:                        # every row count: a row's bits never depend on its batch
+            cpu_a8gemm.a8_matmul(x, w.packed, w.scale, out, *self._a8_buffers(T, Kd))
+            return
         if self._on_packed_gemm(x, w, scratch):
             cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
             return
@@ -162,6 +181,16 @@ class QuantizedProducts(Backend):
         if self._qs.size < ns:
             self._qs = np.empty(ns, np.float32)
         return self._qx, self._qs
+
+    def _a8_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """a8gemm's activation buffers (int8 panels, float32 block scales, int32 block corrections) for up
+        to rows x k, grown to the largest batch seen."""
+        nx, ns = cpu_a8gemm.x_buffer_sizes(rows, k)
+        xb, sb, cb = self._a8
+        if xb.size < nx or sb.size < ns:
+            self._a8 = (np.empty(max(nx, xb.size), np.int8), np.empty(max(ns, sb.size), np.float32),
+                        np.empty(max(ns, cb.size), np.int32))
+        return self._a8
 
     def _q4_gemm_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The q4 GEMM's activation buffers (int16 panels, row scales, block sums): the integer GEMM's

@@ -1,0 +1,295 @@
+"""Integer GEMM for int8 models with 8-bit activations (the engine's `int8_activations` mode):
+out = x @ (q * scale)^T with x quantized to int8 per row and block of 32 k, as llama.cpp's q8_0.
+
+Why: with int16 activations (qgemm.py) the integer GEMM multiplies 2 pairs of 16 bits per int32 lane
+and instruction (vpdpwssd); with 8-bit ones `vpdpbusd` multiplies 4 pairs of bytes, twice the
+products per instruction, for prefill and batched decode, which are compute-bound. The price is
+precision: 127 levels per block of 32 activations instead of 11-29k per row (docs/kernels.md has
+the golden agreement it keeps), which is why it is a mode and not the int8 default.
+
+Numbers:
+    W: the model's int8 rows q[N, K] (per-row scales sw[N]), repacked once at load as unsigned bytes
+       q + 128 (vpdpbusd multiplies unsigned by signed bytes), blocks of 16 output columns, k in
+       quads:                                        wq[N/16, K/4, 16, 4]  uint8
+    x: quantized at every call per row m and block b of KBLOCK k to int8 with scale
+       xs[m, b] = max |x[m, block b]| / 127, packed in panels of 6 rows, k in quads:
+                                                     xq[ceil(M/6), K/4, 6, 4]  int8 (padding rows 0)
+       with the block sums' correction               xc[ceil(M/6), K/32, 6]  int32 = -128 * sum xq
+    out[m, n] = sw[n] * fold_b(acc = fma(float(xc[m, b] + sum_{k in b} xq[m, k] wq[n, k]), xs[m, b], acc))
+
+Each block's integer sum is exact, and every row is computed the same way whatever the number of
+rows, so a request's tokens do not depend on its batch. Paths (isa.py): AVX-512 VNNI (vpdpbusd on 6 x
+32 tiles) and AVX2 (vpmaddwd on the same bytes, 2 x 16 tiles, slower), the same bits (a8tile.py).
+`available()` is False without AVX2; the engine then refuses the mode.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from rawinfer.backend.cpu import isa
+from rawinfer.backend.cpu.a8tile import KBLOCK, QUADS, tiles
+from rawinfer.backend.cpu.kernels import Kernel
+from rawinfer.backend.cpu.llvm import GEMM_COLS as BLOCK_COLS
+from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
+from rawinfer.backend.cpu.llvm import abs_max
+from rawinfer.backend.cpu.qgemm import PANELS_PER_ITEM, silu_rows
+
+_z = tiles[isa.AVX512_VNNI]
+_z1c1, _z2c1, _z4c1, _z6c1 = (_z[R, 1] for R in (1, 2, 4, PANEL_ROWS))
+_z1c2, _z2c2, _z4c2, _z6c2 = (_z[R, 2] for R in (1, 2, 4, PANEL_ROWS))
+_y1, _y2 = tiles[isa.AVX2][1, 1], tiles[isa.AVX2][2, 1]
+
+
+def supports(shape: tuple[int, int]) -> bool:
+    """Whether a [N, K] weight fits the packed layout (whole 16-column blocks, whole blocks of k)."""
+    N, K = shape
+    return N % BLOCK_COLS == 0 and K % KBLOCK == 0 and K > 0
+
+
+def pack_weights(q: np.ndarray) -> np.ndarray:
+    """q int8 [N, K] -> wq uint8 [N/16, K/4, 16, 4] = q + 128: one 64-byte row per (column block, k quad)."""
+    N, K = q.shape
+    if not supports(q.shape):
+        raise ValueError(f"a8gemm.pack_weights: shape {q.shape} needs N % {BLOCK_COLS} == 0 and K % {KBLOCK} == 0")
+    w = (np.asarray(q, np.int8).view(np.uint8) ^ np.uint8(0x80)).reshape(N // BLOCK_COLS, BLOCK_COLS, K // 4, 4)
+    return np.ascontiguousarray(w.transpose(0, 2, 1, 3))
+
+
+def x_buffer_sizes(M: int, K: int) -> tuple[int, int]:
+    """Elements of the int8 panel buffer and of the scale (float32) and correction (int32) buffers."""
+    rows = (M + PANEL_ROWS - 1) // PANEL_ROWS * PANEL_ROWS
+    return rows * K, rows * (K // KBLOCK)
+
+
+# ---- the quantizer ------------------------------------------------------------------------------------
+@nb.njit(cache=True, inline="always")
+def _quantize_row(x, r, xpanel, xs, xc, q):
+    # x[K] float32 (contiguous) -> row r of an int8 panel [K/4, 6, 4] (as int32 quads [K/4 * 6]) and of
+    # the panel's scales and corrections [K/32, 6]; q: int8 scratch [KBLOCK]
+    quads = q.view(np.int32)
+    for b in range(x.shape[0] // KBLOCK):
+        k0 = b * KBLOCK
+        amax = abs_max(np.int64(x.ctypes.data) + k0 * 4, KBLOCK)
+        total = 0
+        if amax > np.float32(0.0):         # else (zeros, or all NaN) a zero block
+            inv = np.float32(127.0) / amax
+            for k in range(KBLOCK):
+                v = np.rint(x[k0 + k] * inv)
+                v = v if v < np.float32(127.0) else np.float32(127.0)
+                v = v if v > np.float32(-127.0) else np.float32(-127.0)
+                q[k] = np.int8(np.int32(v))
+                total += np.int32(v)
+            xs[b * PANEL_ROWS + r] = amax / np.float32(127.0)
+        else:
+            q[:] = 0
+            xs[b * PANEL_ROWS + r] = np.float32(0.0)
+        xc[b * PANEL_ROWS + r] = -128 * total
+        for j in range(QUADS):
+            xpanel[(b * QUADS + j) * PANEL_ROWS + r] = quads[j]
+
+
+def _quantize_rows(x, xq, xs, xc):
+    """x float32 [M, K] (rows contiguous) -> xq as int32 quads [panels, K/4 * 6], xs float32 and xc int32
+    [panels, K/32 * 6]; rows past M are zero."""
+    M, K = x.shape
+    for t in nb.prange(xq.shape[0]):
+        q = np.empty(KBLOCK, np.int8)
+        for r in range(PANEL_ROWS):
+            m = t * PANEL_ROWS + r
+            if m < M:
+                _quantize_row(x[m], r, xq[t], xs[t], xc[t], q)
+            else:
+                for kq in range(K // 4):
+                    xq[t, kq * PANEL_ROWS + r] = 0
+                for b in range(K // KBLOCK):
+                    xs[t, b * PANEL_ROWS + r] = np.float32(0.0)
+                    xc[t, b * PANEL_ROWS + r] = 0
+
+
+# A decode step of up to 6 rows is one panel, quantized serially (waking the pool costs more).
+quantize_rows = Kernel(_quantize_rows, min_parallel_rows=2)     # rows: panels
+_quantize_parallel, _quantize_serial = quantize_rows.parallel, quantize_rows.serial
+
+
+@nb.njit(cache=True)
+def quantized_x(x, xbuf, sbuf, cbuf):
+    """x [M, K] quantized into views of the three buffers: (xq [panels, K/4 * 6] int32, xs, xc)."""
+    M, K = x.shape
+    panels = (M + PANEL_ROWS - 1) // PANEL_ROWS
+    xq = xbuf[:panels * PANEL_ROWS * K].view(np.int32).reshape(panels, K // 4 * PANEL_ROWS)
+    xs = sbuf[:panels * PANEL_ROWS * (K // KBLOCK)].reshape(panels, K // KBLOCK * PANEL_ROWS)
+    xc = cbuf[:panels * PANEL_ROWS * (K // KBLOCK)].reshape(panels, K // KBLOCK * PANEL_ROWS)
+    if panels > 1:
+        _quantize_parallel(x, xq, xs, xc)
+    else:
+        _quantize_serial(x, xq, xs, xc)
+    return xq, xs, xc
+
+
+# ---- drivers ------------------------------------------------------------------------------------------
+@nb.njit(inline="always")
+def _groups(panels):
+    # equal groups of at most PANELS_PER_ITEM x panels (qgemm.gemm_packed's work split)
+    return (panels + PANELS_PER_ITEM - 1) // PANELS_PER_ITEM
+
+
+@nb.njit(inline="always")
+def _vnni2(rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1):
+    # blocks 0 and 1 with the build that computes the fewest rows covering `rows`
+    if rows > 4:
+        _z6c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1)
+    elif rows > 2:
+        _z4c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1)
+    elif rows > 1:
+        _z2c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1)
+    else:
+        _z1c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1)
+
+
+@nb.njit(inline="always")
+def _vnni1(rows, xt, kb, st, ct, ldo, w0, s0, o0):
+    if rows > 4:
+        _z6c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0)
+    elif rows > 2:
+        _z4c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0)
+    elif rows > 1:
+        _z2c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0)
+    else:
+        _z1c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0)
+
+
+@nb.njit(inline="always")
+def _avx2(rows, xt, kb, st, ct, ldo, w0, s0, o0):
+    # the panel's rows two at a time (x rows 4 bytes apart in a quad row, scales 4 bytes apart)
+    for r in range(0, rows, 2):
+        if rows - r > 1:
+            _y2(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0)
+        else:
+            _y1(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0)
+
+
+@nb.njit(inline="always")
+def _addresses(xq, xs, xc, wq, kblocks):
+    # (base addresses of xq, xs, xc, wq; bytes per x panel, per scale panel, per weight block)
+    return (np.int64(xq.ctypes.data), np.int64(xs.ctypes.data), np.int64(xc.ctypes.data),
+            np.int64(wq.ctypes.data), np.int64(kblocks * KBLOCK * PANEL_ROWS),
+            np.int64(kblocks * PANEL_ROWS * 4), np.int64(kblocks * KBLOCK * BLOCK_COLS))
+
+
+@nb.njit(parallel=True, cache=True)
+def gemm_vnni(xq, xs, xc, wq, sw, out, M):
+    """out[M, N] over packed operands on AVX-512 VNNI; work items (group of x panels, pair of blocks)."""
+    panels, kblocks, nblocks = xq.shape[0], wq.shape[1] // QUADS, wq.shape[0]
+    npairs = (nblocks + 1) // 2
+    ldo, o0, sw0 = np.int64(out.shape[1]), np.int64(out.ctypes.data), np.int64(sw.ctypes.data)
+    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq, kblocks)
+    groups = _groups(panels)
+    for it in nb.prange(groups * npairs):
+        g, b = it // npairs, 2 * (it % npairs)
+        for t in range(g * panels // groups, (g + 1) * panels // groups):
+            m0 = t * PANEL_ROWS
+            rows = min(PANEL_ROWS, M - m0)
+            xt, st, ct, ot = x0 + t * xst, s0 + t * sst, c0 + t * sst, o0 + m0 * ldo * 4
+            if b + 1 < nblocks:
+                _vnni2(rows, xt, kblocks, st, ct, ldo, w0 + b * wst, sw0 + b * BLOCK_COLS * 4, ot + b * BLOCK_COLS * 4,
+                       w0 + (b + 1) * wst, sw0 + (b + 1) * BLOCK_COLS * 4, ot + (b + 1) * BLOCK_COLS * 4)
+            else:
+                _vnni1(rows, xt, kblocks, st, ct, ldo, w0 + b * wst, sw0 + b * BLOCK_COLS * 4, ot + b * BLOCK_COLS * 4)
+
+
+@nb.njit(parallel=True, cache=True, fastmath={"contract"})
+def gemm_silu_vnni(xq, xs, xc, wq, sw, out, M):
+    """out[M, F] = silu(g) * u for [g | u] = x @ W^T, W a gate_up weight [2F, K]: gate block j and up
+    block j in one tile, into a small scratch (the [M, 2F] product is never stored)."""
+    panels, kblocks, half = xq.shape[0], wq.shape[1] // QUADS, wq.shape[0] // 2
+    sw0 = np.int64(sw.ctypes.data)
+    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq, kblocks)
+    groups = _groups(panels)
+    for it in nb.prange(groups * half):
+        g, j = it // half, it % half
+        gu = np.empty((2, PANEL_ROWS, BLOCK_COLS), np.float32)
+        ga, ua = np.int64(gu.ctypes.data), np.int64(gu[1].ctypes.data)
+        for t in range(g * panels // groups, (g + 1) * panels // groups):
+            rows = min(PANEL_ROWS, M - t * PANEL_ROWS)
+            _vnni2(rows, x0 + t * xst, kblocks, s0 + t * sst, c0 + t * sst, BLOCK_COLS,
+                   w0 + j * wst, sw0 + j * BLOCK_COLS * 4, ga,
+                   w0 + (j + half) * wst, sw0 + (j + half) * BLOCK_COLS * 4, ua)
+            silu_rows(gu, out, t * PANEL_ROWS, rows, j)
+
+
+@nb.njit(parallel=True, cache=True)
+def gemm_avx2(xq, xs, xc, wq, sw, out, M):
+    """gemm_vnni on AVX2: work items (group of x panels, block)."""
+    panels, kblocks, nblocks = xq.shape[0], wq.shape[1] // QUADS, wq.shape[0]
+    ldo, o0, sw0 = np.int64(out.shape[1]), np.int64(out.ctypes.data), np.int64(sw.ctypes.data)
+    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq, kblocks)
+    groups = _groups(panels)
+    for it in nb.prange(groups * nblocks):
+        g, b = it // nblocks, it % nblocks
+        for t in range(g * panels // groups, (g + 1) * panels // groups):
+            m0 = t * PANEL_ROWS
+            _avx2(min(PANEL_ROWS, M - m0), x0 + t * xst, kblocks, s0 + t * sst, c0 + t * sst, ldo,
+                  w0 + b * wst, sw0 + b * BLOCK_COLS * 4, o0 + (m0 * ldo + b * BLOCK_COLS) * 4)
+
+
+@nb.njit(parallel=True, cache=True, fastmath={"contract"})
+def gemm_silu_avx2(xq, xs, xc, wq, sw, out, M):
+    """gemm_silu_vnni on AVX2."""
+    panels, kblocks, half = xq.shape[0], wq.shape[1] // QUADS, wq.shape[0] // 2
+    sw0 = np.int64(sw.ctypes.data)
+    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq, kblocks)
+    groups = _groups(panels)
+    for it in nb.prange(groups * half):
+        g, j = it // half, it % half
+        gu = np.empty((2, PANEL_ROWS, BLOCK_COLS), np.float32)
+        ga, ua = np.int64(gu.ctypes.data), np.int64(gu[1].ctypes.data)
+        for t in range(g * panels // groups, (g + 1) * panels // groups):
+            rows = min(PANEL_ROWS, M - t * PANEL_ROWS)
+            xt, st, ct = x0 + t * xst, s0 + t * sst, c0 + t * sst
+            _avx2(rows, xt, kblocks, st, ct, BLOCK_COLS, w0 + j * wst, sw0 + j * BLOCK_COLS * 4, ga)
+            _avx2(rows, xt, kblocks, st, ct, BLOCK_COLS, w0 + (j + half) * wst, sw0 + (j + half) * BLOCK_COLS * 4, ua)
+            silu_rows(gu, out, t * PANEL_ROWS, rows, j)
+
+
+# ---- entry points -------------------------------------------------------------------------------------
+@nb.njit(cache=True)
+def a8_matmul_vnni(x, wq, sw, out, xbuf, sbuf, cbuf):
+    """out[M, N] = x[M, K] @ (q * sw[:, None])^T for a weight packed by pack_weights; the buffers (int8,
+    float32, int32) of at least x_buffer_sizes(M, K) elements are reused across calls."""
+    xq, xs, xc = quantized_x(x, xbuf, sbuf, cbuf)
+    gemm_vnni(xq, xs, xc, wq, sw, out, x.shape[0])
+
+
+@nb.njit(cache=True)
+def a8_matmul_silu_vnni(x, wq, sw, out, xbuf, sbuf, cbuf):
+    """out[M, F] = silu(x @ Wg^T) * (x @ Wu^T) for a gate_up weight [Wg; Wu] packed by pack_weights."""
+    xq, xs, xc = quantized_x(x, xbuf, sbuf, cbuf)
+    gemm_silu_vnni(xq, xs, xc, wq, sw, out, x.shape[0])
+
+
+@nb.njit(cache=True)
+def a8_matmul_avx2(x, wq, sw, out, xbuf, sbuf, cbuf):
+    """a8_matmul_vnni on AVX2: the same bits."""
+    xq, xs, xc = quantized_x(x, xbuf, sbuf, cbuf)
+    gemm_avx2(xq, xs, xc, wq, sw, out, x.shape[0])
+
+
+@nb.njit(cache=True)
+def a8_matmul_silu_avx2(x, wq, sw, out, xbuf, sbuf, cbuf):
+    """a8_matmul_silu_vnni on AVX2: the same bits."""
+    xq, xs, xc = quantized_x(x, xbuf, sbuf, cbuf)
+    gemm_silu_avx2(xq, xs, xc, wq, sw, out, x.shape[0])
+
+
+# The entry points per path (isa.py's names); each is its own compiled function, so a cached build of
+# one path is never taken for another.
+PATHS = {isa.AVX512_VNNI: (a8_matmul_vnni, a8_matmul_silu_vnni), isa.AVX2: (a8_matmul_avx2, a8_matmul_silu_avx2)}
+PATH = isa.HOST if isa.HOST in PATHS else None
+a8_matmul, a8_matmul_silu = PATHS[PATH or isa.AVX2]
+
+
+def available() -> bool:
+    """Whether this machine (the CPU Numba compiles for) runs the 8-bit-activation GEMM."""
+    return PATH is not None

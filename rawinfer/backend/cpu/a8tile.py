@@ -1,0 +1,140 @@
+"""The tiles of the 8-bit-activation integer GEMM (a8gemm.py), written in LLVM IR (llvmlite) as Numba
+intrinsics, one build per instruction set.
+
+Operands (a8gemm.py makes them): a weight block is 16 output columns of uint8 w + 128 (the int8 weight
+made unsigned), k in quads, [K/4, 16, 4]; an x panel is 6 rows of int8 activations, k in quads,
+[K/4, 6, 4], with per row and block of KBLOCK k one float32 scale and one int32 correction -128 * (sum
+of the block's int8 x), which removes the +128 from the weights: sum (w + 128) x - 128 sum x = sum w x.
+
+    tiles[isa][R, C]   R rows of a panel against C weight blocks (given by separate addresses; every
+                       build takes two blocks' addresses, of which a one-block build reads the first). Per
+                       block of KBLOCK k: the int32 sums start at the rows' corrections, gather the
+                       block's 8 k quads exactly, then fold into float32 sums as
+                       acc = fma(float(block sum), row block scale, acc); at the end
+                       out = acc * column scale.
+        avx512_vnni    R = 1, 2, 4, 6; C = 1, 2: one zmm of 16 int32 per (row, block); per k quad and
+                       block one 64-byte weight load, per row one broadcast int32 (4 x) and one
+                       vpdpbusd (64 products: 4 u8 x s8 per int32 lane, added in)
+        avx2           R = 1, 2; C = 1: two ymm halves of 8 columns per (row, block); the quad's u8
+                       weights split by mask and shift into the int16 pairs (w0, w2) and (w1, w3),
+                       the row's x into the matching pairs, two vpmaddwd per half (32 products)
+                       and two vpaddd; the float sums stay in registers, which bounds R at 2
+
+The integer block sums are exact on both paths and the float32 steps are the same fused
+multiply-adds in the same order, so both give the same bits. Every address is a raw int64 (see
+llvm.py); out rows at or past `rows` are neither computed into memory nor written.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from rawinfer.backend.cpu import isa
+from rawinfer.backend.cpu.llvm import F32, GEMM_COLS, GEMM_ROWS, I32, _fma, _ptr, _vload, _vstore, \
+    counted_loop, i64, splat
+
+KBLOCK = 32                  # k per activation scale
+QUADS = KBLOCK // 4          # k quads per block (one int32 lane sums 4 products)
+ROWS = {isa.AVX512_VNNI: (1, 2, 4, GEMM_ROWS), isa.AVX2: (1, 2)}
+BLOCKS = {isa.AVX512_VNNI: (1, 2), isa.AVX2: (1,)}
+_LANES = {isa.AVX512_VNNI: 16, isa.AVX2: 8}
+
+
+def _make_tile(path: str, R: int, C: int):
+    # Every build takes two blocks' addresses; a one-block build ignores the second three.
+    def codegen(context, builder, signature, args):
+        _tile_code(builder, path, R, C, args)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def a8_tile(typingctx, xp, kblocks, rows, xsp, xcp, ldo, wp0, swp0, op0, wp1, swp1, op1):
+        return types.void(*([types.int64] * 12)), codegen
+    return a8_tile
+
+
+def _bytes_as_pairs(builder, q):
+    """An int32 of 4 int8 x (x0 lowest) -> the int32s holding the int16 pairs (x0, x2) and (x1, x3)."""
+    def byte(shift_left):            # sign-extended byte, as an int32
+        return builder.ashr(builder.shl(q, ir.Constant(I32, shift_left)), ir.Constant(I32, 24))
+
+    def pair(lo, hi):
+        return builder.or_(builder.and_(lo, ir.Constant(I32, 0xFFFF)), builder.shl(hi, ir.Constant(I32, 16)))
+    return pair(byte(24), byte(8)), pair(byte(16), byte(0))
+
+
+def _tile_code(builder, path, R, C, args):
+    """out_c[r, 0:16] = sw_c[0:16] * sum over blocks b of xs[b, r] * (x panel row r . w block c over
+    block b) for r < min(rows, R), c < C. xp -> int8 panel [kblocks * 8, 6, 4]; xsp -> float32 [kblocks,
+    6] scales; xcp -> int32 [kblocks, 6] corrections; ldo: the row stride of every out_c (floats); per
+    block c: wp_c -> uint8 block [kblocks * 8, 16, 4], swp_c -> float32 [16], op_c -> float32 out_c."""
+    xp, kblocks, rows, xsp, xcp, ldo = args[:6]
+    blocks = [args[6 + 3 * c:9 + 3 * c] for c in range(C)]
+    lanes = _LANES[path]
+    H = GEMM_COLS // lanes                               # vectors per (row, block)
+    VI, VF = ir.VectorType(I32, lanes), ir.VectorType(F32, lanes)
+    vnni = path == isa.AVX512_VNNI
+    if vnni:
+        # declared with LLVM's original int32 operand types, as vnni.py's vpdpwssd
+        dot = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", (), ir.FunctionType(VI, [VI] * 3))
+    else:
+        V16I16 = ir.VectorType(ir.IntType(16), 16)
+        pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
+                                                   ir.FunctionType(VI, [V16I16, V16I16]))
+        low_bytes = ir.Constant(VI, [0x00FF00FF] * lanes)
+    fma = _fma(builder, VF)
+    xb, xsb, xcb = _ptr(builder, xp, I32), _ptr(builder, xsp, F32), _ptr(builder, xcp, I32)
+    wbs = [_ptr(builder, w, VI) for w, _, _ in blocks]
+
+    def kblock(kb, sums):
+        row0 = builder.mul(kb, i64(GEMM_ROWS))           # this block's entry of row 0 in xs, xc
+        accs = []
+        for r in range(R):
+            start = splat(builder, builder.load(builder.gep(xcb, [builder.add(row0, i64(r))]), align=4), VI)
+            accs += [start] * (C * H)
+        for qd in range(QUADS):
+            kq = builder.add(builder.mul(kb, i64(QUADS)), i64(qd))
+            xrow = builder.gep(xb, [builder.mul(kq, i64(GEMM_ROWS))])
+            xq = [builder.load(builder.gep(xrow, [i64(r)]), align=4) for r in range(R)]
+            if vnni:
+                xv = [splat(builder, q, VI) for q in xq]
+            else:
+                xv = [[builder.bitcast(splat(builder, p, VI), V16I16) for p in _bytes_as_pairs(builder, q)]
+                      for q in xq]
+            for c in range(C):
+                for h in range(H):
+                    wv = builder.load(builder.gep(wbs[c], [builder.add(builder.mul(kq, i64(H)), i64(h))]), align=4)
+                    if not vnni:
+                        w02 = builder.bitcast(builder.and_(wv, low_bytes), V16I16)
+                        w13 = builder.bitcast(builder.and_(builder.lshr(wv, ir.Constant(VI, [8] * lanes)),
+                                                           low_bytes), V16I16)
+                    for r in range(R):
+                        j = (r * C + c) * H + h
+                        if vnni:
+                            accs[j] = builder.call(dot, [accs[j], wv, xv[r]])
+                        else:
+                            both = builder.add(builder.call(pmaddwd, [w02, xv[r][0]]),
+                                               builder.call(pmaddwd, [w13, xv[r][1]]))
+                            accs[j] = builder.add(accs[j], both)
+        new = []
+        for r in range(R):
+            s = splat(builder, builder.load(builder.gep(xsb, [builder.add(row0, i64(r))]), align=4), VF)
+            for j in range(r * C * H, (r + 1) * C * H):
+                new.append(builder.call(fma, [builder.sitofp(accs[j], VF), s, sums[j]]))
+        return new
+
+    fin = counted_loop(builder, kblocks, [ir.Constant(VF, [0.0] * lanes)] * (R * C * H), kblock)
+    swv = [[_vload(builder, _ptr(builder, sw, F32), i64(lanes * h), VF) for h in range(H)] for _, sw, _ in blocks]
+    obs = [_ptr(builder, o, F32) for _, _, o in blocks]
+    for r in range(R):
+        with builder.if_then(builder.icmp_signed("<", i64(r), rows), likely=True):
+            for c in range(C):
+                for h in range(H):
+                    f = builder.fmul(fin[(r * C + c) * H + h], swv[c][h])
+                    _vstore(builder, f, obs[c], builder.add(builder.mul(i64(r), ldo), i64(lanes * h)))
+
+
+assert GEMM_COLS == 16 and KBLOCK % 4 == 0
+# tiles[path][R, C]: every path's builds (a path's are only called where isa.py selects it)
+tiles = {path: {(R, C): _make_tile(path, R, C) for R in ROWS[path] for C in BLOCKS[path]} for path in ROWS}

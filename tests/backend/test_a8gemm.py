@@ -1,0 +1,120 @@
+"""The 8-bit-activation integer GEMM (rawinfer/backend/cpu/a8gemm.py, a8tile.py) against NumPy, on every
+instruction-set path this CPU runs: the same bits on each path and for a row whatever its batch; and the
+engine's int8_activations mode around it (its errors, the fused path it turns off)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rawinfer.backend.cpu import a8gemm as A
+from rawinfer.backend.cpu import isa
+from rawinfer.quant import quantize_int8
+
+RNG = np.random.default_rng(31)
+pytestmark = pytest.mark.skipif(not A.available(), reason="the 8-bit-activation GEMM needs AVX2 and FMA")
+PATHS = [p for p in A.PATHS if isa.supports(p)]
+SHAPES = [(1, 16, 32), (5, 48, 64), (6, 16, 32), (7, 32, 96), (13, 80, 576), (64, 160, 1536), (100, 64, 64)]
+
+
+def reference(x, q, sw):
+    """out[m, n] = sw[n] * sum_b xs[m, b] * (int8 x block b . q block b), folded block by block in
+    float32 (each step rounded once, as the kernel's fused multiply-add)."""
+    M, K = x.shape
+    xb = x.reshape(M, K // 32, 32)
+    amax = np.abs(xb).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.clip(np.rint(xb * inv[..., None]), -127, 127).astype(np.int64)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    sums = np.einsum("mbk,nbk->mnb", xq, q.astype(np.int64).reshape(len(q), K // 32, 32))
+    acc = np.zeros((M, len(q)), np.float32)
+    for b in range(K // 32):
+        acc = (acc.astype(np.float64) + sums[:, :, b] * scale[:, b, None].astype(np.float64)).astype(np.float32)
+    return acc * sw
+
+
+def run(path, x, wq, sw, silu=False):
+    M, K = x.shape
+    nx, ns = A.x_buffer_sizes(M, K)
+    # buffers dirty from an earlier, larger call: the kernel must not read stale panels
+    bufs = (RNG.integers(-100, 100, nx + 999).astype(np.int8), np.full(ns + 99, 7, np.float32),
+            np.full(ns + 99, 5, np.int32))
+    out = np.full((M, wq.shape[0] * 8 if silu else wq.shape[0] * 16), np.nan, np.float32)
+    A.PATHS[path][1 if silu else 0](x, wq, sw, out, *bufs)
+    return out
+
+
+def operands(M, N, K):
+    x = RNG.standard_normal((M, K)).astype(np.float32)
+    x[0, :32] *= 50                                      # an outlier block: only its own scale grows
+    if M > 2:
+        x[2] = 0.0                                       # a zero row
+    q, sw = quantize_int8(RNG.standard_normal((N, K)).astype(np.float32))
+    return x, q, sw
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_every_path_matches_numpy_and_each_other(M, N, K):
+    x, q, sw = operands(M, N, K)
+    wq = A.pack_weights(q)
+    want = reference(x, q, sw)
+    outs = [run(p, x, wq, sw) for p in PATHS]
+    for out in outs:
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+        assert np.array_equal(out, outs[0])
+    assert (outs[0][2] == 0).all() if M > 2 else True
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 32, 32), (7, 64, 96), (13, 96, 576)])
+def test_silu_epilogue_is_silu_of_gate_times_up(M, N, K):
+    x, q, sw = operands(M, N, K)
+    wq = A.pack_weights(q)
+    gu = reference(x, q, sw)
+    g, u = gu[:, :N // 2], gu[:, N // 2:]
+    outs = [run(p, x, wq, sw, silu=True) for p in PATHS]
+    with np.errstate(over="ignore"):                     # exp(-g) of the outlier row's large negative g
+        want = g / (1 + np.exp(-g)) * u
+    for out in outs:
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * np.abs(gu).max() ** 2)
+        assert np.array_equal(out, outs[0])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_row_has_the_same_bits_alone_and_in_any_batch(path):
+    x, q, sw = operands(50, 80, 576)
+    wq = A.pack_weights(q)
+    full = run(path, x, wq, sw)
+    for lo, hi in ((0, 1), (3, 10), (11, 17), (49, 50), (5, 50)):
+        assert np.array_equal(run(path, x[lo:hi], wq, sw), full[lo:hi]), (lo, hi)
+    wq = wq[:4]                                          # silu pairs gate block j with up block j + 2
+    fs = run(path, x, wq, sw, silu=True)
+    assert np.array_equal(run(path, x[7:8], wq, sw, silu=True), fs[7:8])
+
+
+def test_quantized_activations_are_within_half_a_step_per_block():
+    M, K = 9, 96
+    x = RNG.standard_normal((M, K)).astype(np.float32) * np.linspace(0.01, 100, K, dtype=np.float32)
+    nx, ns = A.x_buffer_sizes(M, K)
+    xq, xs, xc = A.quantized_x(x, np.empty(nx, np.int8), np.empty(ns, np.float32), np.empty(ns, np.int32))
+    # panels [t, K/4, 6, 4] int8 -> rows [M, K]; scales and corrections [t, K/32, 6] -> [M, K/32]
+    vals = xq.view(np.int8).reshape(-1, K // 4, 6, 4).transpose(0, 2, 1, 3).reshape(-1, K)[:M].astype(np.float32)
+    scale = xs.reshape(-1, K // 32, 6).transpose(0, 2, 1).reshape(-1, K // 32)[:M]
+    corr = xc.reshape(-1, K // 32, 6).transpose(0, 2, 1).reshape(-1, K // 32)[:M]
+    back = vals * np.repeat(scale, 32, axis=1)
+    assert (np.abs(back - x) <= np.repeat(scale, 32, axis=1) / 2 * (1 + 1e-5)).all()
+    assert (corr == -128 * vals.reshape(M, K // 32, 32).sum(-1)).all()
+
+
+def test_shapes_the_layout_cannot_hold_are_refused():
+    assert A.supports((32, 64)) and not A.supports((24, 64)) and not A.supports((32, 48))
+    with pytest.raises(ValueError, match="K % 32"):
+        A.pack_weights(np.zeros((16, 48), np.int8))
+
+
+def test_the_mode_is_for_int8_models_and_runs_them_op_by_op(tiny_llama_dir, tmp_path):
+    from rawinfer import LLMEngine
+    from rawinfer.backend.cpu.backend import CPUBackend
+    assert CPUBackend(int8_activations=True).fused_max_tokens("int8") == 0
+    assert CPUBackend().fused_max_tokens("int8") > 0
+    with pytest.raises(ValueError, match="--quant int8"):
+        LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB", int8_activations=True, warmup=False)
