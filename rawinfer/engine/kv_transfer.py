@@ -41,6 +41,7 @@ class Fingerprint:
     block_size: int
     kv_dtype: str           # the cache's storage type
     kv_rows: int            # rows of one (block, KV head) tile: BS, plus the scale rows of an int8 cache
+    int8_activations: bool  # K/V computed on 8-bit activations (valid bytes, other numbers than without)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,7 +60,7 @@ class Fingerprint:
         if not diffs:
             return None
         return ("the prefill and decode instances serve different models or KV layouts (" + "; ".join(diffs) +
-                "); start both with the same model, --block-size and --kv-cache-dtype")
+                "); start both with the same model, --block-size, --kv-cache-dtype and --int8-activations")
 
 
 def fingerprint(engine) -> Fingerprint:
@@ -73,7 +74,7 @@ def fingerprint(engine) -> Fingerprint:
             h.update(np.ascontiguousarray(engine.backend.to_host(part)).tobytes())
     k = pool.kv.k[0]
     return Fingerprint(h.hexdigest()[:32], cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.kv.block_size,
-                       str(k.dtype), int(k.shape[2]))
+                       str(k.dtype), int(k.shape[2]), bool(engine.config.int8_activations))
 
 
 @dataclass

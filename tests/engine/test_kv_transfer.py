@@ -131,6 +131,8 @@ def test_fingerprint_mismatch_names_both_values(engines, tiny_qwen2_dir):
     other = LLMEngine(tiny_qwen2_dir, **OPTS).kv_transfer.fingerprint
     msg = a.mismatch(other)
     assert "weights" in msg and a.weights in msg and other.weights in msg
+    import dataclasses                                   # K/V of the same layout from other arithmetic
+    assert "int8_activations False here vs True there" in a.mismatch(dataclasses.replace(a, int8_activations=True))
     with pytest.raises(ValueError, match="exactly the fields"):
         Fingerprint.from_dict({"weights": "x"})
 

@@ -30,10 +30,14 @@ def workload(engine) -> None:
     engine.score(list(range(3, 30)), [20, 1, 1, 1, 1, 1, 1, 1])
 
 
-@pytest.mark.parametrize("quant", [None, "int8", "q4"])
-def test_after_warm_up_no_request_compiles_a_kernel(tmp_path_factory, quant):
+@pytest.mark.parametrize("quant,a8", [(None, False), ("int8", False), ("int8", True), ("q4", False)])
+def test_after_warm_up_no_request_compiles_a_kernel(tmp_path_factory, quant, a8):
+    from rawinfer.backend.cpu import a8gemm
+    if a8 and not a8gemm.available():
+        pytest.skip("8-bit activations need AVX2 and FMA")
     model = _convert_tiny(tmp_path_factory, "tiny-llama", quant=quant)
-    engine = LLMEngine(model, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256, max_num_seqs=16)
+    engine = LLMEngine(model, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256, max_num_seqs=16,
+                       int8_activations=a8)
     before = compiled()
     workload(engine)
     after = compiled()
