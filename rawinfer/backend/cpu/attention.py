@@ -22,7 +22,7 @@ from numba.extending import overload
 
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.kernels import _JIT, Kernel, fast_exp, int8_kv_block_size, kv_dims, kv_scale_table, kv_tile
-from rawinfer.backend.cpu.llvm import keep_alive, prefetch
+from rawinfer.backend.cpu.llvm import keep_alive, prefetch_l2
 from rawinfer.backend.cpu.reductions import dot, row_max, row_sum
 
 
@@ -248,7 +248,9 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
     a time with the outputs in registers across a V block's rows (axpy_rows32), each K and V row loaded
     (and, for float16 caches, converted) once for the query heads it serves. The caches come from DRAM
     (every layer's blocks are read once per step): the K block two ahead, and this block's V, are
-    prefetched while a K block is scored, and the next work item's first two K blocks at its start.
+    prefetched while a K block is scored, and the next work item's first two K blocks at its start, all
+    into L2 (prefetcht1): a block is 64 cache lines, and prefetches into L1 stall on its few miss
+    buffers, so fewer blocks were in flight (docs/kernels.md).
     Needs BS % 4 == 0, D % 32 == 0 (decode_attention_avx2_fits); the 4-row groups may read a block's
     rows past the context, which exist and whose scores are never used. int8 caches: the row scales
     are applied inside the blocks, once per row (to the 4 scores, to the weights p). window W > 0: the
@@ -267,7 +269,7 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
             b1, h1 = (w + 1) // Hkv, (w + 1) % Hkv
             p1 = window_start(context_lens[b1] - 1, window) // BS
             for page in range(p1, min(p1 + 2, (context_lens[b1] + BS - 1) // BS)):
-                prefetch(k0 + tile_offset(block_tables, b1, page, h1, Hkv, tbytes), tbytes)
+                prefetch_l2(k0 + tile_offset(block_tables, b1, page, h1, Hkv, tbytes), tbytes)
         n = context_lens[b]
         lo = window_start(n - 1, window)
         p0 = lo // BS                                    # s[g, (page - p0) * BS + r]: row r of a page
@@ -281,8 +283,8 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
         for page in range(p0, pages):
             tile = tile_offset(block_tables, b, page, kvh, Hkv, tbytes)
             if page + 2 < pages:
-                prefetch(k0 + tile_offset(block_tables, b, page + 2, kvh, Hkv, tbytes), tbytes)
-            prefetch(v0 + tile, tbytes)
+                prefetch_l2(k0 + tile_offset(block_tables, b, page + 2, kvh, Hkv, tbytes), tbytes)
+            prefetch_l2(v0 + tile, tbytes)
             rows = min(BS, n - page * BS)
             for g0 in range(0, G, HM):
                 for r0 in range(0, rows, 4):
