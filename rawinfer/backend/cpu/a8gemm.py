@@ -34,7 +34,8 @@ from rawinfer.backend.cpu.kernels import Kernel
 from rawinfer.backend.cpu.llvm import GEMM_COLS as BLOCK_COLS
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
 from rawinfer.backend.cpu.llvm import abs_max
-from rawinfer.backend.cpu.qgemm import PANELS_PER_ITEM, silu_rows
+from rawinfer.backend.cpu.qgemm import _panel_groups as _groups   # qgemm.gemm_packed's equal panel groups
+from rawinfer.backend.cpu.qgemm import silu_rows
 
 _z = tiles[isa.AVX512_VNNI]
 _z1c1, _z2c1, _z4c1, _z6c1 = (_z[R, 1] for R in (1, 2, 4, PANEL_ROWS))
@@ -129,12 +130,6 @@ def quantized_x(x, xbuf, sbuf, cbuf):
 
 
 # ---- drivers ------------------------------------------------------------------------------------------
-@nb.njit(inline="always")
-def _groups(panels):
-    # equal groups of at most PANELS_PER_ITEM x panels (qgemm.gemm_packed's work split)
-    return (panels + PANELS_PER_ITEM - 1) // PANELS_PER_ITEM
-
-
 @nb.njit(inline="always")
 def _vnni2(rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1):
     # blocks 0 and 1 with the build that computes the fewest rows covering `rows`

@@ -56,7 +56,7 @@ class QuantizedProducts(Backend):
         import dataclasses
         if isinstance(w, Int8Weight) and self.int8_activations:
             if not cpu_a8gemm.supports(w.shape):
-                raise ValueError(f"int8_activations needs int8 matrices [N, K] with N % {cpu_qgemm.BLOCK_COLS} == 0 "
+                raise ValueError(f"int8_activations needs int8 matrices [N, K] with N % {cpu_a8gemm.BLOCK_COLS} == 0 "
                                  f"and K % {cpu_a8gemm.KBLOCK} == 0; this model has one of {w.shape}: leave the "
                                  "option off for it")
             return dataclasses.replace(w, packed=cpu_a8gemm.pack_weights(w.q))
@@ -71,21 +71,18 @@ class QuantizedProducts(Backend):
         # int8 GEMMs on packed weights: silu * up in the GEMM's epilogue, gate_up never stored (the same
         # bits as the GEMM and silu_mul apart). Gate block j pairs with up block j + half: an even count
         # of 16-column blocks (the batched decode kernel's test too). Without a packed copy, a few rows:
-        # silu * up in the int8 matrix-vector kernel the same way. 8-bit activations: the same shape.
-        if isinstance(w, Int8Weight) and self.int8_activations:
-            if w.packed.shape[0] % 2 == 0:
-                shapes.linear_silu_mul(x, w.shape, out)
-                check_array("x", x, np.float32)
-                check_array("out", out)
-                cpu_a8gemm.a8_matmul_silu(x, w.packed, w.scale, out, *self._a8_buffers(*x.shape))
-                return
-        elif isinstance(w, Int8Weight):
+        # silu * up in the int8 matrix-vector kernel the same way. 8-bit activations (every weight packed,
+        # for their own GEMM): that GEMM's silu epilogue, or (odd block count) the product, then silu_mul.
+        if isinstance(w, Int8Weight):
             gemm = self._on_packed_gemm(x, w, scratch) and w.packed.shape[0] % 2 == 0
-            if gemm or x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None:
+            few = not self.int8_activations and (x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None)
+            if gemm or few:
                 shapes.linear_silu_mul(x, w.shape, out)
                 check_array("x", x, np.float32)
                 check_array("out", out)
-                if gemm:
+                if gemm and self.int8_activations:
+                    cpu_a8gemm.a8_matmul_silu(x, w.packed, w.scale, out, *self._a8_buffers(*x.shape))
+                elif gemm:
                     cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(*x.shape))
                 else:
                     K.rows_matmul_silu_kernel(x, w.q, w.scale, out)
