@@ -2,7 +2,7 @@
 tokens and the same logprobs, alone and in batches. float32 models (fgemm) of every family: Llama, QKV
 bias (Qwen2), a sliding window (Mistral), q/k norms (Qwen3), Gemma 3's sandwich norms, GeGLU, local
 RoPE and window, in the default and the batch-invariant mode; int8 and q4 models of the families
-beyond Llama (tests/backend/test_quant.py holds Llama's)."""
+beyond Llama (tests/backend/test_quant.py holds Llama's); int8 models on 8-bit activations."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from conftest import fused_vs_per_op
 from rawinfer import SamplingParams
+from rawinfer.backend.cpu import a8gemm as cpu_a8gemm
 from rawinfer.backend.cpu import fgemm
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.fgemm import DEFAULT_MAX_ROWS
@@ -87,6 +88,19 @@ def test_fused_quantized_decode_of_other_families_is_the_per_op_path(family, qua
     model = llm.engine.model
     assert model.fused_plan["packed"] and not model.fused_plan["llama"]
     assert model.fused_max_tokens == 0            # the few-row kernel runs the Llama layer only
+    _same(llm, LENGTHS)
+
+
+@pytest.mark.skipif(not cpu_a8gemm.available(), reason="8-bit activations need AVX2")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_fused_decode_on_8_bit_activations_is_the_per_op_path(family, tiny_dir):
+    """int8 models with int8_activations: every decode batch in one call on a8gemm.py (silu in its epilogue,
+    GeGLU apart), the per-op path's bits; the few-row kernel (int16-activation products) never runs."""
+    llm = LLM(tiny_dir(family, "int8"), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
+              enable_prefix_caching=False, int8_activations=True)
+    model = llm.engine.model
+    assert model.fused_plan["packed"] and model.fused_plan["a8"]
+    assert model.fused_max_tokens == 0 and model.fused_decode_max == 1 << 30
     _same(llm, LENGTHS)
 
 

@@ -49,10 +49,7 @@ class CPUBackend(QuantizedProducts):
         # Decode steps with every layer in one Numba call (fused.py), which saves the per-op dispatch:
         # int8 / q4 models, and float32 ones where fgemm runs (AVX2 + FMA; fused_limits says which
         # batches). q4's matrix-vector kernel is AVX2 code (q4.py): elsewhere its products take the
-        # per-op BLAS path. int8 models on 8-bit activations run op by op (the fused kernels are built
-        # on the int16-activation GEMM). Measurements: docs/kernels.md.
-        if quant == "int8" and self.int8_activations:
-            return 0
+        # per-op BLAS path. Measurements: docs/kernels.md.
         if quant is None:
             return 1 if cpu_fgemm.available() else 0
         if quant == "q4" and not cpu_llvm.available():
@@ -322,6 +319,7 @@ class CPUBackend(QuantizedProducts):
             all(len({(p.dtype, p.ndim) for p in cols[f"p_{short}s"]}) == 1 for short, _ in mats)
         plan = {k: typed(v) for k, v in cols.items() if not k.startswith("p_") or packed}
         plan["packed"] = packed                             # batched decode: integer GEMMs on the packed copies
+        plan["a8"] = packed and cols["p_qkvs"][0].dtype == np.uint8 and cols["p_qkvs"][0].ndim == 4   # a8gemm's
         plan["in_norms"] = typed([L.input_norm for L in layers])
         plan["post_norms"] = typed([L.post_attn_norm for L in layers])
         plan["b_qkvs"] = typed([L.qkv_bias if L.qkv_bias is not None else NO_BIAS for L in layers])
@@ -350,7 +348,7 @@ class CPUBackend(QuantizedProducts):
             return 0, (1 << 30) if self.one_attention else cpu_fgemm.DEFAULT_MAX_ROWS
         if plan["packed"]:
             return 0, 1 << 30
-        return (0, 0) if self.one_attention or not plan["llama"] else (INT8_GEMV_MAX_ROWS, 0)
+        return (0, 0) if self.one_attention or self.int8_activations or not plan["llama"] else (INT8_GEMV_MAX_ROWS, 0)
 
     def decoder_layers(self, plan, acts, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
         for name in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc"):
@@ -361,7 +359,7 @@ class CPUBackend(QuantizedProducts):
                 raise ValueError(f"decoder_layers takes a pure decode batch of a model with packed weights, "
                                  f"or at most {INT8_GEMV_MAX_ROWS} tokens of another quantized model; got {T} "
                                  f"tokens")
-            qx, qs, qb = self._q4_gemm_buffers(T, p["max_k"])
+            qx, qs, qb = (self._a8_buffers if p["a8"] else self._q4_gemm_buffers)(T, p["max_k"])
             decoder_stack_batched_kernel(
                 acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],
                 acts.act[:T],

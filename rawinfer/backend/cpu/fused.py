@@ -10,15 +10,16 @@ writes the same workspace buffers, and its products sum in the kernels' fixed or
 dot products are reductions.py's dot_i8), so it gives the per-op path's tokens (tests/backend/test_quant.py).
 
 `decoder_stack_batched_kernel` does the same for pure decode batches when the weights have packed
-copies for the integer GEMMs (int8: qgemm.py, q4: q4gemm.py; silu * up in the gate/up GEMM's epilogue,
+copies for the integer GEMMs (int8: qgemm.py, or a8gemm.py on 8-bit activations, q4: q4gemm.py; silu * up
+in the gate/up GEMM's epilogue,
 as CPUBackend.linear_silu_mul) or are float32 (the row-invariant GEMM, fgemm.py, which the per-op path
 takes for these row counts too; then silu_mul apart, as there), for every family the engine runs
 (q/k head norms, sandwich norms, GeGLU, a RoPE table per layer: Qwen3, Gemma 3), where the few-row
 kernel runs the Llama layer only. Dispatch is a large share of a single-stream step and small next to
 a big batch's GEMMs, but it comes at no cost.
 
-NOTE: the compiled kernels here carry copies of the kernels.py, attention.py, q4.py, q4gemm.py and qgemm.py
-kernels they call, and Numba's disk cache only checks this file's timestamp; cache.refresh() drops
+NOTE: the compiled kernels here carry copies of the kernels.py, attention.py, q4.py, q4gemm.py, qgemm.py and
+a8gemm.py kernels they call, and Numba's disk cache only checks this file's timestamp; cache.refresh() drops
 the cached builds whenever any source in rawinfer/backend/cpu/ changed.
 
     first layer:  x = rmsnorm(res)           other layers: res += h; x = rmsnorm(res)
@@ -36,6 +37,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from rawinfer.backend.cpu import a8gemm as cpu_a8gemm
 from rawinfer.backend.cpu import attention as A
 from rawinfer.backend.cpu import fgemm as cpu_fgemm
 from rawinfer.backend.cpu import kernels as K
@@ -139,13 +141,16 @@ _int8_matmul_silu = cpu_qgemm.int8_matmul_silu
 _q4_matmul = cpu_q4gemm.q4_matmul
 _q4_matmul_silu = cpu_q4gemm.q4_matmul_silu
 _fgemm = cpu_fgemm.matmul_nt
+_a8_matmul = cpu_a8gemm.a8_matmul
+_a8_matmul_silu = cpu_a8gemm.a8_matmul_silu
 
 
 def packed_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
-    """out = x @ W^T on a packed copy p: int8 (qgemm.pack_weights, 4-d int8, s = row scales) or q4
-    (q4gemm.pack_weights, 3-d uint8, s unused; bbuf its block sums), or on a float32 W itself (p = W,
-    [N, K], fgemm split over `threads` as CPUBackend.linear splits it; s and the buffers unused).
-    Compiled code only (an overload)."""
+    """out = x @ W^T on a packed copy p: int8 (qgemm.pack_weights, 4-d int8, s = row scales), int8 for
+    8-bit activations (a8gemm.pack_weights, 4-d uint8, s = row scales; xbuf int8, sbuf float32, bbuf
+    int32: a8gemm's buffers) or q4 (q4gemm.pack_weights, 3-d uint8, s unused; bbuf its block sums), or on
+    a float32 W itself (p = W, [N, K], fgemm split over `threads` as CPUBackend.linear splits it; s and
+    the buffers unused). Compiled code only (an overload)."""
 
 
 def _fgemm_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
@@ -156,6 +161,8 @@ def _fgemm_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
 def _packed_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
     if p.dtype == types.float32:
         return _fgemm_matmul
+    if p.dtype == types.uint8 and p.ndim == 4:
+        return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _a8_matmul(x, p, s, out, xbuf, sbuf, bbuf)
     if p.dtype == types.uint8:
         return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _q4_matmul(x, p, out, xbuf, sbuf, bbuf)
     return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _int8_matmul(x, p, s, out, xbuf, sbuf)
@@ -167,6 +174,8 @@ def packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf, threads):
 
 @overload(packed_matmul_silu)
 def _packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf, threads):
+    if p.dtype == types.uint8 and p.ndim == 4:
+        return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _a8_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf)
     if p.dtype == types.uint8:
         return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _q4_matmul_silu(x, p, out, xbuf, sbuf, bbuf)
     return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _int8_matmul_silu(x, p, s, out, xbuf, sbuf)
