@@ -313,11 +313,11 @@ class CPUBackend(QuantizedProducts):
                 cols[f"w_{short}s"].append(a)
                 cols[f"s_{short}s"].append(b)
                 cols[f"p_{short}s"].append(packed)
-        # the batched kernel when every matrix has a packed copy, all of one kind per list (a typed list
-        # holds one array type)
+        # the batched kernel (p_*) when every matrix has a packed copy, all of one kind per list (a typed
+        # list holds one array type), else the few-row kernel (w_*); s_* for either
         packed = all(p is not None for short, _ in mats for p in cols[f"p_{short}s"]) and \
             all(len({(p.dtype, p.ndim) for p in cols[f"p_{short}s"]}) == 1 for short, _ in mats)
-        plan = {k: typed(v) for k, v in cols.items() if not k.startswith("p_") or packed}
+        plan = {k: typed(v) for k, v in cols.items() if k[0] == "s" or (k[0] == "p") == packed}
         plan["packed"] = packed                             # batched decode: integer GEMMs on the packed copies
         plan["a8"] = packed and cols["p_qkvs"][0].dtype == np.uint8 and cols["p_qkvs"][0].ndim == 4   # a8gemm's
         plan["in_norms"] = typed([L.input_norm for L in layers])
