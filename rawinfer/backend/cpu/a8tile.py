@@ -14,7 +14,8 @@ of the block's int8 x), which removes the +128 from the weights: sum (w + 128) x
                        out = acc * column scale.
         avx512_vnni    R = 1, 2, 4, 6; C = 1, 2: one zmm of 16 int32 per (row, block); per k quad and
                        block one 64-byte weight load, per row one broadcast int32 (4 x) and one
-                       vpdpbusd (64 products: 4 u8 x s8 per int32 lane, added in)
+                       vpdpbusd (64 products: 4 u8 x s8 per int32 lane, added in); R <= 2
+                       prefetches the weights PREFETCH_AHEAD quads on into L2
         avx2           R = 1, 2; C = 1: two ymm halves of 8 columns per (row, block); the quad's u8
                        weights split by mask and shift into the int16 pairs (w0, w2) and (w1, w3),
                        the row's x into the matching pairs, two vpmaddwd per half (32 products)
@@ -33,13 +34,16 @@ from numba.extending import intrinsic
 
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu.llvm import F32, GEMM_COLS, GEMM_ROWS, I32, _fma, _ptr, _vload, _vstore, \
-    counted_loop, i64, splat
+    counted_loop, i64, prefetch_line, splat
 
 KBLOCK = 32                  # k per activation scale
 QUADS = KBLOCK // 4          # k quads per block (one int32 lane sums 4 products)
 ROWS = {isa.AVX512_VNNI: (1, 2, 4, GEMM_ROWS), isa.AVX2: (1, 2)}
 BLOCKS = {isa.AVX512_VNNI: (1, 2), isa.AVX2: (1,)}
 _LANES = {isa.AVX512_VNNI: 16, isa.AVX2: 8}
+# k quads ahead that the AVX-512 builds of one or two rows (decode) prefetch each block's weights, into
+# L2 (prefetcht1), as vnni.py's tile does: one row streams every weight from memory once.
+PREFETCH_AHEAD = 640
 
 
 def _make_tile(path: str, R: int, C: int):
@@ -103,6 +107,8 @@ def _tile_code(builder, path, R, C, args):
                 xv = [[builder.bitcast(splat(builder, p, VI), V16I16) for p in _bytes_as_pairs(builder, q)]
                       for q in xq]
             for c in range(C):
+                if vnni and R <= 2:                      # past the end: a hint, never a fault
+                    prefetch_line(builder, builder.gep(wbs[c], [builder.add(kq, i64(PREFETCH_AHEAD))]), locality=2)
                 for h in range(H):
                     wv = builder.load(builder.gep(wbs[c], [builder.add(builder.mul(kq, i64(H)), i64(h))]), align=4)
                     if not vnni:

@@ -32,10 +32,12 @@ RECORD = QUADS * 32 + 2 * 2 * BLOCK_COLS    # bytes per (column block, k-block):
 D_AT, M_AT = QUADS * 32, QUADS * 32 + 2 * BLOCK_COLS
 TILE_ROWS = (1, 2, 4, PANEL_ROWS)
 CHAINS = {1: 4, 2: 2, 4: 1, PANEL_ROWS: 1}     # int32 sums per output vector, by rows (see kblock)
-# k-blocks ahead that the few-row builds prefetch (0: none). Decode's one or two rows stream every
-# weight from memory once, at a pace the hardware prefetchers alone did not keep up with (they stop at
-# page boundaries); with more rows a record is reused by every panel and the tile is compute-bound.
-PREFETCH_AHEAD = {1: 16, 2: 16, 4: 0, PANEL_ROWS: 0}
+# k-blocks ahead that the few-row builds prefetch (0: none), into L2 (prefetcht1). Decode's one or two
+# rows stream every weight from memory once, at a pace the hardware prefetchers alone did not keep up
+# with (they stop at page boundaries); into L1 (prefetcht0) the prefetches queue on L1's few miss
+# buffers and slow the stream down instead (docs/kernels.md). With more rows a record is reused by
+# every panel and the tile is compute-bound.
+PREFETCH_AHEAD = {1: 32, 2: 32, 4: 0, PANEL_ROWS: 0}
 
 
 def _tile_code(builder, path, R, C, args):
@@ -67,10 +69,10 @@ def _tile_code(builder, path, R, C, args):
     def kblock(b, faccs):
         rec = [builder.gep(wb, [builder.mul(b, i64(RECORD))]) for wb in wbs]
         if PREFETCH_AHEAD[R]:
-            # prefetcht0 of the record PREFETCH_AHEAD k-blocks on (past the end: a hint, never a fault)
+            # prefetcht1 of the record PREFETCH_AHEAD k-blocks on (past the end: a hint, never a fault)
             for r0 in rec:
                 for line in range(0, RECORD, 64):
-                    prefetch_line(builder, builder.gep(r0, [i64(PREFETCH_AHEAD[R] * RECORD + line)]))
+                    prefetch_line(builder, builder.gep(r0, [i64(PREFETCH_AHEAD[R] * RECORD + line)]), locality=2)
         kp0 = builder.mul(b, i64(Q4_BLOCK // 2))
         # S independent int32 sums per output vector (k pair j into sum j % S), added at the end of the
         # k-block: exact, so any split gives the same bits. A few rows give few sums, each a chain of

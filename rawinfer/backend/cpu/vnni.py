@@ -10,7 +10,8 @@ the float32 epilogue is the same expression, so both paths give the same bits.
                                against C weight blocks (C = 1, 2) given by separate addresses; per
                                k pair C sign extensions and R C vpdpwssd
                                (accumulators: R C zmm, 12 for the 6 x 2 build, which keeps enough
-                               independent sums in flight to cover vpdpwssd's latency)
+                               independent sums in flight to cover vpdpwssd's latency); the 1- and
+                               2-row builds prefetch the weights PREFETCH_AHEAD k pairs on into L2
 
 The blocks' addresses are separate arguments so that one build serves the plain GEMM (blocks j and
 j + 1) and the gate/up GEMM with silu in its epilogue (gate block j and up block j + F/16).
@@ -24,12 +25,17 @@ from numba import types
 from numba.extending import intrinsic
 
 from rawinfer.backend.cpu.llvm import GEMM_COLS, GEMM_ROWS, F32, I8, I32, _ptr, _vload, _vstore, counted_loop, \
-    i64, splat
+    i64, prefetch_line, splat
 
 V16I32, V32I16, V32I8, V16F32 = (ir.VectorType(I32, 16), ir.VectorType(ir.IntType(16), 32),
                                  ir.VectorType(I8, 32), ir.VectorType(F32, 16))
 TILE_ROWS = (1, 2, 4, GEMM_ROWS)
 TILE_BLOCKS = (1, 2)
+# k pairs ahead that the builds of one or two rows (decode) prefetch each block's weights, into L2
+# (prefetcht1): they stream every weight from memory once, and the hardware prefetchers alone keep
+# fewer lines in flight (docs/kernels.md); prefetches into L1 queue on its few miss buffers. More rows
+# reuse each weight line from cache.
+PREFETCH_AHEAD = 640
 
 
 def _make_tile(R: int, C: int):
@@ -64,6 +70,9 @@ def _tile_code(builder, R, C, args):
     wbs = [_ptr(builder, w, V32I8) for w, _, _ in blocks]    # one <32 x i8> = 16 columns x one k pair
 
     def step(kp, accs):
+        if R <= 2:                                           # past the end: a hint, never a fault
+            for wb in wbs:
+                prefetch_line(builder, builder.gep(wb, [builder.add(kp, i64(PREFETCH_AHEAD))]), locality=2)
         wv = [builder.bitcast(builder.sext(builder.load(builder.gep(wb, [kp]), align=1), V32I16), V16I32)
               for wb in wbs]
         xrow = builder.gep(xb, [builder.mul(kp, i64(GEMM_ROWS))])
