@@ -319,7 +319,7 @@ class CPUBackend(QuantizedProducts):
             all(len({(p.dtype, p.ndim) for p in cols[f"p_{short}s"]}) == 1 for short, _ in mats)
         plan = {k: typed(v) for k, v in cols.items() if k[0] == "s" or (k[0] == "p") == packed}
         plan["packed"] = packed                             # batched decode: integer GEMMs on the packed copies
-        plan["a8"] = packed and cols["p_qkvs"][0].dtype == np.uint8 and cols["p_qkvs"][0].ndim == 4   # a8gemm's
+        plan["a8"] = packed and self.int8_activations       # then every int8 matrix is packed for a8gemm
         plan["in_norms"] = typed([L.input_norm for L in layers])
         plan["post_norms"] = typed([L.post_attn_norm for L in layers])
         plan["b_qkvs"] = typed([L.qkv_bias if L.qkv_bias is not None else NO_BIAS for L in layers])

@@ -10,12 +10,11 @@ writes the same workspace buffers, and its products sum in the kernels' fixed or
 dot products are reductions.py's dot_i8), so it gives the per-op path's tokens (tests/backend/test_quant.py).
 
 `decoder_stack_batched_kernel` does the same for pure decode batches when the weights have packed
-copies for the integer GEMMs (int8: qgemm.py, or a8gemm.py on 8-bit activations, q4: q4gemm.py; silu * up
-in the gate/up GEMM's epilogue,
-as CPUBackend.linear_silu_mul) or are float32 (the row-invariant GEMM, fgemm.py, which the per-op path
-takes for these row counts too; then silu_mul apart, as there), for every family the engine runs
-(q/k head norms, sandwich norms, GeGLU, a RoPE table per layer: Qwen3, Gemma 3), where the few-row
-kernel runs the Llama layer only. Dispatch is a large share of a single-stream step and small next to
+copies for the integer GEMMs (int8: qgemm.py, or a8gemm.py on 8-bit activations, q4: q4gemm.py; silu *
+up in the gate/up GEMM's epilogue, as CPUBackend.linear_silu_mul) or are float32 (the row-invariant
+GEMM, fgemm.py, which the per-op path takes for these row counts too; then silu_mul apart, as there),
+for every family the engine runs (q/k head norms, sandwich norms, GeGLU, a RoPE table per layer:
+Qwen3, Gemma 3), where the few-row kernel runs the Llama layer only. Dispatch is a large share of a single-stream step and small next to
 a big batch's GEMMs, but it comes at no cost.
 
 NOTE: the compiled kernels here carry copies of the kernels.py, attention.py, q4.py, q4gemm.py, qgemm.py and
