@@ -10,7 +10,6 @@ from rawinfer.backend import shapes
 from rawinfer.backend.base import Capabilities
 from rawinfer.backend.cpu import a8gemm as cpu_a8gemm
 from rawinfer.backend.cpu import attention as A
-from rawinfer.backend.cpu import bf16attn as cpu_bf16attn
 from rawinfer.backend.cpu import blas as cpu_blas
 from rawinfer.backend.cpu import fgemm as cpu_fgemm
 from rawinfer.backend.cpu import cache as cpu_cache
@@ -20,6 +19,7 @@ from rawinfer.backend.cpu import memory as cpu_memory
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
 from rawinfer.backend.cpu.fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel
 from rawinfer.backend.cpu.products import INT8_GEMV_MAX_ROWS, QuantizedProducts, check_array
+from rawinfer.backend.cpu import tileattn as cpu_tileattn
 from rawinfer.backend.cpu import variants as V
 from rawinfer.backend.cpu.threads import ThreadGovernor, configure_spin
 from rawinfer.quant import Int8Weight, Q4Weight
@@ -74,8 +74,7 @@ class CPUBackend(QuantizedProducts):
             raise ValueError("int8_activations (--int8-activations) needs a CPU with AVX2 and FMA, which this one "
                              "lacks; leave the option off")
         self.int8_activations = int8_activations
-        # the mode's long prompts: attention on bf16 products where the CPU has them (bf16attn.py)
-        self.bf16_attention = int8_activations and cpu_bf16attn.available()
+        self.tile_attention = cpu_tileattn.available()   # long query runs on tileattn.py, else on blas.py
         # before any kernel of this process compiles or loads
         self.kernel_cache = cpu_cache.install(cache_dir) if cache_dir is not None else None
         self.blas_on_numba_pool = cpu_blas.available()   # else np.matmul on OpenBLAS's (or MKL's) own pool
@@ -243,9 +242,9 @@ class CPUBackend(QuantizedProducts):
                               query_start_loc, scale, H, Hkv, window, out)
         if long.any():
             seqs, q0, q1 = _items_of(long, query_start_loc, ATTN_BLAS_QUERY_TILE)
-            if self.bf16_attention and cpu_bf16attn.supports(k_cache.shape[3], window):
-                cpu_bf16attn.attend(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                    np.flatnonzero(long), seqs, q0, q1, scale, H, out, self.max_threads)
+            if self.tile_attention and cpu_tileattn.supports(k_cache.shape[3], window):
+                cpu_tileattn.attend(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, long, seqs,
+                                    q0, q1, scale, H, out, self.max_threads)
             else:
                 cpu_blas.prefill_attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs,
                                            q0, q1, np.float32(scale), H, int(window), out, self.max_threads)

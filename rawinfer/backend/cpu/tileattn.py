@@ -1,30 +1,27 @@
-"""Causal prefill attention for the engine's `int8_activations` mode on AVX-512: the scores in float32,
-the weighted sum of V on bfloat16 products (`vdpbf16ps`), in one kernel per tile of 4 query rows.
+"""Causal attention of long query runs (prefill) on AVX-512: one LLVM IR kernel per tile of 4 query rows,
+float32 throughout.
 
-Why: on float32 (blas.py) a long prompt's attention is two sgemms and a softmax pass over the stored
-scores, about a quarter of an 8-bit-activation prefill. Here a tile of rows takes two passes over its
-keys, with the scores (4 rows x the keys, a few KiB) staying in cache between them: pass 1 computes
-the scores with fused multiply-adds and each row's max; pass 2 turns them into weights exp(s - max)
-and adds P V into the rows' outputs. `vdpbf16ps` does 32 products of bf16 pairs into 16 float32
-lanes per instruction, twice an FMA's, at the same rate. The price is precision in P V only: V and
-the weights P are rounded to bf16 (ties to even: 8 bits of mantissa; the sums are float32), while
-the scores, where rounding errors are amplified by the exp, keep float32. Like the mode's 8-bit
-activations it is a trade of golden agreement for speed (docs/kernels.md), so it is part of that
-mode and not the default.
+Why: on blas.py a long prompt's attention is two sgemms and a softmax pass over the stored scores S
+between them; the softmax is a sixth of the time, and S (query tile x keys) round-trips through L2.
+Here a tile of rows takes two passes over its keys, with the scores of its 4 rows (a few KiB) staying
+in cache between them: pass 1 computes them and each row's max, pass 2 turns them into weights
+exp(s - max) and adds P V into the rows' outputs. Neither pass needs a running rescale or a
+horizontal reduction per block of keys, which is what an online (one-pass) softmax costs per block.
 
 Operands: K and V of every (sequence, kv head), packed once per call from the KV cache (pack_kv), in
 blocks of 32 keys; keys past the sequence are zero (their weights are 0, and 0 * 0 keeps sums finite):
     K: [blocks, D, 2, 16] float32   lanes = keys (two halves of 16): one zmm per (head dim, half)
-    V: [blocks, 16, D] int32        the int32 = bf16 of (v[2j, d], v[2j + 1, d]), key pair j
+    V: [blocks, 32, D] float32      the rows
     Q: [rows, D] float32            the scaled queries, rows ordered (query, head of the kv group)
 
     attend_rows   one tile of 4 rows: per block of 32 keys, pass 1 = per head dim 2 K loads, 4
-                  broadcasts, 8 FMAs; pass 2 = per key pair 2 V loads (per 32 columns of O), 4
-                  broadcast weight pairs, 8 vdpbf16ps
+                  broadcasts, 8 FMAs; pass 2, per 32 columns of O = per key 2 V loads, 4 broadcast
+                  weights, 8 FMAs
 
 Every tile runs the same steps whatever the batch, so a sequence's bits do not depend on what else
-runs. Only built where the CPU Numba compiles for has AVX-512 F/BW and BF16 (`available()`);
-elsewhere the mode's prefill attention stays on blas.py.
+runs. Built where the CPU Numba compiles for has AVX-512 F/BW (`available()`; on AVX2 the 16-lane
+vectors would be split in two and the 16 accumulators spill); elsewhere long query runs stay on
+blas.py.
 """
 
 from __future__ import annotations
@@ -38,33 +35,22 @@ from numba.extending import intrinsic
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu.attention import attention_work_item, query_heads_into
 from rawinfer.backend.cpu.kernels import kv_dims, kv_row_into, kv_scale_table
-from rawinfer.backend.cpu.llvm import F32, I16, I32, I64, _fma, _ptr, counted_loop, i64, keep_alive, splat
+from rawinfer.backend.cpu.llvm import F32, I32, I64, _fma, _ptr, counted_loop, i64, keep_alive, splat
 
 ROWS = 4          # query rows per tile
 KEYS = 32         # keys per block (two zmm of scores per row)
-_V16I32, _V16F32, _V32BF = ir.VectorType(I32, 16), ir.VectorType(F32, 16), ir.VectorType(I16, 32)
+_V16I32, _V16F32 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
 
 
 def available() -> bool:
-    """AVX-512 F/BW and BF16 on the CPU Numba compiles for (isa.py)."""
-    return {"avx512f", "avx512bw", "avx512bf16"} <= isa.FEATURES
+    """AVX-512 F/BW on the CPU Numba compiles for (isa.py)."""
+    return {"avx512f", "avx512bw"} <= isa.FEATURES
 
 
 def supports(head_dim: int, window: int) -> bool:
     """Whether a layer's attention fits these tiles: head dims in whole pairs of 16-column chunks, no
     sliding window (its layers keep blas.py's kernel)."""
     return head_dim % 32 == 0 and window == 0
-
-
-def _dot(builder):
-    # declared on int16 vectors, LLVM's original operand type; newer LLVMs upgrade it to bfloat
-    return builder.module.declare_intrinsic("llvm.x86.avx512bf16.dpbf16ps.512", (),
-                                            ir.FunctionType(_V16F32, [_V16F32, _V32BF, _V32BF]))
-
-
-def _bcast(builder, base, index):
-    # one int32 (a bf16 pair) of an int32 array in all 16 lanes, as 32 bf16
-    return builder.bitcast(splat(builder, builder.load(builder.gep(base, [index]), align=4), _V16I32), _V32BF)
 
 
 def _c(v, ty=_V16F32):
@@ -77,7 +63,8 @@ def _exp(builder, x):
     x = builder.select(builder.fcmp_ordered(">", x, _c(-87.0)), x, _c(-87.0))
     x = builder.select(builder.fcmp_ordered("<", x, _c(88.0)), x, _c(88.0))
     n = builder.call(floor, [builder.fadd(builder.fmul(x, _c(1.4426950408889634)), _c(0.5))])
-    r = builder.fsub(builder.fsub(x, builder.fmul(n, _c(0.693145751953125))), builder.fmul(n, _c(1.428606765330187e-06)))
+    r = builder.fsub(x, builder.fmul(n, _c(0.693145751953125)))                # ln2 = hi + lo
+    r = builder.fsub(r, builder.fmul(n, _c(1.428606765330187e-06)))
     p = _c(1.0 / 720)
     for coef in (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
         p = builder.fadd(builder.fmul(p, r), _c(coef))
@@ -102,24 +89,20 @@ def _scores(builder, qb, D, kp):
 
 
 def _weights_of(builder, s, m, pb_row):
-    """One row's 32 scores s (2 vectors, masked keys at -inf) -> the weights exp(s - m) rounded to bf16
-    (ties to even; masked keys 0), stored as 16 pairs at pb_row; returns their float32 values' lane sums."""
+    """One row's 32 scores s (2 vectors, masked keys at -inf) -> the weights exp(s - m) (masked keys 0),
+    stored at pb_row (float32 [32]); returns their lane sums."""
     total = _c(0.0)
     for h in range(2):
         e = _exp(builder, builder.fsub(s[h], m))
         e = builder.select(builder.fcmp_ordered("==", s[h], _c(float("-inf"))), _c(0.0), e)
-        u = builder.bitcast(e, _V16I32)
-        odd = builder.and_(builder.lshr(u, _c(16, _V16I32)), _c(1, _V16I32))
-        u = builder.and_(builder.add(builder.add(u, _c(0x7FFF, _V16I32)), odd), _c(-65536, _V16I32))
-        total = builder.fadd(total, builder.bitcast(u, _V16F32))
-        pairs = builder.trunc(builder.lshr(u, _c(16, _V16I32)), ir.VectorType(I16, 16))
-        builder.store(pairs, builder.bitcast(builder.gep(pb_row, [i64(8 * h)]), pairs.type.as_pointer()), align=4)
+        total = builder.fadd(total, e)
+        builder.store(e, builder.bitcast(builder.gep(pb_row, [i64(16 * h)]), _V16F32.as_pointer()), align=4)
     return total
 
 
-def _weights(builder, dot, ob, D, pb, vp):
-    # O[r, :] += P[r] . V block, two 16-column chunks at a time
-    vb = _ptr(builder, vp, I32)
+def _weights(builder, ob, D, pb, vp):
+    # O[r, :] += P[r] (float32 [4, 32]) . V block (float32 [32, D]), two 16-column chunks at a time
+    vb, fma = _ptr(builder, vp, F32), _fma(builder, _V16F32)
     vec = _V16F32.as_pointer()
 
     def chunk_pair(c, _):
@@ -127,14 +110,13 @@ def _weights(builder, dot, ob, D, pb, vp):
         optr = [[builder.bitcast(builder.gep(ob, [builder.add(builder.mul(i64(r), D), cols[h])]), vec)
                  for h in range(2)] for r in range(ROWS)]
         acc = [builder.load(optr[r][h], align=4) for r in range(ROWS) for h in range(2)]
-        for j in range(KEYS // 2):
-            vv = [builder.bitcast(builder.load(builder.bitcast(
-                builder.gep(vb, [builder.add(builder.mul(i64(j), D), cols[h])]), _V16I32.as_pointer()),
-                align=4), _V32BF) for h in range(2)]
+        for j in range(KEYS):
+            vv = [builder.load(builder.bitcast(builder.gep(vb, [builder.add(builder.mul(i64(j), D), cols[h])]), vec),
+                               align=4) for h in range(2)]
             for r in range(ROWS):
-                pv = _bcast(builder, pb, i64(16 * r + j))
+                pv = splat(builder, builder.load(builder.gep(pb, [i64(KEYS * r + j)]), align=4), _V16F32)
                 for h in range(2):
-                    acc[2 * r + h] = builder.call(dot, [acc[2 * r + h], vv[h], pv])
+                    acc[2 * r + h] = builder.call(fma, [vv[h], pv, acc[2 * r + h]])
         for r in range(ROWS):
             for h in range(2):
                 builder.store(acc[2 * r + h], optr[r][h], align=4)
@@ -148,11 +130,11 @@ def attend_rows(typingctx, qp, D, kp, vp, nblocks, limp, sp, lds, op, pp, lp):
     into op (float32 [4, D], zero on entry), the sums of the weights into lp (float32 [4]). Two passes:
     the scores of every block into sp (float32 [4, lds], lds >= 32 nblocks) and each row's max, then
     the weights and their products with V. qp -> float32 Q rows (stride D); kp / vp -> the first K / V
-    block (128 D / 64 D bytes each, consecutive); limp -> int64 [4]: the last key each row sees; pp:
-    int32 scratch [4, 16] for a block's weights as bf16 pairs."""
+    block (128 D bytes each, consecutive); limp -> int64 [4]: the last key each row sees; pp: float32
+    scratch [4, 32] for a block's weights."""
     def codegen(context, builder, signature, args):
         qp, D, kp, vp, nblocks, limp, sp, lds, op, pp, lp = args
-        dot, qb, ob, pb = _dot(builder), _ptr(builder, qp, F32), _ptr(builder, op, F32), _ptr(builder, pp, I32)
+        qb, ob, pb = _ptr(builder, qp, F32), _ptr(builder, op, F32), _ptr(builder, pp, F32)
         sb = _ptr(builder, sp, F32)
         fmax = builder.module.declare_intrinsic("llvm.maxnum.v16f32", (), ir.FunctionType(_V16F32, [_V16F32] * 2))
         rmax = builder.module.declare_intrinsic("llvm.vector.reduce.fmax.v16f32", (),
@@ -161,15 +143,15 @@ def attend_rows(typingctx, qp, D, kp, vp, nblocks, limp, sp, lds, op, pp, lp):
                                                 ir.FunctionType(F32, [F32, _V16F32]))
         lims = [builder.trunc(builder.load(builder.gep(_ptr(builder, limp, I64), [i64(r)]), align=8), I32)
                 for r in range(ROWS)]
-        k_bytes, v_bytes = builder.mul(D, i64(128)), builder.mul(D, i64(64))    # per block
+        block_bytes = builder.mul(D, i64(128))        # of K and of V
 
         def srow(r, blk, h):               # address of scores [r, 32 blk + 16 h]
-            return builder.bitcast(builder.gep(sb, [builder.add(builder.mul(i64(r), lds),
-                                                                builder.add(builder.mul(blk, i64(KEYS)), i64(16 * h)))]),
+            col = builder.add(builder.mul(blk, i64(KEYS)), i64(16 * h))
+            return builder.bitcast(builder.gep(sb, [builder.add(builder.mul(i64(r), lds), col)]),
                                    _V16F32.as_pointer())
 
         def scores_pass(blk, vmax):
-            s = _scores(builder, qb, D, builder.add(kp, builder.mul(blk, k_bytes)))
+            s = _scores(builder, qb, D, builder.add(kp, builder.mul(blk, block_bytes)))
             base = builder.trunc(builder.mul(blk, i64(KEYS)), I32)
             new = []
             for r in range(ROWS):
@@ -189,8 +171,8 @@ def attend_rows(typingctx, qp, D, kp, vp, nblocks, limp, sp, lds, op, pp, lp):
             new = []
             for r in range(ROWS):
                 s = [builder.load(srow(r, blk, h), align=4) for h in range(2)]
-                new.append(builder.fadd(sums[r], _weights_of(builder, s, m[r], builder.gep(pb, [i64(16 * r)]))))
-            _weights(builder, dot, ob, D, pb, builder.add(vp, builder.mul(blk, v_bytes)))
+                new.append(builder.fadd(sums[r], _weights_of(builder, s, m[r], builder.gep(pb, [i64(KEYS * r)]))))
+            _weights(builder, ob, D, pb, builder.add(vp, builder.mul(blk, block_bytes)))
             return new
         sums = counted_loop(builder, nblocks, [_c(0.0)] * ROWS, weights_pass)
         lb = _ptr(builder, lp, F32)
@@ -201,50 +183,27 @@ def attend_rows(typingctx, qp, D, kp, vp, nblocks, limp, sp, lds, op, pp, lp):
     return types.void(*([types.int64] * 11)), codegen
 
 
-# ---- bf16 rounding ---------------------------------------------------------------------------------
-@intrinsic
-def _float_bits(typingctx, x):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], I32)
-    return types.int32(types.float32), codegen
-
-
-@nb.njit(inline="always")
-def bf16_bits(x):
-    """The bf16 nearest to float32 x (ties to even), as its 16 bits in the low half of an int32
-    (finite x: the model's activations and softmax weights)."""
-    u = _float_bits(x)
-    return ((u + np.int32(0x7FFF) + ((u >> 16) & 1)) >> 16) & np.int32(0xFFFF)
-
-
-@nb.njit(inline="always")
-def _pair(a, b):
-    return bf16_bits(a) | (bf16_bits(b) << 16)
-
-
 # ---- packing -----------------------------------------------------------------------------------------
 @nb.njit(parallel=True, cache=True)
 def pack_kv(k_cache, v_cache, block_tables, context_lens, blk_seq, blk_head, blk_index, kbuf, vbuf):
     """Packed block n (n < len(blk_seq)) = keys 32 blk_index[n] .. + 31 of sequence blk_seq[n], kv head
-    blk_head[n], from the paged cache (any cache dtype): K into kbuf[n] ([D, 2, 16] float32), V as bf16
-    pairs into vbuf[n] ([16, D] int32); keys at or past the sequence's length are zero."""
+    blk_head[n], from the paged cache (any cache dtype): K into kbuf[n] ([D, 2, 16] float32), V into
+    vbuf[n] (rows [32, D]); keys past the sequence's end are zero."""
     Hkv, BS, D = kv_dims(k_cache)
     k_table, v_table = kv_scale_table(k_cache), kv_scale_table(v_cache)
     for n in nb.prange(blk_seq.shape[0]):
         b, h, k0 = blk_seq[n], blk_head[n], blk_index[n] * KEYS
         kf = np.zeros((KEYS, D), np.float32)
-        vf = np.zeros((KEYS, D), np.float32)
+        vb = vbuf[n].reshape((KEYS, D))
+        vb[:] = np.float32(0.0)
         for j in range(min(KEYS, context_lens[b] - k0)):
             blk = block_tables[b, (k0 + j) // BS]
             kv_row_into(k_cache, k_table, blk, h, (k0 + j) % BS, kf[j])
-            kv_row_into(v_cache, v_table, blk, h, (k0 + j) % BS, vf[j])
-        kb, vb = kbuf[n], vbuf[n]
+            kv_row_into(v_cache, v_table, blk, h, (k0 + j) % BS, vb[j])
+        kb = kbuf[n]
         for d in range(D):
             for j in range(KEYS):
                 kb[(2 * d + j // 16) * 16 + j % 16] = kf[j, d]
-        for j in range(KEYS // 2):
-            for d in range(D):
-                vb[j * D + d] = _pair(vf[2 * j, d], vf[2 * j + 1, d])
 
 
 # ---- attention ---------------------------------------------------------------------------------------
@@ -257,10 +216,10 @@ def prefill_attention(qkv, kbuf, vbuf, seq_block0, context_lens, query_start_loc
     of 4, each over the key blocks up to its last query's position; out = O / sum of the weights."""
     Hkv = num_kv_heads
     G = num_heads // Hkv
-    D = vbuf.shape[1] // 16
+    D = kbuf.shape[1] // 32
     W = work_seq.shape[0] * Hkv
     for part in nb.prange(parts):
-        p = np.empty((ROWS, KEYS // 2), np.int32)
+        p = np.empty((ROWS, KEYS), np.float32)
         o = np.empty((ROWS, D), np.float32)
         l = np.empty(ROWS, np.float32)
         lim = np.empty(ROWS, np.int64)
@@ -299,10 +258,11 @@ def prefill_attention(qkv, kbuf, vbuf, seq_block0, context_lens, query_start_loc
         keep_alive(sc)
 
 
-def attend(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs, work_seq, work_q0, work_q1,
+def attend(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, chosen, work_seq, work_q0, work_q1,
            scale, num_heads, out, parts):
-    """Prefill attention of the sequences `seqs` (their work items work_*, blas.prefill_attention's): pack
-    their K and V, then run the tiles into out."""
+    """Prefill attention of the sequences where `chosen` [B] is true (their work items work_*,
+    blas.prefill_attention's): pack their K and V, then run the tiles into out."""
+    seqs = np.flatnonzero(chosen)
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
     nblk = (context_lens[seqs] + KEYS - 1) // KEYS
     starts = np.zeros(len(context_lens), np.int64)
@@ -312,7 +272,7 @@ def attend(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, s
     blk_index = np.concatenate([np.tile(np.arange(n), Hkv) for n in nblk]).astype(np.int64)
     total = int(blk_seq.shape[0])
     kbuf = np.empty((total, 32 * D), np.float32)
-    vbuf = np.empty((total, 16 * D), np.int32)
+    vbuf = np.empty((total, 32 * D), np.float32)
     pack_kv(k_cache, v_cache, block_tables, context_lens, blk_seq, blk_head, blk_index, kbuf, vbuf)
     prefill_attention(qkv, kbuf, vbuf, starts, context_lens, query_start_loc, work_seq, work_q0, work_q1,
                       np.float32(scale), num_heads, Hkv, out, parts)
