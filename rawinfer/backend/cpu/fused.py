@@ -14,8 +14,8 @@ copies for the integer GEMMs (int8: qgemm.py, or a8gemm.py on 8-bit activations,
 up in the gate/up GEMM's epilogue, as CPUBackend.linear_silu_mul) or are float32 (the row-invariant
 GEMM, fgemm.py, which the per-op path takes for these row counts too; then silu_mul apart, as there),
 for every family the engine runs (q/k head norms, sandwich norms, GeGLU, a RoPE table per layer:
-Qwen3, Gemma 3), where the few-row kernel runs the Llama layer only. Dispatch is a large share of a single-stream step and small next to
-a big batch's GEMMs, but it comes at no cost.
+Qwen3, Gemma 3), where the few-row kernel runs the Llama layer only. Dispatch is a large share of a
+single-stream step and small next to a big batch's GEMMs, but it comes at no cost.
 
 NOTE: the compiled kernels here carry copies of the kernels.py, attention.py, q4.py, q4gemm.py, qgemm.py and
 a8gemm.py kernels they call, and Numba's disk cache only checks this file's timestamp; cache.refresh() drops

@@ -218,12 +218,12 @@ def prefill_attention(qkv, kbuf, vbuf, seq_block0, context_lens, query_start_loc
     G = num_heads // Hkv
     D = kbuf.shape[1] // 32
     W = work_seq.shape[0] * Hkv
+    lds = (np.max(context_lens) + KEYS - 1) // KEYS * KEYS       # a row of the scores: every key of any item
     for part in nb.prange(parts):
         p = np.empty((ROWS, KEYS), np.float32)
         o = np.empty((ROWS, D), np.float32)
         l = np.empty(ROWS, np.float32)
         lim = np.empty(ROWS, np.int64)
-        lds = (np.max(context_lens) + KEYS - 1) // KEYS * KEYS
         sc = np.empty((ROWS, lds), np.float32)
         sa = np.int64(sc.ctypes.data)
         pa, oa, la, ma = (np.int64(p.ctypes.data), np.int64(o.ctypes.data), np.int64(l.ctypes.data),
