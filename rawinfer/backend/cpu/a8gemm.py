@@ -194,7 +194,7 @@ def gemm_vnni(xq, xs, xc, wq, sw, out, M):
                 _vnni1(rows, xt, kblocks, st, ct, ldo, w0 + b * wst, sw0 + b * BLOCK_COLS * 4, ot + b * BLOCK_COLS * 4)
 
 
-@nb.njit(parallel=True, cache=True, fastmath={"contract"})
+@nb.njit(parallel=True, cache=True)
 def gemm_silu_vnni(xq, xs, xc, wq, sw, out, M):
     """out[M, F] = silu(g) * u for [g | u] = x @ W^T, W a gate_up weight [2F, K]: gate block j and up
     block j in one tile, into a small scratch (the [M, 2F] product is never stored)."""
@@ -229,7 +229,7 @@ def gemm_avx2(xq, xs, xc, wq, sw, out, M):
                   w0 + b * wst, sw0 + b * BLOCK_COLS * 4, o0 + (m0 * ldo + b * BLOCK_COLS) * 4)
 
 
-@nb.njit(parallel=True, cache=True, fastmath={"contract"})
+@nb.njit(parallel=True, cache=True)
 def gemm_silu_avx2(xq, xs, xc, wq, sw, out, M):
     """gemm_silu_vnni on AVX2."""
     panels, kblocks, half = xq.shape[0], wq.shape[1] // QUADS, wq.shape[0] // 2

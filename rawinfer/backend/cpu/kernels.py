@@ -16,8 +16,10 @@ from numba.extending import intrinsic, overload
 
 from rawinfer.backend.cpu.llvm import abs_max, float_to_half, half_to_float
 from rawinfer.backend.cpu.reductions import dot_i8
+from rawinfer.backend.cpu.vmath import EXP_MAX, EXP_MIN, EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E
 
 _JIT = dict(cache=True)
+_T6, _T5, _T4, _T3, _T2, _T1, _T0 = EXP_TAYLOR       # fast_exp's polynomial, r^6 first
 
 
 @intrinsic
@@ -36,17 +38,17 @@ def fast_exp(x):
     2^n built from its exponent bits. Inputs are clamped to [-87, 88]: exp(-inf) gives 1.6e-38, which
     is 0 for every sum it enters (softmax weights, 1 + exp(-x))."""
     # NOTE: conditional expressions, not min/max: Numba's min/max branch on NaN and block vectorization
-    x = x if x > np.float32(-87.0) else np.float32(-87.0)
-    x = x if x < np.float32(88.0) else np.float32(88.0)
-    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - n * np.float32(0.693145751953125) - n * np.float32(1.428606765330187e-06)   # ln2 = hi + lo
-    p = np.float32(1.0 / 720)
-    p = p * r + np.float32(1.0 / 120)
-    p = p * r + np.float32(1.0 / 24)
-    p = p * r + np.float32(1.0 / 6)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
+    x = x if x > np.float32(EXP_MIN) else np.float32(EXP_MIN)
+    x = x if x < np.float32(EXP_MAX) else np.float32(EXP_MAX)
+    n = np.floor(x * np.float32(LOG2E) + np.float32(0.5))
+    r = x - n * np.float32(LN2_HI) - n * np.float32(LN2_LO)
+    p = np.float32(_T6)
+    p = p * r + np.float32(_T5)
+    p = p * r + np.float32(_T4)
+    p = p * r + np.float32(_T3)
+    p = p * r + np.float32(_T2)
+    p = p * r + np.float32(_T1)
+    p = p * r + np.float32(_T0)
     return p * _bits_as_float32((np.int32(n) + np.int32(127)) << 23)
 
 

@@ -202,7 +202,7 @@ def gemm_avx2(xp, bs, sx, wp, out, M):
                        w0 + c * wstride, o0 + (m0 * ldo + c * BLOCK_COLS) * 4)
 
 
-@nb.njit(parallel=True, cache=True, fastmath={"contract"})
+@nb.njit(parallel=True, cache=True)
 def gemm_silu_avx2(xp, bs, sx, wp, out, M):
     """out[M, F] = silu(g) * u for [g | u] = x @ W^T, W a gate_up weight [2F, K] (gate rows, then up
     rows): gate block j and up block j into a small scratch, only their product stored."""
@@ -244,7 +244,7 @@ def gemm_512(xp, bs, sx, wp, out, M):
                 _tile_512_one(rows, xt, bt, st, nkb, ldo, w0 + c * wstride, ot + c * BLOCK_COLS * 4)
 
 
-@nb.njit(parallel=True, cache=True, fastmath={"contract"})
+@nb.njit(parallel=True, cache=True)
 def gemm_silu_512(xp, bs, sx, wp, out, M):
     """gemm_silu_avx2 on AVX-512 VNNI: one tile computes gate block j and up block j together."""
     panels, nkb, xstride, wstride, mgroups = _geometry(xp, wp)

@@ -44,9 +44,10 @@ import numpy as np
 
 from rawinfer.backend.cpu.llvm import GEMM_COLS as BLOCK_COLS
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
-from rawinfer.backend.cpu.kernels import Kernel, fast_exp
+from rawinfer.backend.cpu.kernels import Kernel
 from rawinfer.backend.cpu import isa
-from rawinfer.backend.cpu.llvm import abs_max, available, int_gemm_tiles
+from rawinfer.backend.cpu.llvm import abs_max, available, int_gemm_tiles, keep_alive
+from rawinfer.backend.cpu.vmath import silu_tile
 from rawinfer.backend.cpu.vnni import int_gemm_tiles_512
 
 _tile2, _tile4, _tile6 = int_gemm_tiles[2], int_gemm_tiles[4], int_gemm_tiles[PANEL_ROWS]
@@ -175,15 +176,15 @@ def _strides(kpairs):
 
 @nb.njit(inline="always")
 def silu_rows(gu, out, m0, rows, j):
-    # out[m0 + r, 16 j .. 16 j + 15] = silu(gate) * up for a tile's gate and up blocks gu[0], gu[1]
-    # (the int8 and q4 GEMMs' silu epilogue: both pack 16 columns per block)
-    for r in range(rows):
-        for c in range(BLOCK_COLS):
-            v = gu[0, r, c]
-            out[m0 + r, j * BLOCK_COLS + c] = v / (np.float32(1.0) + fast_exp(-v)) * gu[1, r, c]
+    # out[m0 + r, 16 j .. 16 j + 15] = silu(gate) * up for a tile's gate and up blocks gu[0], gu[1]: the
+    # int8, q4 and 8-bit-activation GEMMs' silu epilogue (all pack 16 columns per block), vmath.silu_tile.
+    # gu is named after the call, so that the caller's scratch lives until the tile has read it.
+    silu_tile(np.int64(gu.ctypes.data), np.int64(gu[1].ctypes.data),
+              np.int64(out.ctypes.data) + m0 * out.strides[0] + j * BLOCK_COLS * 4, np.int64(out.strides[0] // 4), rows)
+    keep_alive(gu)
 
 
-@nb.njit(parallel=True, cache=True, fastmath={"contract"})
+@nb.njit(parallel=True, cache=True)
 def gemm_packed_silu(xp, sx, wp, sw, out, M):
     """out[M, F] = silu(g) * u for [g | u] = (xp * sx) @ (wp * sw)^T, wp packing a gate_up weight [2F, K]
     (gate rows, then up rows). Each work item computes the tiles of gate block j and up block j into
@@ -262,7 +263,7 @@ def gemm_packed_512(xp, sx, wp, sw, out, M):
                              ot + b * BLOCK_COLS * 4)
 
 
-@nb.njit(parallel=True, cache=True, fastmath={"contract"})
+@nb.njit(parallel=True, cache=True)
 def gemm_packed_silu_512(xp, sx, wp, sw, out, M):
     """gemm_packed_silu on AVX-512 VNNI: one tile computes gate block j and up block j together."""
     panels, kpairs = xp.shape[0], xp.shape[1]

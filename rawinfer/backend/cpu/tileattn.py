@@ -36,10 +36,13 @@ from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu.attention import attention_work_item, query_heads_into
 from rawinfer.backend.cpu.kernels import kv_dims, kv_row_into, kv_scale_table
 from rawinfer.backend.cpu.llvm import F32, I32, I64, _fma, _ptr, counted_loop, i64, keep_alive, splat
+from rawinfer.backend.cpu.vmath import V16F32 as _V16F32
+from rawinfer.backend.cpu.vmath import V16I32 as _V16I32
+from rawinfer.backend.cpu.vmath import const16 as _c
+from rawinfer.backend.cpu.vmath import exp16
 
 ROWS = 4          # query rows per tile
 KEYS = 32         # keys per block (two zmm of scores per row)
-_V16I32, _V16F32 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
 
 
 def available() -> bool:
@@ -51,25 +54,6 @@ def supports(head_dim: int, window: int) -> bool:
     """Whether a layer's attention fits these tiles: head dims in whole pairs of 16-column chunks, no
     sliding window (its layers keep blas.py's kernel)."""
     return head_dim % 32 == 0 and window == 0
-
-
-def _c(v, ty=_V16F32):
-    return ir.Constant(ty, [v] * ty.count)
-
-
-def _exp(builder, x):
-    """exp of 16 float32 lanes by kernels.fast_exp's steps (the clamp, n, r, the polynomial, 2^n)."""
-    floor = builder.module.declare_intrinsic("llvm.floor.v16f32", (), ir.FunctionType(_V16F32, [_V16F32]))
-    x = builder.select(builder.fcmp_ordered(">", x, _c(-87.0)), x, _c(-87.0))
-    x = builder.select(builder.fcmp_ordered("<", x, _c(88.0)), x, _c(88.0))
-    n = builder.call(floor, [builder.fadd(builder.fmul(x, _c(1.4426950408889634)), _c(0.5))])
-    r = builder.fsub(x, builder.fmul(n, _c(0.693145751953125)))                # ln2 = hi + lo
-    r = builder.fsub(r, builder.fmul(n, _c(1.428606765330187e-06)))
-    p = _c(1.0 / 720)
-    for coef in (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
-        p = builder.fadd(builder.fmul(p, r), _c(coef))
-    two_n = builder.shl(builder.add(builder.fptosi(n, _V16I32), _c(127, _V16I32)), _c(23, _V16I32))
-    return builder.fmul(p, builder.bitcast(two_n, _V16F32))
 
 
 def _scores(builder, qb, D, kp):
@@ -93,7 +77,7 @@ def _weights_of(builder, s, m, pb_row):
     stored at pb_row (float32 [32]); returns their lane sums."""
     total = _c(0.0)
     for h in range(2):
-        e = _exp(builder, builder.fsub(s[h], m))
+        e = exp16(builder, builder.fsub(s[h], m))
         e = builder.select(builder.fcmp_ordered("==", s[h], _c(float("-inf"))), _c(0.0), e)
         total = builder.fadd(total, e)
         builder.store(e, builder.bitcast(builder.gep(pb_row, [i64(16 * h)]), _V16F32.as_pointer()), align=4)
