@@ -53,8 +53,9 @@ def test_a_sequence_has_the_same_bits_alone_and_in_a_batch():
 
 @pytest.mark.parametrize("a8", [False, True])
 def test_long_query_runs_take_it_where_the_cpu_and_the_layer_allow(a8, monkeypatch):
-    """Long query runs take tileattn on AVX-512, with 8-bit activations or without; sliding-window layers
-    and other CPUs keep blas.prefill_attention."""
+    """Long query runs take tileattn on AVX-512, with 8-bit activations or without, whatever BLAS NumPy
+    has; sliding-window layers and other CPUs keep blas.prefill_attention (or, without it, the tiled
+    kernel)."""
     from rawinfer.backend.cpu import a8gemm
     from rawinfer.backend.cpu import blas as cpu_blas
     if a8 and not a8gemm.available():
@@ -71,3 +72,10 @@ def test_long_query_runs_take_it_where_the_cpu_and_the_layer_allow(a8, monkeypat
     for window in (0, 16):
         be.paged_attention_prefill(qkv, kc, vc, tables, ctx, qsl, 0.125, out, 40, window)
     assert taken == (["tile", "blas"] if be.tile_attention else ["blas", "blas"])
+    # NumPy on a BLAS that blas.py cannot call (MKL): tileattn needs none and still takes long runs;
+    # the sliding-window layer's run goes to the Numba tiled kernel, not to BLAS
+    be.blas_on_numba_pool = False
+    taken.clear()
+    for window in (0, 16):
+        be.paged_attention_prefill(qkv, kc, vc, tables, ctx, qsl, 0.125, out, 40, window)
+    assert taken == (["tile"] if be.tile_attention else [])

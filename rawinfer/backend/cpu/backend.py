@@ -228,21 +228,22 @@ class CPUBackend(QuantizedProducts):
                                          context_lens, query_start_loc, out)
         k_cache, v_cache = _kv(k_cache), _kv(v_cache)
         # NOTE: each sequence takes the kernel its own query count picks (one query: the decode kernel;
-        # ATTN_BLAS_MIN_QUERY or more: the products on BLAS; else the tiled kernel), not one the rest of
-        # the batch picks: the kernels round differently, and a request's output must not depend on its
-        # batch. Every kernel computes each (query tile, kv head) work item on its own.
+        # ATTN_BLAS_MIN_QUERY or more: tileattn.py where it fits the layer, else the products on BLAS; else
+        # the tiled kernel), not one the rest of the batch picks: the kernels round differently, and a
+        # request's output must not depend on its batch. Every kernel computes each (query tile, kv head)
+        # work item on its own. tileattn needs no BLAS: it takes long runs under MKL too.
         q_lens = np.diff(query_start_loc)
         if self.one_attention:
             return self._per_query(q_lens, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                    scale, H, Hkv, window, out)
-        one = q_lens == 1
-        long = q_lens >= ATTN_BLAS_MIN_QUERY if self.blas_on_numba_pool else np.zeros_like(one)
+        one, tiled = q_lens == 1, self.tile_attention and cpu_tileattn.supports(k_cache.shape[3], window)
+        long = q_lens >= ATTN_BLAS_MIN_QUERY if tiled or self.blas_on_numba_pool else np.zeros_like(one)
         if one.any():
             self._decode_rows(np.flatnonzero(one), qkv, k_cache, v_cache, block_tables, context_lens,
                               query_start_loc, scale, H, Hkv, window, out)
         if long.any():
             seqs, q0, q1 = _items_of(long, query_start_loc, ATTN_BLAS_QUERY_TILE)
-            if self.tile_attention and cpu_tileattn.supports(k_cache.shape[3], window):
+            if tiled:
                 cpu_tileattn.attend(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, long, seqs,
                                     q0, q1, scale, H, out, self.max_threads)
             else:
