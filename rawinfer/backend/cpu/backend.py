@@ -13,6 +13,7 @@ from rawinfer.backend.cpu import attention as A
 from rawinfer.backend.cpu import blas as cpu_blas
 from rawinfer.backend.cpu import fgemm as cpu_fgemm
 from rawinfer.backend.cpu import cache as cpu_cache
+from rawinfer.backend.cpu import fused as cpu_fused
 from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu import memory as cpu_memory
@@ -300,12 +301,10 @@ class CPUBackend(QuantizedProducts):
 
     def fused_plan(self, layers, k_caches, v_caches, gelu=False):
         """The per-layer tensors as typed lists (built once), so one Numba call can walk every layer."""
-        from numba.typed import List
-
         def typed(arrays):
-            out = List()
-            for a in arrays:
-                out.append(a)
+            out = cpu_fused.list_of(arrays[0])
+            for a in arrays[1:]:
+                cpu_fused.push(out, a)
             return out
         mats = (("qkv", "qkv_proj"), ("o", "o_proj"), ("gu", "gate_up_proj"), ("down", "down_proj"))
         cols = {f"{kind}_{short}s": [] for short, _ in mats for kind in ("w", "s", "p")}
@@ -331,7 +330,7 @@ class CPUBackend(QuantizedProducts):
         plan["post_norms"] = typed([L.post_attn_norm for L in layers])
         plan["b_qkvs"] = typed([L.qkv_bias if L.qkv_bias is not None else NO_BIAS for L in layers])
         plan["k_caches"], plan["v_caches"] = typed([_kv(c) for c in k_caches]), typed([_kv(c) for c in v_caches])
-        plan["avx2_attention"] = A.decode_attention_avx2_fits(plan["k_caches"][0])
+        plan["avx2_attention"] = A.decode_attention_avx2_fits(_kv(k_caches[0]))
         plan["windows"] = np.array([L.window for L in layers], np.int64)
         plan["max_k"] = max(getattr(L, name).shape[1] for L in layers for _, name in mats)
         plan["float"] = isinstance(layers[0].qkv_proj, np.ndarray)

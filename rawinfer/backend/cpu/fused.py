@@ -286,3 +286,17 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
 
 
 NO_BIAS = np.zeros(0, np.float32)   # stands in for a missing QKV bias or family norm
+
+
+@nb.njit(cache=True)
+def list_of(a):
+    """A typed list holding a: the kernels' per-layer lists are built by this and push, cached builds
+    per array type, since numba.typed.List's own methods called from Python compile at every start."""
+    out = nb.typed.List()
+    out.append(a)
+    return out
+
+
+@nb.njit(cache=True)
+def push(out, a):
+    out.append(a)
