@@ -1,5 +1,5 @@
-"""Elementwise math on 16 float32 lanes in LLVM IR, for the kernels written as IR (tileattn.py, the
-8-bit-activation GEMM's epilogue), and the constants kernels.fast_exp shares with it.
+"""Elementwise math on 16 float32 lanes in LLVM IR, for the kernels written as IR (tileattn.py, the silu
+epilogue of the int8, q4 and 8-bit-activation GEMMs), and the constants kernels.fast_exp shares with it.
 
     exp16        exp by kernels.fast_exp's steps: clamp to [EXP_MIN, EXP_MAX], x = n ln2 + r with
                  |r| <= ln2 / 2 (ln2 split in a high and a low part), exp(r) by its Taylor polynomial
@@ -7,7 +7,7 @@
     silu_tile    out = silu(g) * u = g / (1 + exp(-g)) * u over a tile of up to 6 rows of 16 columns
 
 Why here and not in Numba: a Numba loop vectorizes only where LLVM decides it may (aliasing, index
-checks), and the GEMM's silu epilogue, 16 columns at a time, stayed partly scalar. The IR is generic
+checks), and the GEMMs' silu epilogue, 16 columns at a time, stayed partly scalar. The IR is generic
 vector IR: AVX-512 runs a 16-lane vector in one register, AVX2 in two halves, and both give the same
 bits, since every lane takes the same IEEE operations in the same order.
 """
