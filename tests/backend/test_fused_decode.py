@@ -122,3 +122,33 @@ def test_decode_batches_past_fgemm_rows_stay_per_op(tiny_dir):
     n = DEFAULT_MAX_ROWS + 4
     (_, _, rows), _ = _compare(llm, _prompts(llm, [2 + i % 5 for i in range(n)]))
     assert rows and max(rows) <= DEFAULT_MAX_ROWS      # the steps of all n rows did not take it
+
+
+def test_the_batched_kernel_is_built_for_the_model_and_machine_only(tiny_dir):
+    """The batched kernel's choices (decode attention kernel, GeGLU, q/k head norms) come as True or None,
+    and overloads on that type pick what it calls, so a model compiles only the kernels it runs (a False
+    would compile the other side too: seconds of a cold start, docs/benchmarks.md)."""
+    from numba import types
+
+    from rawinfer.backend.cpu import fused
+    plans = {f: LLM(tiny_dir(f), device="cpu", kv_cache_memory="8MiB", warmup=False).engine.model.fused_plan
+             for f in ("llama", "qwen3", "gemma3")}
+    assert plans["llama"]["q_norms"] is None and plans["llama"]["k_norms"] is None
+    assert plans["llama"]["gelu"] is None and plans["qwen3"]["gelu"] is None and plans["gemma3"]["gelu"] is True
+    assert len(plans["qwen3"]["q_norms"]) == len(plans["qwen3"]["in_norms"]) == len(plans["qwen3"]["k_norms"])
+    assert plans["llama"]["avx2_attention"] is None             # head dim 16: the portable kernel
+
+    called = (lambda f: set(f.__code__.co_names))
+    arr = types.Array(types.float32, 2, "C")
+    rest = (arr,) * 9
+    assert called(fused._decode_attention_of(types.none, *rest)) == {"_decode_attention"}
+    assert called(fused._decode_attention_of(types.boolean, *rest)) == {"_decode_attention_avx2"}
+    assert fused._act_after(arr, arr, types.boolean, types.none).__name__ == "silu"
+    assert fused._act_after(arr, arr, types.boolean, types.boolean).__name__ == "gelu_tanh"
+    norms = types.ListType(types.Array(types.float32, 1, "C"))
+    assert fused._head_norms(types.none, types.none, *rest[:6])(*[None] * 8) is None
+    assert fused._head_norms(norms, norms, *rest[:6]).__name__ == "norms"
+    packed = types.Array(types.int8, 4, "C")
+    args = (arr, packed) + (arr,) * 8
+    assert fused._gate_up_act(*args, types.none).__name__ == "fused_if_paired"
+    assert called(fused._gate_up_act(*args, types.boolean)) == {"_gate_up_then_act"}

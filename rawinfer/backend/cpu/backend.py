@@ -330,14 +330,16 @@ class CPUBackend(QuantizedProducts):
         plan["post_norms"] = typed([L.post_attn_norm for L in layers])
         plan["b_qkvs"] = typed([L.qkv_bias if L.qkv_bias is not None else NO_BIAS for L in layers])
         plan["k_caches"], plan["v_caches"] = typed([_kv(c) for c in k_caches]), typed([_kv(c) for c in v_caches])
-        plan["avx2_attention"] = A.decode_attention_avx2_fits(_kv(k_caches[0]))
+        plan["avx2_attention"] = True if A.decode_attention_avx2_fits(_kv(k_caches[0])) else None   # fused.py
         plan["windows"] = np.array([L.window for L in layers], np.int64)
         plan["max_k"] = max(getattr(L, name).shape[1] for L in layers for _, name in mats)
         plan["float"] = isinstance(layers[0].qkv_proj, np.ndarray)
         for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):   # family ops (empty: none)
             plan[name + "s"] = typed([NO_BIAS if getattr(L, name) is None else getattr(L, name) for L in layers])
+        if all(L.q_norm is None for L in layers):           # no head norms: None, so fused.py compiles none
+            plan["q_norms"] = plan["k_norms"] = None
         plan["cos_sins"] = typed([L.cos_sin for L in layers])
-        plan["gelu"] = gelu
+        plan["gelu"] = True if gelu else None
         # the few-row kernel (decoder_stack_kernel) runs the Llama layer only
         plan["llama"] = not gelu and all(L.q_norm is None and L.attn_out_norm is None and L.mlp_out_norm is None
                                          and L.cos_sin is layers[0].cos_sin for L in layers)

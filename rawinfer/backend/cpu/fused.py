@@ -77,6 +77,14 @@ def _weight_matvec_silu(x, w, s, out):
 
 
 _matmul, _matmul_silu = weight_matvec, weight_matvec_silu
+
+
+@nb.njit(inline="always")
+def add_rows(x, b):
+    # x[t] += b for every row t, element by element (kernels.py's NOTE)
+    for t in range(x.shape[0]):
+        for j in range(b.shape[0]):
+            x[t, j] += b[j]
 _work_items = A.attention_work_items
 
 
@@ -93,8 +101,7 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
         _add_rmsnorm(h, res, in_norm, eps, x)
     _matmul(x, w_qkv, s_qkv, qkv)
     if b_qkv.shape[0] > 0:
-        for t in range(qkv.shape[0]):
-            qkv[t] += b_qkv
+        add_rows(qkv, b_qkv)
     _rope(qkv, positions, cos_sin, num_heads, num_kv_heads, cos_sin.shape[1])
     _kv_write(qkv, k_cache, v_cache, slot_mapping, num_heads)
     _attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs, q0, q1,
@@ -181,42 +188,83 @@ def _packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf, threads):
 
 
 def gate_up_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
-    """act = silu(x @ Wg^T) * (x @ Wu^T), or gelu_tanh(...) * ... with `gelu`: silu in the integer GEMM's
-    epilogue where its packed gate_up copy pairs the halves (an even count of column blocks), else the
-    product into gu and the activation apart (the serial build for `small` row counts), as
-    CPUBackend.linear_silu_mul and the per-op GeGLU do. Compiled code only."""
+    """act = silu(x @ Wg^T) * (x @ Wu^T), or gelu_tanh(...) * ... where `gelu` is True (None: silu):
+    silu in the integer GEMM's epilogue where its packed gate_up copy pairs the halves (an even count of
+    column blocks), else the product into gu and the activation apart (the serial build for `small` row
+    counts), as CPUBackend.linear_silu_mul and the per-op GeGLU do. Compiled code only."""
 
 
-@nb.njit(inline="always")
+def act_after(gu, act, small, gelu):
+    """act = silu(g) * u, or gelu_tanh(g) * u where `gelu` is True, of gu = [g | u]."""
+
+
+@overload(act_after, inline="always")
 def _act_after(gu, act, small, gelu):
-    if gelu:
+    if isinstance(gelu, types.NoneType):
+        def silu(gu, act, small, gelu):
+            if small:
+                _silu_mul(gu, act)
+            else:
+                _silu_mul_p(gu, act)
+        return silu
+
+    def gelu_tanh(gu, act, small, gelu):
         if small:
             _gelu_mul(gu, act)
         else:
             _gelu_mul_p(gu, act)
-    elif small:
-        _silu_mul(gu, act)
-    else:
-        _silu_mul_p(gu, act)
+    return gelu_tanh
 
 
 @nb.njit(inline="always")
 def _gate_up_then_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
     packed_matmul(x, p, s, gu, xbuf, sbuf, bbuf, threads)
-    _act_after(gu, act, small, gelu)
+    act_after(gu, act, small, gelu)
 
 
 @overload(gate_up_act)
 def _gate_up_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
     def fused_if_paired(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu):
-        if not gelu and p.shape[0] % 2 == 0:
+        if p.shape[0] % 2 == 0:
             packed_matmul_silu(x, p, s, act, xbuf, sbuf, bbuf, threads)
         else:
             _gate_up_then_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu)
-    if p.dtype == types.float32:
+    if p.dtype == types.float32 or not isinstance(gelu, types.NoneType):
         return lambda x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu: \
             _gate_up_then_act(x, p, s, gu, act, xbuf, sbuf, bbuf, small, threads, gelu)
     return fused_if_paired
+
+
+def decode_attention(avx2, qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, window, out):
+    """attention.py's AVX2 decode attention kernel where `avx2` is True, its portable one where None."""
+
+
+@overload(decode_attention, inline="always")
+def _decode_attention_of(avx2, qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, window, out):
+    if isinstance(avx2, types.NoneType):
+        return lambda avx2, qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, window, out: \
+            _decode_attention(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, window, out)
+    return lambda avx2, qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, window, out: \
+        _decode_attention_avx2(qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, window, out)
+
+
+def head_norms(q_norms, k_norms, i, qkv, eps, num_heads, num_kv_heads, small):
+    """Layer i's RMSNorm of its q and k heads (Qwen3, Gemma 3) where it has them; nothing where the model
+    has none (q_norms None)."""
+
+
+@overload(head_norms, inline="always")
+def _head_norms(q_norms, k_norms, i, qkv, eps, num_heads, num_kv_heads, small):
+    if isinstance(q_norms, types.NoneType):
+        return lambda q_norms, k_norms, i, qkv, eps, num_heads, num_kv_heads, small: None
+
+    def norms(q_norms, k_norms, i, qkv, eps, num_heads, num_kv_heads, small):
+        if q_norms[i].shape[0] > 0:
+            if small:
+                _head_rmsnorm(qkv, q_norms[i], k_norms[i], eps, num_heads, num_kv_heads)
+            else:
+                _head_rmsnorm_p(qkv, q_norms[i], k_norms[i], eps, num_heads, num_kv_heads)
+    return norms
 
 
 @nb.njit(inline="always")
@@ -247,6 +295,9 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
     # (p_* = packed weights, int8 or q4; bbuf: the q4 GEMM's block sums) or, for float32 weights (p_* =
     # the weights), fgemm. The family ops where a layer has them: q/k head norms, norms of the attention
     # and MLP outputs (empty arrays where absent), its own RoPE table (cos_sins[i]), GeGLU (gelu).
+    # avx2_attention, gelu and q_norms are None where the machine or model has no use for them (else True,
+    # or the norms' list): their type picks the kernels at compile time, so that a model compiles only
+    # the kernels it runs (a False would still compile the other branch's kernels).
     small = x.shape[0] < _PARALLEL_ROWS
     for i in range(len(in_norms)):
         if i == 0:
@@ -255,13 +306,8 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
             _add_norm(h, res, in_norms[i], eps, x, small)
         packed_matmul(x, p_qkvs[i], s_qkvs[i], qkv, xbuf, sbuf, bbuf, threads)
         if b_qkvs[i].shape[0] > 0:
-            for t in range(qkv.shape[0]):
-                qkv[t] += b_qkvs[i]
-        if q_norms[i].shape[0] > 0:
-            if small:
-                _head_rmsnorm(qkv, q_norms[i], k_norms[i], eps, num_heads, num_kv_heads)
-            else:
-                _head_rmsnorm_p(qkv, q_norms[i], k_norms[i], eps, num_heads, num_kv_heads)
+            add_rows(qkv, b_qkvs[i])
+        head_norms(q_norms, k_norms, i, qkv, eps, num_heads, num_kv_heads, small)
         D = cos_sins[i].shape[1]
         if small:
             _rope(qkv, positions, cos_sins[i], num_heads, num_kv_heads, D)
@@ -269,12 +315,8 @@ def decoder_stack_batched_kernel(h, res, x, qkv, attn, gu, act,
         else:
             _rope_p(qkv, positions, cos_sins[i], num_heads, num_kv_heads, D)
             _kv_write_p(qkv, k_caches[i], v_caches[i], slot_mapping, num_heads)
-        if avx2_attention:
-            _decode_attention_avx2(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads,
-                                   windows[i], attn)
-        else:
-            _decode_attention(qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale, num_heads, windows[i],
-                              attn)
+        decode_attention(avx2_attention, qkv, k_caches[i], v_caches[i], block_tables, context_lens, scale,
+                         num_heads, windows[i], attn)
         packed_matmul(attn, p_os[i], s_os[i], h, xbuf, sbuf, bbuf, threads)
         if attn_out_norms[i].shape[0] > 0:
             _norm(h, attn_out_norms[i], eps, h, small)
