@@ -36,10 +36,7 @@ from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu.attention import attention_work_item, query_heads_into
 from rawinfer.backend.cpu.kernels import kv_dims, kv_row_into, kv_scale_table
 from rawinfer.backend.cpu.llvm import F32, I32, I64, _fma, _ptr, counted_loop, i64, keep_alive, splat
-from rawinfer.backend.cpu.vmath import V16F32 as _V16F32
-from rawinfer.backend.cpu.vmath import V16I32 as _V16I32
-from rawinfer.backend.cpu.vmath import const16 as _c
-from rawinfer.backend.cpu.vmath import exp16
+from rawinfer.backend.cpu.vmath import V16F32, V16I32, const16, exp16
 
 ROWS = 4          # query rows per tile
 KEYS = 32         # keys per block (two zmm of scores per row)
@@ -59,35 +56,35 @@ def supports(head_dim: int, window: int) -> bool:
 def _scores(builder, qb, D, kp):
     # S[r, 0:32] of 4 query rows (float32, stride D) against one K block [D, 2, 16] float32, as 8 vectors
     # (row r: 2 r, 2 r + 1): per head dim 2 K loads, 4 broadcasts, 8 fused multiply-adds
-    kb, fma = _ptr(builder, kp, _V16F32), _fma(builder, _V16F32)
+    kb, fma = _ptr(builder, kp, V16F32), _fma(builder, V16F32)
 
     def step(d, accs):
         kv = [builder.load(builder.gep(kb, [builder.add(builder.mul(d, i64(2)), i64(h))]), align=4) for h in range(2)]
         new = []
         for r in range(ROWS):
             qv = splat(builder, builder.load(builder.gep(qb, [builder.add(builder.mul(i64(r), D), d)]), align=4),
-                       _V16F32)
+                       V16F32)
             new += [builder.call(fma, [kv[h], qv, accs[2 * r + h]]) for h in range(2)]
         return new
-    return counted_loop(builder, D, [_c(0.0)] * (2 * ROWS), step)
+    return counted_loop(builder, D, [const16(0.0)] * (2 * ROWS), step)
 
 
 def _weights_of(builder, s, m, pb_row):
     """One row's 32 scores s (2 vectors, masked keys at -inf) -> the weights exp(s - m) (masked keys 0),
     stored at pb_row (float32 [32]); returns their lane sums."""
-    total = _c(0.0)
+    total = const16(0.0)
     for h in range(2):
         e = exp16(builder, builder.fsub(s[h], m))
-        e = builder.select(builder.fcmp_ordered("==", s[h], _c(float("-inf"))), _c(0.0), e)
+        e = builder.select(builder.fcmp_ordered("==", s[h], const16(float("-inf"))), const16(0.0), e)
         total = builder.fadd(total, e)
-        builder.store(e, builder.bitcast(builder.gep(pb_row, [i64(16 * h)]), _V16F32.as_pointer()), align=4)
+        builder.store(e, builder.bitcast(builder.gep(pb_row, [i64(16 * h)]), V16F32.as_pointer()), align=4)
     return total
 
 
 def _weights(builder, ob, D, pb, vp):
     # O[r, :] += P[r] (float32 [4, 32]) . V block (float32 [32, D]), two 16-column chunks at a time
-    vb, fma = _ptr(builder, vp, F32), _fma(builder, _V16F32)
-    vec = _V16F32.as_pointer()
+    vb, fma = _ptr(builder, vp, F32), _fma(builder, V16F32)
+    vec = V16F32.as_pointer()
 
     def chunk_pair(c, _):
         cols = [builder.add(builder.mul(c, i64(32)), i64(16 * h)) for h in range(2)]
@@ -98,7 +95,7 @@ def _weights(builder, ob, D, pb, vp):
             vv = [builder.load(builder.bitcast(builder.gep(vb, [builder.add(builder.mul(i64(j), D), cols[h])]), vec),
                                align=4) for h in range(2)]
             for r in range(ROWS):
-                pv = splat(builder, builder.load(builder.gep(pb, [i64(KEYS * r + j)]), align=4), _V16F32)
+                pv = splat(builder, builder.load(builder.gep(pb, [i64(KEYS * r + j)]), align=4), V16F32)
                 for h in range(2):
                     acc[2 * r + h] = builder.call(fma, [vv[h], pv, acc[2 * r + h]])
         for r in range(ROWS):
@@ -120,11 +117,11 @@ def attend_rows(typingctx, qp, D, kp, vp, nblocks, limp, sp, lds, op, pp, lp):
         qp, D, kp, vp, nblocks, limp, sp, lds, op, pp, lp = args
         qb, ob, pb = _ptr(builder, qp, F32), _ptr(builder, op, F32), _ptr(builder, pp, F32)
         sb = _ptr(builder, sp, F32)
-        fmax = builder.module.declare_intrinsic("llvm.maxnum.v16f32", (), ir.FunctionType(_V16F32, [_V16F32] * 2))
+        fmax = builder.module.declare_intrinsic("llvm.maxnum.v16f32", (), ir.FunctionType(V16F32, [V16F32] * 2))
         rmax = builder.module.declare_intrinsic("llvm.vector.reduce.fmax.v16f32", (),
-                                                ir.FunctionType(F32, [_V16F32]))
+                                                ir.FunctionType(F32, [V16F32]))
         radd = builder.module.declare_intrinsic("llvm.vector.reduce.fadd.v16f32", (),
-                                                ir.FunctionType(F32, [F32, _V16F32]))
+                                                ir.FunctionType(F32, [F32, V16F32]))
         lims = [builder.trunc(builder.load(builder.gep(_ptr(builder, limp, I64), [i64(r)]), align=8), I32)
                 for r in range(ROWS)]
         block_bytes = builder.mul(D, i64(128))        # of K and of V
@@ -132,24 +129,24 @@ def attend_rows(typingctx, qp, D, kp, vp, nblocks, limp, sp, lds, op, pp, lp):
         def srow(r, blk, h):               # address of scores [r, 32 blk + 16 h]
             col = builder.add(builder.mul(blk, i64(KEYS)), i64(16 * h))
             return builder.bitcast(builder.gep(sb, [builder.add(builder.mul(i64(r), lds), col)]),
-                                   _V16F32.as_pointer())
+                                   V16F32.as_pointer())
 
         def scores_pass(blk, vmax):
             s = _scores(builder, qb, D, builder.add(kp, builder.mul(blk, block_bytes)))
             base = builder.trunc(builder.mul(blk, i64(KEYS)), I32)
             new = []
             for r in range(ROWS):
-                lim = splat(builder, builder.sub(lims[r], base), _V16I32)
+                lim = splat(builder, builder.sub(lims[r], base), V16I32)
                 row = vmax[r]
                 for h in range(2):
-                    masked = builder.icmp_signed(">", ir.Constant(_V16I32, list(range(16 * h, 16 * h + 16))), lim)
-                    v = builder.select(masked, _c(float("-inf")), s[2 * r + h])
+                    masked = builder.icmp_signed(">", ir.Constant(V16I32, list(range(16 * h, 16 * h + 16))), lim)
+                    v = builder.select(masked, const16(float("-inf")), s[2 * r + h])
                     builder.store(v, srow(r, blk, h), align=4)
                     row = builder.call(fmax, [row, v])
                 new.append(row)
             return new
-        vmax = counted_loop(builder, nblocks, [_c(float("-inf"))] * ROWS, scores_pass)
-        m = [splat(builder, builder.call(rmax, [v]), _V16F32) for v in vmax]
+        vmax = counted_loop(builder, nblocks, [const16(float("-inf"))] * ROWS, scores_pass)
+        m = [splat(builder, builder.call(rmax, [v]), V16F32) for v in vmax]
 
         def weights_pass(blk, sums):
             new = []
@@ -158,7 +155,7 @@ def attend_rows(typingctx, qp, D, kp, vp, nblocks, limp, sp, lds, op, pp, lp):
                 new.append(builder.fadd(sums[r], _weights_of(builder, s, m[r], builder.gep(pb, [i64(KEYS * r)]))))
             _weights(builder, ob, D, pb, builder.add(vp, builder.mul(blk, block_bytes)))
             return new
-        sums = counted_loop(builder, nblocks, [_c(0.0)] * ROWS, weights_pass)
+        sums = counted_loop(builder, nblocks, [const16(0.0)] * ROWS, weights_pass)
         lb = _ptr(builder, lp, F32)
         for r in range(ROWS):
             total = builder.call(radd, [ir.Constant(F32, 0.0), sums[r]], fastmath=("reassoc",))
