@@ -143,8 +143,9 @@ def test_the_batched_kernel_is_built_for_the_model_and_machine_only(tiny_dir):
     rest = (arr,) * 9
     assert called(fused._decode_attention_of(types.none, *rest)) == {"_decode_attention"}
     assert called(fused._decode_attention_of(types.boolean, *rest)) == {"_decode_attention_avx2"}
-    assert fused._act_after(arr, arr, types.boolean, types.none).__name__ == "silu"
-    assert fused._act_after(arr, arr, types.boolean, types.boolean).__name__ == "gelu_tanh"
+    kernels = (lambda f: {c.cell_contents for c in f.__closure__})
+    assert kernels(fused._act_after(arr, arr, types.boolean, types.none)) == {fused._silu_mul, fused._silu_mul_p}
+    assert kernels(fused._act_after(arr, arr, types.boolean, types.boolean)) == {fused._gelu_mul, fused._gelu_mul_p}
     norms = types.ListType(types.Array(types.float32, 1, "C"))
     assert fused._head_norms(types.none, types.none, *rest[:6])(*[None] * 8) is None
     assert fused._head_norms(norms, norms, *rest[:6]).__name__ == "norms"

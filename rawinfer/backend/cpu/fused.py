@@ -200,20 +200,14 @@ def act_after(gu, act, small, gelu):
 
 @overload(act_after, inline="always")
 def _act_after(gu, act, small, gelu):
-    if isinstance(gelu, types.NoneType):
-        def silu(gu, act, small, gelu):
-            if small:
-                _silu_mul(gu, act)
-            else:
-                _silu_mul_p(gu, act)
-        return silu
+    serial, parallel = (_silu_mul, _silu_mul_p) if isinstance(gelu, types.NoneType) else (_gelu_mul, _gelu_mul_p)
 
-    def gelu_tanh(gu, act, small, gelu):
+    def apply(gu, act, small, gelu):
         if small:
-            _gelu_mul(gu, act)
+            serial(gu, act)
         else:
-            _gelu_mul_p(gu, act)
-    return gelu_tanh
+            parallel(gu, act)
+    return apply
 
 
 @nb.njit(inline="always")
