@@ -83,8 +83,9 @@ _matmul, _matmul_silu = weight_matvec, weight_matvec_silu
 def add_rows(x, b):
     # x[t] += b for every row t, element by element (kernels.py's NOTE)
     for t in range(x.shape[0]):
+        row = x[t]
         for j in range(b.shape[0]):
-            x[t, j] += b[j]
+            row[j] += b[j]
 _work_items = A.attention_work_items
 
 

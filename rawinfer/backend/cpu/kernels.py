@@ -5,9 +5,10 @@ Each kernel has a NumPy `<op>_ref` twin in tests/reference_ops.py. Kernels are c
 cached on disk (`cache=True`); `parallel=True` kernels spread rows over the Numba thread pool.
 docs/kernels.md has the dispatch rules and the measurements behind these kernels' shapes.
 
-NOTE: the kernels of this package copy arrays element by element, never `a[i] = b` or `a[i] += b` with
-an array b: Numba builds such an assignment with a shape check whose error message it formats with its
-string functions, and compiling those costs a cold start seconds (docs/benchmarks.md).
+NOTE: the kernels of this package copy arrays element by element over 1-d rows, never `a[i] = b` or
+`a[i] += b` with an array b: Numba builds such an assignment with a shape check whose error message it
+formats with its string functions, and compiling those costs a cold start seconds (docs/benchmarks.md).
+The loops over rows (`row = a[i]`, then `row[j] = ...`) vectorize; a loop indexing `a[i, j]` does not.
 """
 
 from __future__ import annotations
@@ -194,8 +195,9 @@ def _kv_row_into(cache, table, blk, h, r, dst):
         return convert
 
     def copy(cache, table, blk, h, r, dst):
+        src = cache[blk, h, r]
         for d in range(dst.shape[0]):
-            dst[d] = cache[blk, h, r, d]
+            dst[d] = src[d]
     return copy
 
 
@@ -313,8 +315,9 @@ def _kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
 def take_rows_kernel(x, indices, out):
     # out[B, C] = x[indices[B]]   (np.take with out= buffers through a slow path; this is a plain copy)
     for b in range(indices.shape[0]):
-        for c in range(out.shape[1]):
-            out[b, c] = x[indices[b], c]
+        row, src = out[b], x[indices[b]]
+        for c in range(row.shape[0]):
+            row[c] = src[c]
 
 
 @nb.njit(**_JIT)
@@ -322,8 +325,9 @@ def copy_blocks_kernel(cache, src, dst):
     # cache[NB, ...] (C-contiguous): block dst[i] <- block src[i] (an int8 cache's scales included)
     blocks = cache.reshape((cache.shape[0], -1))
     for i in range(src.shape[0]):
-        for j in range(blocks.shape[1]):
-            blocks[dst[i], j] = blocks[src[i], j]
+        to, of = blocks[dst[i]], blocks[src[i]]
+        for j in range(to.shape[0]):
+            to[j] = of[j]
 
 
 # ---- entry points: (rows, *args) -> serial or parallel build ----------------------------------

@@ -217,8 +217,9 @@ def prefill_attention(qkv, kbuf, vbuf, seq_block0, context_lens, query_start_loc
             for i in range(nq):
                 query_heads_into(qkv, q0 + i, kvh, scale, q[i * G:(i + 1) * G])
             for r in range(rows, q.shape[0]):
+                pad, last = q[r], q[rows - 1]
                 for d in range(D):
-                    q[r, d] = q[rows - 1, d]
+                    pad[d] = last[d]
             kb0 = seq_block0[b] + kvh * ((context_lens[b] + KEYS - 1) // KEYS)
             qa, ka, va = np.int64(q.ctypes.data), np.int64(kbuf[kb0:].ctypes.data), np.int64(vbuf[kb0:].ctypes.data)
             for rg in range(0, rows, ROWS):
