@@ -77,6 +77,7 @@ def _weight_matvec_silu(x, w, s, out):
 
 
 _matmul, _matmul_silu = weight_matvec, weight_matvec_silu
+_work_items = A.attention_work_items
 
 
 @nb.njit(inline="always")
@@ -86,7 +87,6 @@ def add_rows(x, b):
         row = x[t]
         for j in range(b.shape[0]):
             row[j] += b[j]
-_work_items = A.attention_work_items
 
 
 @nb.njit(cache=True)

@@ -8,7 +8,7 @@ docs/kernels.md has the dispatch rules and the measurements behind these kernels
 NOTE: the kernels of this package copy arrays element by element over 1-d rows, never `a[i] = b` or
 `a[i] += b` with an array b: Numba builds such an assignment with a shape check whose error message it
 formats with its string functions, and compiling those costs a cold start seconds (docs/benchmarks.md).
-The loops over rows (`row = a[i]`, then `row[j] = ...`) vectorize; a loop indexing `a[i, j]` does not.
+copy_row copies one; loops over 1-d rows vectorize, a loop indexing `a[i, j]` does not.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ def _bits_as_float32(typingctx, bits):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
     return types.float32(types.int32), codegen
+
+
+@nb.njit(inline="always")
+def copy_row(dst, src):
+    """dst[j] = src[j] over a 1-d row (the NOTE above: not dst[:] = src)."""
+    for j in range(dst.shape[0]):
+        dst[j] = src[j]
 
 
 @nb.njit(inline="always")
@@ -142,9 +149,7 @@ def _kv_store_row(cache, table, blk, h, r, src):
         return to_half
 
     def copy(cache, table, blk, h, r, src):
-        dst = cache[blk, h, r]
-        for d in range(src.shape[0]):
-            dst[d] = src[d]
+        copy_row(cache[blk, h, r], src)
     return copy
 
 
@@ -195,9 +200,7 @@ def _kv_row_into(cache, table, blk, h, r, dst):
         return convert
 
     def copy(cache, table, blk, h, r, dst):
-        src = cache[blk, h, r]
-        for d in range(dst.shape[0]):
-            dst[d] = src[d]
+        copy_row(dst, cache[blk, h, r])
     return copy
 
 
@@ -315,9 +318,7 @@ def _kv_write_kernel(qkv, k_cache, v_cache, slot_mapping, num_heads):
 def take_rows_kernel(x, indices, out):
     # out[B, C] = x[indices[B]]   (np.take with out= buffers through a slow path; this is a plain copy)
     for b in range(indices.shape[0]):
-        row, src = out[b], x[indices[b]]
-        for c in range(row.shape[0]):
-            row[c] = src[c]
+        copy_row(out[b], x[indices[b]])
 
 
 @nb.njit(**_JIT)
@@ -325,9 +326,7 @@ def copy_blocks_kernel(cache, src, dst):
     # cache[NB, ...] (C-contiguous): block dst[i] <- block src[i] (an int8 cache's scales included)
     blocks = cache.reshape((cache.shape[0], -1))
     for i in range(src.shape[0]):
-        to, of = blocks[dst[i]], blocks[src[i]]
-        for j in range(to.shape[0]):
-            to[j] = of[j]
+        copy_row(blocks[dst[i]], blocks[src[i]])
 
 
 # ---- entry points: (rows, *args) -> serial or parallel build ----------------------------------

@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu.attention import attention_work_item, query_heads_into
-from rawinfer.backend.cpu.kernels import kv_dims, kv_row_into, kv_scale_table
+from rawinfer.backend.cpu.kernels import copy_row, kv_dims, kv_row_into, kv_scale_table
 from rawinfer.backend.cpu.llvm import F32, I32, I64, _fma, _ptr, counted_loop, i64, keep_alive, splat
 from rawinfer.backend.cpu.vmath import V16F32, V16I32, const16, exp16
 
@@ -217,9 +217,7 @@ def prefill_attention(qkv, kbuf, vbuf, seq_block0, context_lens, query_start_loc
             for i in range(nq):
                 query_heads_into(qkv, q0 + i, kvh, scale, q[i * G:(i + 1) * G])
             for r in range(rows, q.shape[0]):
-                pad, last = q[r], q[rows - 1]
-                for d in range(D):
-                    pad[d] = last[d]
+                copy_row(q[r], q[rows - 1])
             kb0 = seq_block0[b] + kvh * ((context_lens[b] + KEYS - 1) // KEYS)
             qa, ka, va = np.int64(q.ctypes.data), np.int64(kbuf[kb0:].ctypes.data), np.int64(vbuf[kb0:].ctypes.data)
             for rg in range(0, rows, ROWS):
