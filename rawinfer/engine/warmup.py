@@ -11,11 +11,13 @@ the decode graphs of the bucket sizes they meet.
 The warm-up runs dummy requests through the ordinary engine (scheduler, runner, sampler), then gives
 the engine a fresh block manager and scheduler, so nothing of it is left: no cached prefix, no
 counters, no seed drawn. With the user's kernel cache (backend/cpu/cache.py) a later start loads the
-compiled kernels instead of compiling them.
+compiled kernels instead of compiling them. When the first wave meets a kernel that is not in the cache,
+a second process compiles the second wave's prefills meanwhile (compile_helper.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -36,26 +38,23 @@ def warm_up(engine) -> float:
     """Run the warm-up requests on `engine` and reset its scheduling state; returns the seconds taken."""
     t0 = time.monotonic()
     log.info("warming up: compiling (or loading from the kernel cache) what this model and configuration run")
-    V = engine.model_config.vocab_size
-    rng = np.random.default_rng(0)
-    prompt = (lambda n: [int(t) for t in rng.integers(min(3, V - 1), V, n)])
-    ok = (lambda n, k=1: _fits(engine, n, k))
+    prompt, ok = _prompts(engine), (lambda n, k=1: _fits(engine, n, k))
     # wave 1: a short prefill, then one sequence decoding, then two: its second sample is forked and
     # copies their shared partial block on write. wave 2: a long and a middling prefill beside decoding
     # sequences, then a decode batch past the matrix-vector kernels' limit.
     waves = [[(prompt(3), 2)], [(prompt(LONG_PROMPT), 1), (prompt(MID_PROMPT), 1)] +
              [(prompt(5), 1) for _ in range(BATCH - 1)]]
-    for w, wave in enumerate(waves):
-        wave = [(p, n) for p, n in wave if ok(len(p) + 4, n)][:engine.config.max_num_seqs]
-        for i, (p, n) in enumerate(wave):
-            # seeded greedy: no draw from the engine's default seed sequence
-            engine.add_request(f"__warmup_{w}_{i}", p, SamplingParams(max_tokens=4, temperature=0, n=n,
-                                                                      ignore_eos=True, seed=0))
-            if i == 0:
-                engine.step()                                   # the rest join a decoding request: a mixed step
-                engine.step()
-        while engine.has_unfinished():
-            engine.step()
+    helper = _helper_for(engine)
+    try:
+        for w, wave in enumerate(waves):
+            if w == 1 and helper is not None:
+                helper.finish()                     # its builds in the cache before the wave that runs them
+            first = helper is not None and w == 0
+            with _on_first_compile(helper.start if first else None):
+                _run_wave(engine, w, wave, ok, after_first_step=helper.release if first else None)
+    finally:
+        if helper is not None:
+            helper.close()
     # teacher forcing (every row's logits): a prefill chunk within the step's token budget, then three
     # decode steps, so that every chunk fits max_num_batched_tokens however small it is
     head = min(5, engine.config.max_num_batched_tokens)
@@ -65,6 +64,81 @@ def warm_up(engine) -> float:
     seconds = time.monotonic() - t0
     log.info("warm-up done in %.1f s", seconds)
     return seconds
+
+
+def _run_wave(engine, w: int, wave: list, ok, max_tokens: int = 4, after_first_step=None) -> None:
+    """Add the wave's (prompt, n) requests that fit; the first runs two steps alone, the rest join it
+    (a mixed step: prefill chunks beside a decoding sequence); then step until every one is done.
+    after_first_step: called after the first step (a prefill), if not None."""
+    wave = [(p, n) for p, n in wave if ok(len(p) + max_tokens, n)][:engine.config.max_num_seqs]
+    for i, (p, n) in enumerate(wave):
+        # seeded greedy: no draw from the engine's default seed sequence
+        engine.add_request(f"__warmup_{w}_{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, n=n,
+                                                                  ignore_eos=True, seed=0))
+        if i == 0:
+            engine.step()
+            if after_first_step is not None:
+                after_first_step()
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+
+
+def helper_wave(engine) -> None:
+    """The compile helper's share (compile_helper.py): the second wave's prefills, in mixed steps as
+    there: the long prompt beside a short request's second token, then the middling one and the short
+    ones beside its third. No step only decodes: the fused decode kernels are the first wave's, which
+    the engine compiles meanwhile."""
+    prompt = _prompts(engine)
+    greedy = (lambda k: SamplingParams(max_tokens=k, temperature=0, ignore_eos=True, seed=0))
+    later = [[prompt(LONG_PROMPT)], [prompt(MID_PROMPT)] + [prompt(5) for _ in range(BATCH - 1)]]
+    if not _fits(engine, 6):
+        return
+    engine.add_request("__helper", prompt(3), greedy(3))
+    engine.step()
+    for w, prompts in enumerate(later):
+        for i, p in enumerate(prompts[:engine.config.max_num_seqs - 1]):
+            if _fits(engine, len(p) + 1 + 6 * (w == 0)):
+                engine.add_request(f"__helper_{w}_{i}", p, greedy(1))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _prompts(engine):
+    """prompt(n): n random token ids of the model's vocabulary (the same ones in every process)."""
+    V = engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    return lambda n: [int(t) for t in rng.integers(min(3, V - 1), V, n)]
+
+
+def _helper_for(engine):
+    """A CompileHelper for this engine's warm-up, or None where none would help (compile_helper.why_not)."""
+    from rawinfer.engine import compile_helper
+    why = compile_helper.why_not(engine)
+    if why is not None:
+        log.debug("warm-up in one process: %s", why)
+        return None
+    return compile_helper.CompileHelper(engine)
+
+
+@contextlib.contextmanager
+def _on_first_compile(callback):
+    """Call `callback` (once, if not None) when Numba starts compiling a function that is not in its cache."""
+    if callback is None:
+        yield
+        return
+    from numba.core import event
+
+    class Listener(event.Listener):
+        def on_start(self, ev):
+            callback()
+
+        def on_end(self, ev):
+            pass
+
+    with event.install_listener("numba:compile", Listener()):
+        yield
 
 
 def _fits(engine, num_tokens: int, n: int = 1) -> bool:

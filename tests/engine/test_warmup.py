@@ -69,3 +69,118 @@ def test_warm_up_fits_tiny_engines(tiny_llama_dir):
     engine.add_request("r", [3, 4, 5], SamplingParams(max_tokens=4, temperature=0))
     while engine.has_unfinished():
         engine.step()
+
+
+# ---- the compile helper (engine/compile_helper.py) --------------------------------------------------
+
+def _run(code: str, env: dict | None = None, timeout: int = 900) -> str:
+    """Run python `code` in a new process (this checkout first on its path); returns its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    import rawinfer
+    home = os.path.dirname(os.path.dirname(os.path.abspath(rawinfer.__file__)))
+    done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {home!r})\n" + code],
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_merge_copies_only_the_builds_the_cache_lacks(tmp_path):
+    """Two kernel folders of one source tree, each with a build of its own: merging one into the other
+    gives the second a build it then loads instead of compiling, keeps its own, and adds nothing twice."""
+    import os
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "kern.py").write_text("import numba\n\n@numba.njit(cache=True)\ndef twice(x):\n    return x * 2\n")
+
+    def call(root, value) -> tuple[int, int]:
+        out = _run(f"import sys; sys.path.insert(0, {str(pkg)!r})\n"
+                   f"from rawinfer.backend.cpu import cache\ncache.install({root!r}, {str(pkg)!r})\n"
+                   f"import kern\nassert kern.twice({value!r}) == 2 * {value!r}\n"
+                   f"s = kern.twice.stats\nprint(sum(s.cache_hits.values()), sum(s.cache_misses.values()))")
+        return tuple(int(v) for v in out.split())
+
+    from rawinfer.backend.cpu import cache as cpu_cache
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert call(a, 1) == (0, 1) and call(b, 1.5) == (0, 1) and call(b, 1) == (0, 1)   # each compiles its own
+    src, dst = cpu_cache.kernel_dir(b, str(pkg)), cpu_cache.kernel_dir(a, str(pkg))
+    with open(os.path.join(src, "broken.nbi"), "wb") as f:
+        f.write(b"not an index")                                     # an unreadable index is skipped
+    assert cpu_cache.merge(src, dst) == 1                            # the float build; a has the int one
+    assert call(a, 1.5) == (1, 0) and call(a, 1) == (1, 0)          # both load now
+    assert cpu_cache.merge(src, dst) == 0
+
+
+def test_compile_helper_only_where_it_can_help(tiny_llama_dir):
+    from types import SimpleNamespace
+
+    from rawinfer.engine.compile_helper import why_not
+    engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
+                       warmup=False)
+    big = 1 << 40
+    assert why_not(engine, cores=2, memory=big) is None or engine.backend.max_threads < 2
+    assert "one core" in why_not(engine, cores=1, memory=big)
+    assert "memory" in why_not(engine, cores=2, memory=1 << 20)
+    moved = SimpleNamespace(backend=engine.backend, model_dir=None, pool=engine.pool)
+    assert "model folder" in why_not(moved, cores=2, memory=big)
+    cuda = SimpleNamespace(backend=SimpleNamespace(name="cuda"), model_dir=tiny_llama_dir, pool=engine.pool)
+    assert "kernel cache" in why_not(cuda, cores=2, memory=big)
+    one = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB", num_threads=1, warmup=False)
+    assert "thread" in why_not(one, cores=2, memory=big)
+
+
+def test_a_failed_or_unreleased_helper_costs_no_result(tiny_llama_dir, tmp_path, caplog):
+    """A helper that cannot load the model fails and is reported; one never released exits at the end of
+    its input; either way finish() takes nothing and leaves no folder behind."""
+    import logging
+    import os
+
+    from rawinfer.engine.compile_helper import CompileHelper
+    engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB", warmup=False)
+    with caplog.at_level(logging.INFO, logger="rawinfer"):
+        for model_dir, release in ((str(tmp_path), True), (tiny_llama_dir, False)):
+            engine.model_dir = model_dir
+            helper = CompileHelper(engine)
+            helper.start()
+            root = helper.root
+            if release:
+                helper.release()
+            assert helper.finish(wait_s=120) == 0 and not os.path.exists(root)
+    failed = [r.getMessage() for r in caplog.records if "compile helper failed" in r.getMessage()]
+    assert len(failed) == 1 and "config.json" in failed[0], failed
+    assert not [r for r in caplog.records if "still running" in r.getMessage()]
+
+
+def test_a_cold_warm_up_takes_the_helpers_builds(tiny_llama_dir, tmp_path):
+    """In a kernel cache that lacks a kernel of the first wave (the engine compiles it and starts the
+    helper) and one of the second (the attention kernel's parallel build, which the middling prompt's
+    step runs): the helper builds the latter, the engine takes it into its cache and loads it instead of
+    compiling it, and no folder is left."""
+    import glob
+    import os
+    import shutil
+
+    from rawinfer.backend.cpu.threads import available_cores
+    from rawinfer.config import EngineConfig
+    if available_cores() < 2:
+        pytest.skip("the helper needs a second core")
+    ours = cpu_cache.kernel_dir(EngineConfig().cache_dir)
+    root = str(tmp_path / "cache")
+    cold = cpu_cache.kernel_dir(root)
+    shutil.copytree(ours, cold, ignore=shutil.ignore_patterns("*.tmp.*"))
+    for name in ("kernels._rmsnorm_kernel", "attention._paged_attention_kernel_parallel"):
+        for path in glob.glob(os.path.join(cold, f"{name}-*")):
+            os.remove(path)
+    (tmp_path / "tmp").mkdir()
+    out = _run("import logging, sys\nlogging.basicConfig(stream=sys.stdout, level=logging.INFO)\n"
+               "from rawinfer import LLMEngine\nfrom rawinfer.backend.cpu import attention\n"
+               f"LLMEngine({tiny_llama_dir!r}, device='cpu', kv_cache_memory='8MiB', max_num_batched_tokens=256)\n"
+               "s = attention.paged_attention_kernel.parallel.stats\n"
+               "print('attention', sum(s.cache_hits.values()), sum(s.cache_misses.values()))",
+               env={"RAWINFER_CACHE": root, "TMPDIR": str(tmp_path / "tmp")})
+    assert "compiling in two processes" in out and "builds taken into the kernel cache" in out, out
+    assert "attention 1 0" in out, out
+    assert glob.glob(os.path.join(cold, "attention._paged_attention_kernel_parallel-*.nbi"))
+    assert os.listdir(tmp_path / "tmp") == []

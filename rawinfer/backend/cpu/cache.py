@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import os
+import pickle
 import shutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -109,6 +111,44 @@ def install(root: str, package_dir: str = HERE) -> str | None:
             d.enable_caching()
     _prune(os.path.dirname(directory), keep=directory)
     return directory
+
+
+def merge(src: str, dst: str) -> int:
+    """Copy into kernel folder `dst` the compiled builds that kernel folder `src` holds and `dst` lacks;
+    returns how many. For a compile helper's private folder (engine/compile_helper.py): only the caller
+    writes `dst` meanwhile. Numba keeps one index per function (a .nbi file: the source file's stamp and
+    a dict from key to data file) and one .nbc data file per build; a key names the argument types,
+    the target CPU and the function's bytecode, so a copied build loads exactly where the same function
+    is called with the same types. A build `dst` already has, or an index `src` cannot read, is left."""
+    import numba
+    from numba.core.caching import IndexDataCacheFile
+    merged = 0
+    for index in sorted(glob.glob(os.path.join(src, "*.nbi"))):
+        base = os.path.basename(index)[:-len(".nbi")]
+        try:
+            with open(index, "rb") as f:                   # Numba's layout: its version, then (stamp, dict)
+                version = pickle.load(f)
+                stamp, theirs = pickle.loads(f.read())
+        except (OSError, EOFError, ValueError, pickle.UnpicklingError):
+            continue
+        if version != numba.__version__:
+            continue
+        ours = IndexDataCacheFile(dst, base, stamp)
+        have = ours._load_index()                          # {} where absent or stamped by other sources
+        taken, before = set(have.values()), merged
+        for key, name in theirs.items():
+            if key in have or not os.path.isfile(os.path.join(src, name)):
+                continue
+            new = next(n for n in map(ours._data_name, itertools.count(1)) if n not in taken)
+            tmp = os.path.join(dst, f"{new}.tmp.{os.getpid()}")
+            shutil.copyfile(os.path.join(src, name), tmp)
+            os.replace(tmp, os.path.join(dst, new))       # the data file first: an index never names a missing one
+            have[key] = new
+            taken.add(new)
+            merged += 1
+        if merged > before:
+            ours._save_index(have)
+    return merged
 
 
 def _prune(parent: str, keep: str) -> None:
