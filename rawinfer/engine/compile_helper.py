@@ -2,13 +2,15 @@
 
 Numba compiles on one thread, so a cold warm-up (an empty kernel cache: a new version, a new machine)
 leaves every other core idle for about a minute. When the engine's own process starts compiling, it
-starts this helper: a fresh interpreter that loads the same model with the same engine options and
-runs the prefills of the warm-up's second wave (a long prompt, a middling one, beside a sequence
-decoding), while the engine runs the first wave (a short prompt, then one and two sequences decoding:
-the fused decode kernel, the largest build). Before its second wave the engine waits for the helper,
-copies the builds it made into the user's kernel cache (backend/cpu/cache.py `merge`) and goes on:
-the second wave loads them instead of compiling them. Whatever the helper missed, the engine compiles
-as before, so a helper that fails, is slow or is killed costs time, never a result.
+starts this helper: a fresh interpreter that loads the same model with the same engine options. Once
+the engine's first step (a short prefill) has built the kernels every prefill shares, the engine copies
+its kernel cache into the helper's folder and lets it run the prefills of the warm-up's second wave (a
+long prompt, a middling one, beside a sequence decoding), while the engine runs the rest of the first
+wave (one and two sequences decoding: the fused decode kernel, the largest build). Before its second
+wave the engine waits for the helper, copies the builds it made into the user's kernel cache
+(backend/cpu/cache.py `merge`) and goes on: the second wave loads them instead of compiling them.
+Whatever the helper missed, the engine compiles as before, so a helper that fails, is slow or is killed
+costs time, never a result.
 
 The helper writes only its own private folder: Numba's cache index is read, changed and written back
 by whichever process saves a build, so two processes filling one folder at once could lose entries.

@@ -98,7 +98,7 @@ def helper_wave(engine) -> None:
     engine.step()
     for w, prompts in enumerate(later):
         for i, p in enumerate(prompts[:engine.config.max_num_seqs - 1]):
-            if _fits(engine, len(p) + 1 + 6 * (w == 0)):
+            if _fits(engine, len(p) + 1):
                 engine.add_request(f"__helper_{w}_{i}", p, greedy(1))
         engine.step()
     while engine.has_unfinished():
