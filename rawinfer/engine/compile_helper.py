@@ -35,6 +35,7 @@ log = logging.getLogger("rawinfer")
 
 HELPER_KV_BLOCKS = 32           # the helper's KV pool: enough for its requests (warmup.helper_wave)
 MEMORY_MARGIN = 512 << 20       # bytes the helper's interpreter, Numba and the page cache need beyond its pool
+FOLDER_PREFIX = "rawinfer-compile-"   # the helper's private folder: <tmp>/rawinfer-compile-<engine pid>-<random>
 WAIT_S = 600.0                  # longest wait for the helper before the engine compiles its part itself
 
 
@@ -78,7 +79,8 @@ class CompileHelper:
         if self.proc is not None:
             return
         e = self.engine
-        self.root = tempfile.mkdtemp(prefix="rawinfer-compile-")
+        remove_orphans()
+        self.root = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         config = dataclasses.replace(e.config, cache_dir=self.root, warmup=False,
                                      kv_cache_memory=HELPER_KV_BLOCKS * _block_bytes(e))
         payload = pickle.dumps((os.getpid(), os.path.abspath(e.model_dir), config))
@@ -166,6 +168,22 @@ class CompileHelper:
             return lines[-1] if lines else "(empty)"
         except OSError:
             return "(no log)"
+
+
+def remove_orphans(parent: str | None = None) -> None:
+    """Delete the helper folders (FOLDER_PREFIX<engine pid>-*, in `parent` or the temporary folder) whose
+    engine process is gone: an engine killed outright has no chance to delete its own."""
+    import glob
+    for path in glob.glob(os.path.join(parent or tempfile.gettempdir(), FOLDER_PREFIX + "*")):
+        pid = os.path.basename(path)[len(FOLDER_PREFIX):].split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:                         # alive, another user's: not ours to delete
+            pass
 
 
 def helper_command() -> list[str]:

@@ -184,3 +184,17 @@ def test_a_cold_warm_up_takes_the_helpers_builds(tiny_llama_dir, tmp_path):
     assert "attention 1 0" in out, out
     assert glob.glob(os.path.join(cold, "attention._paged_attention_kernel_parallel-*.nbi"))
     assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_helper_folders_of_engines_that_are_gone_are_deleted(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from rawinfer.engine.compile_helper import FOLDER_PREFIX, remove_orphans
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    names = [f"{FOLDER_PREFIX}{int(gone.stdout)}-x", f"{FOLDER_PREFIX}{os.getpid()}-y", f"{FOLDER_PREFIX}z", "other"]
+    for name in names:
+        (tmp_path / name).mkdir()
+    remove_orphans(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
