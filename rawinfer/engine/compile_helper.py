@@ -61,7 +61,9 @@ def why_not(engine, cores: int | None = None, memory: int | None = None) -> str 
 
 
 def _block_bytes(engine) -> int:
-    return engine.pool.kv_bytes // max(1, engine.pool.kv.num_blocks)
+    """Bytes of one KV block of this engine's pool (every layer's K and V)."""
+    from rawinfer.exec.memory import kv_bytes_per_block
+    return kv_bytes_per_block(engine.model_config, engine.config.block_size, engine.pool.kv.k[0].dtype)
 
 
 class CompileHelper:
@@ -70,7 +72,8 @@ class CompileHelper:
     def __init__(self, engine):
         self.engine = engine
         self.proc: subprocess.Popen | None = None
-        self.root: str | None = None
+        self.root: str | None = None        # the helper's cache root
+        self.folder: str | None = None      # its kernel folder (backend/cpu/cache.py kernel_dir)
         self.t0 = 0.0
         self.released = False       # release() came before start(): start releases it at once
 
@@ -78,9 +81,11 @@ class CompileHelper:
         """Start the helper (once): it loads the model, then waits for `release`."""
         if self.proc is not None:
             return
+        from rawinfer.backend.cpu import cache as cpu_cache
         e = self.engine
         remove_orphans()
         self.root = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
+        self.folder = cpu_cache.kernel_dir(self.root)
         config = dataclasses.replace(e.config, cache_dir=self.root, warmup=False,
                                      kv_cache_memory=HELPER_KV_BLOCKS * _block_bytes(e))
         payload = pickle.dumps((os.getpid(), os.path.abspath(e.model_dir), config))
@@ -108,9 +113,8 @@ class CompileHelper:
         if self.proc is None:
             self.released = True
             return
-        from rawinfer.backend.cpu import cache as cpu_cache
         try:
-            shutil.copytree(self.engine.backend.kernel_cache, cpu_cache.kernel_dir(self.root), dirs_exist_ok=True,
+            shutil.copytree(self.engine.backend.kernel_cache, self.folder, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("*.tmp.*"))
         except OSError as err:
             log.warning("compile helper gets no copy of the kernel cache (%s): it compiles those kernels too", err)
@@ -135,8 +139,7 @@ class CompileHelper:
             self._close_stdin()                     # never released: it reads the end of its input and exits
             rc = self.proc.wait(timeout=wait_s)
             if rc == 0:
-                src = cpu_cache.kernel_dir(self.root)
-                merged = cpu_cache.merge(src, self.engine.backend.kernel_cache)
+                merged = cpu_cache.merge(self.folder, self.engine.backend.kernel_cache)
                 log.info("compile helper done in %.1f s: %d builds taken into the kernel cache",
                          time.monotonic() - self.t0, merged)
             else:
@@ -159,7 +162,7 @@ class CompileHelper:
         self.proc = None
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
-            self.root = None
+            self.root = self.folder = None
 
     def _log_tail(self) -> str:
         try:
