@@ -72,9 +72,7 @@ def _run_wave(engine, w: int, wave: list, ok, max_tokens: int = 4, after_first_s
     after_first_step: called after the first step (a prefill), if not None."""
     wave = [(p, n) for p, n in wave if ok(len(p) + max_tokens, n)][:engine.config.max_num_seqs]
     for i, (p, n) in enumerate(wave):
-        # seeded greedy: no draw from the engine's default seed sequence
-        engine.add_request(f"__warmup_{w}_{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, n=n,
-                                                                  ignore_eos=True, seed=0))
+        engine.add_request(f"__warmup_{w}_{i}", p, _greedy(max_tokens, n))
         if i == 0:
             engine.step()
             if after_first_step is not None:
@@ -90,19 +88,23 @@ def helper_wave(engine) -> None:
     ones beside its third. No step only decodes: the fused decode kernels are the first wave's, which
     the engine compiles meanwhile."""
     prompt = _prompts(engine)
-    greedy = (lambda k: SamplingParams(max_tokens=k, temperature=0, ignore_eos=True, seed=0))
     later = [[prompt(LONG_PROMPT)], [prompt(MID_PROMPT)] + [prompt(5) for _ in range(BATCH - 1)]]
     if not _fits(engine, 6):
         return
-    engine.add_request("__helper", prompt(3), greedy(3))
+    engine.add_request("__helper", prompt(3), _greedy(3))
     engine.step()
     for w, prompts in enumerate(later):
         for i, p in enumerate(prompts[:engine.config.max_num_seqs - 1]):
             if _fits(engine, len(p) + 1):
-                engine.add_request(f"__helper_{w}_{i}", p, greedy(1))
+                engine.add_request(f"__helper_{w}_{i}", p, _greedy(1))
         engine.step()
     while engine.has_unfinished():
         engine.step()
+
+
+def _greedy(max_tokens: int, n: int = 1) -> SamplingParams:
+    """A warm-up request's sampling: seeded greedy, so no draw from the engine's default seed sequence."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0, n=n, ignore_eos=True, seed=0)
 
 
 def _prompts(engine):
@@ -131,8 +133,12 @@ def _on_first_compile(callback):
     from numba.core import event
 
     class Listener(event.Listener):
+        called = False
+
         def on_start(self, ev):
-            callback()
+            if not self.called:
+                self.called = True
+                callback()
 
         def on_end(self, ev):
             pass
