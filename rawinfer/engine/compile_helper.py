@@ -148,7 +148,7 @@ class CompileHelper:
         except subprocess.TimeoutExpired:
             log.warning("compile helper still running after %.0f s: stopped; the warm-up compiles its part itself",
                         wait_s)
-        except OSError as err:
+        except (OSError, AttributeError, TypeError) as err:   # also a Numba whose cache internals merge misses
             log.warning("compile helper's builds not taken (%s): the warm-up compiles its part itself", err)
         finally:
             self.close()

@@ -198,3 +198,21 @@ def test_helper_folders_of_engines_that_are_gone_are_deleted(tmp_path):
         (tmp_path / name).mkdir()
     remove_orphans(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+
+
+def test_a_merge_that_fails_in_numbas_internals_costs_no_result(tiny_llama_dir, monkeypatch, caplog):
+    """merge reads Numba's cache files through private methods another Numba may lack: finish() reports
+    it and takes nothing, and the warm-up compiles on its own."""
+    import logging
+
+    from rawinfer.engine.compile_helper import CompileHelper
+
+    def broken(src, dst):
+        raise AttributeError("'IndexDataCacheFile' object has no attribute '_load_index'")
+    monkeypatch.setattr(cpu_cache, "merge", broken)
+    helper = CompileHelper(LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB", warmup=False))
+    with caplog.at_level(logging.INFO, logger="rawinfer"):
+        helper.start()
+        helper.release()
+        assert helper.finish(wait_s=120) == 0
+    assert [r for r in caplog.records if "builds not taken" in r.getMessage() and "_load_index" in r.getMessage()]
