@@ -91,7 +91,9 @@ class CompileHelper:
         payload = pickle.dumps((os.getpid(), os.path.abspath(e.model_dir), config))
         out = open(os.path.join(self.root, "helper.log"), "wb")
         try:
-            self.proc = subprocess.Popen(helper_command(), stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
+            # cwd: its own folder, so an engine whose working folder was deleted can still start it
+            self.proc = subprocess.Popen(helper_command(), stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                         cwd=self.root)
             self.proc.stdin.write(len(payload).to_bytes(8, "little") + payload)
             self.proc.stdin.flush()
         except OSError as err:

@@ -153,6 +153,27 @@ def test_a_failed_or_unreleased_helper_costs_no_result(tiny_llama_dir, tmp_path,
     assert not [r for r in caplog.records if "still running" in r.getMessage()]
 
 
+def test_a_helper_starts_where_the_engines_working_folder_is_gone(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    """The helper runs in its own folder: an engine whose working folder was deleted still starts it, and
+    it loads the model and exits cleanly instead of failing to start Python."""
+    import logging
+    import os
+
+    from rawinfer.engine.compile_helper import CompileHelper
+    engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB", warmup=False)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with caplog.at_level(logging.INFO, logger="rawinfer"):
+        helper = CompileHelper(engine)
+        helper.start()
+        root = helper.root
+        helper.release()
+        assert helper.finish(wait_s=120) >= 0 and not os.path.exists(root)
+    assert not [r for r in caplog.records if "compile helper failed" in r.getMessage()], caplog.text
+
+
 def test_a_cold_warm_up_takes_the_helpers_builds(tiny_llama_dir, tmp_path):
     """In a kernel cache that lacks a kernel of the first wave (the engine compiles it and starts the
     helper) and one of the second (the attention kernel's parallel build, which the middling prompt's
