@@ -141,7 +141,10 @@ class CompileHelper:
             self._close_stdin()                     # never released: it reads the end of its input and exits
             rc = self.proc.wait(timeout=wait_s)
             if rc == 0:
-                merged = cpu_cache.merge(self.folder, self.engine.backend.kernel_cache)
+                try:
+                    merged = cpu_cache.merge(self.folder, self.engine.backend.kernel_cache)
+                except (AttributeError, TypeError) as err:      # a Numba whose cache internals merge misses
+                    raise OSError(f"cannot read this Numba's kernel cache: {err}") from err
                 log.info("compile helper done in %.1f s: %d builds taken into the kernel cache",
                          time.monotonic() - self.t0, merged)
             else:
@@ -150,7 +153,7 @@ class CompileHelper:
         except subprocess.TimeoutExpired:
             log.warning("compile helper still running after %.0f s: stopped; the warm-up compiles its part itself",
                         wait_s)
-        except (OSError, AttributeError, TypeError) as err:   # also a Numba whose cache internals merge misses
+        except OSError as err:
             log.warning("compile helper's builds not taken (%s): the warm-up compiles its part itself", err)
         finally:
             self.close()
