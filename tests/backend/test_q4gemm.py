@@ -56,12 +56,13 @@ def test_unpack_and_pack_keep_every_nibble_and_scale():
     wp = G.pack_weights(qs, dm)
     assert wp.shape == (2, 4, G.RECORD) and wp.dtype == np.uint8
     rec = wp[1, 2]                                     # columns 16..31, k 64..95
-    for quad in range(G.QUADS):
+    lanes = rec[:G.D_AT].view("<u2")                  # per k octet, 32 lanes of 4 nibbles
+    for octet in range(G.OCTETS):
         for c in range(16):
             for h in range(2):
-                byte = rec[quad * 32 + 2 * c + h]
-                k = 64 + 4 * quad + h
-                assert byte & 15 == q[16 + c, k] and byte >> 4 == q[16 + c, k + 2]
+                lane = int(lanes[octet * 32 + 2 * c + h])
+                for e in range(4):
+                    assert (lane >> 4 * e) & 15 == q[16 + c, 64 + 8 * octet + 2 * e + h]
     assert (rec[G.D_AT:G.M_AT].view(np.float16) == dm[16:32, 2, 0]).all()
     assert (rec[G.M_AT:].view(np.float16) == dm[16:32, 2, 1]).all()
 

@@ -17,14 +17,15 @@ batch, the tile that holds it or the machine's path:
 Layout: the weight is repacked once at load into blocks of 16 output columns, and within a column
 block per k-block of 32 one record of 320 bytes:
 
-    wp[N/16, K/32, 320] uint8:  8 k quads x 32 bytes of nibbles, then d[16], m[16] float16
-    a k quad (k0 .. k0 + 3 of 16 columns) is 32 bytes, byte 2c + h (column c, h = 0, 1) holding
-    q[c, k0 + h] in its low nibble and q[c, k0 + 2 + h] in its high nibble
+    wp[N/16, K/32, 320] uint8:  4 k octets x 64 bytes of nibbles, then d[16], m[16] float16
+    a k octet (k0 .. k0 + 7 of 16 columns) is 32 little-endian uint16 lanes, lane 2c + h (column c,
+    h = 0, 1) holding q[c, k0 + 2e + h] in its nibble e (bits 4e .. 4e + 3), e = 0 .. 3
 
-so that `vpmovzxbw` of 16 bytes (8 columns, AVX2) or 32 bytes (16 columns, AVX-512) widens a quad to
-int16 lanes in pmaddwd's order: `& 15` gives the k pair (k0, k0 + 1) of every column, `>> 4` the pair
-(k0 + 2, k0 + 3). x is quantized into qgemm's 6-row panels of int32 k pairs, broadcast one row at a
-time. A tile (q4tile.py, in LLVM IR for both paths) keeps R x 16 (AVX2) or R x 32 (AVX-512, two column
+so that one load of 32 bytes (8 columns, AVX2) or 64 bytes (16 columns, AVX-512) is already in pmaddwd's
+int16 order: `& 15` gives the k pair (k0, k0 + 1) of every column, `>> 4 & 15` the pair (k0 + 2, k0 + 3),
+`>> 8 & 15` and `>> 12` the next two; no byte-widening shuffle. (An earlier layout of 4-k quads widened
+each with `vpmovzxbw`: 22 vector operations per 64 weights on AVX2 against 17; docs/benchmarks.md.)
+x is quantized into qgemm's 6-row panels of int32 k pairs, broadcast one row at a time. A tile (q4tile.py, in LLVM IR for both paths) keeps R x 16 (AVX2) or R x 32 (AVX-512, two column
 blocks) int32 sums per k-block and as many float32 accumulators across k-blocks.
 
 Both paths give the same bits (exact int32 sums, the same float32 fma sequence per element).
@@ -39,7 +40,7 @@ from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.kernels import Kernel
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
-from rawinfer.backend.cpu.q4tile import BLOCK_COLS, D_AT, M_AT, QUADS, RECORD, TILE_ROWS, q4_gemm_tiles  # noqa: F401
+from rawinfer.backend.cpu.q4tile import BLOCK_COLS, D_AT, M_AT, OCTETS, RECORD, TILE_ROWS, q4_gemm_tiles  # noqa: F401
 from rawinfer.backend.cpu.qgemm import PANELS_PER_ITEM, _panel_groups, _quantize_row, packed_x_shape, silu_rows
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN
 
@@ -73,9 +74,10 @@ def pack_weights(qs: np.ndarray, dm: np.ndarray) -> np.ndarray:
     if N % BLOCK_COLS or K % Q4_SPAN or dm.shape != (N, K // Q4_BLOCK, 2):
         raise ValueError(f"q4 pack_weights: shape {(N, K)} needs N % {BLOCK_COLS} == 0, K % {Q4_SPAN} == 0 and "
                          f"dm [N, K/{Q4_BLOCK}, 2], got dm {dm.shape}")
-    q = unpack_nibbles(qs).reshape(N // BLOCK_COLS, BLOCK_COLS, K // Q4_BLOCK, QUADS, 2, 2)  # cb c b quad g h
-    byte = q[:, :, :, :, 0, :] | (q[:, :, :, :, 1, :] << 4)                                 # cb c b quad h
-    nib = byte.transpose(0, 2, 3, 1, 4).reshape(N // BLOCK_COLS, K // Q4_BLOCK, QUADS * 32)
+    q = unpack_nibbles(qs).astype(np.uint16).reshape(N // BLOCK_COLS, BLOCK_COLS, K // Q4_BLOCK, OCTETS, 4, 2)
+    lanes = q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4) | (q[:, :, :, :, 2] << 8) | (q[:, :, :, :, 3] << 12)
+    nib = np.ascontiguousarray(lanes.transpose(0, 2, 3, 1, 4)).astype("<u2")          # cb b octet c h
+    nib = nib.view(np.uint8).reshape(N // BLOCK_COLS, K // Q4_BLOCK, OCTETS * 4 * BLOCK_COLS)
     scales = np.asarray(dm, np.float16).reshape(N // BLOCK_COLS, BLOCK_COLS, K // Q4_BLOCK, 2)
     scales = np.ascontiguousarray(scales.transpose(0, 2, 3, 1)).view(np.uint8)           # cb b (d|m) c
     scales = scales.reshape(N // BLOCK_COLS, K // Q4_BLOCK, 4 * BLOCK_COLS)

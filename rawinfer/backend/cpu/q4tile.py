@@ -5,13 +5,14 @@ intrinsics, one source for both paths:
                                 AVX2: C = 1 as two ymm per row, vpmaddwd + vpaddd; AVX-512 VNNI: C = 1
                                 or 2 (blocks given by separate addresses), one zmm per block, vpdpwssd
 
-Per k-block of 32: per k quad, one vpmovzxbw of each vector's 2L bytes of nibbles, `& 15` and `>> 4`
-for the quad's two k pairs, one broadcast int32 x pair per row and pair, R x (vectors) multiply-adds
-into int32 sums that start from zero; then per sum, in this order, acc = fma(float(s), d, acc) and
-acc = fma(m, bs, acc) (d and m converted from float16 with vcvtph2ps); at the end acc * sx is stored
-for the rows < rows. The float32 accumulators live across k-blocks (the int32 ones within one), so the
-6-row builds keep 12 int32 and 12 float32 vectors: AVX-512's 32 zmm hold both, AVX2 spills the float
-ones once per k-block.
+Per k-block of 32: per k octet, one load of each vector's 4L bytes as 2L int16 lanes, each lane holding
+four nibbles, one per k pair of its column (q4gemm.py's layout); `& 15`, `>> 4 & 15`, `>> 8 & 15` and
+`>> 12` give the octet's four k pairs in pmaddwd's order (no widening shuffle); per pair one broadcast
+int32 x pair per row and R x (vectors) multiply-adds into int32 sums that start from zero; then per sum,
+in this order, acc = fma(float(s), d, acc) and acc = fma(m, bs, acc) (d and m converted from float16
+with vcvtph2ps); at the end acc * sx is stored for the rows < rows. The float32 accumulators live across
+k-blocks (the int32 ones within one), so the 6-row builds keep 12 int32 and 12 float32 vectors:
+AVX-512's 32 zmm hold both, AVX2 spills the float ones once per k-block.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from rawinfer.backend.cpu.llvm import prefetch_line
 from rawinfer.quant import Q4_BLOCK
 
 BLOCK_COLS = 16                 # output columns per packed column block
-QUADS = Q4_BLOCK // 4           # k quads per k-block
-RECORD = QUADS * 32 + 2 * 2 * BLOCK_COLS    # bytes per (column block, k-block): nibbles, d, m
-D_AT, M_AT = QUADS * 32, QUADS * 32 + 2 * BLOCK_COLS
+OCTETS = Q4_BLOCK // 8          # k octets per k-block
+OCTET_BYTES = 4 * BLOCK_COLS    # one octet of 16 columns: 32 int16 lanes of 4 nibbles
+RECORD = OCTETS * OCTET_BYTES + 2 * 2 * BLOCK_COLS    # bytes per (column block, k-block): nibbles, d, m
+D_AT, M_AT = OCTETS * OCTET_BYTES, OCTETS * OCTET_BYTES + 2 * BLOCK_COLS
 TILE_ROWS = (1, 2, 4, PANEL_ROWS)
 CHAINS = {1: 4, 2: 2, 4: 1, PANEL_ROWS: 1}     # int32 sums per output vector, by rows (see kblock)
 # k-blocks ahead that the few-row builds prefetch (0: none), into L2 (prefetcht1). Decode's one or two
@@ -49,7 +51,7 @@ def _tile_code(builder, path, R, C, args):
     blocks = [args[6 + 2 * c:8 + 2 * c] for c in range(C)]
     L = 16 if path == isa.AVX512_VNNI else 8                 # int32 lanes per vector
     vi32, vi16, vf32 = ir.VectorType(I32, L), ir.VectorType(I16, 2 * L), ir.VectorType(F32, L)
-    vbytes, vhalf = ir.VectorType(I8, 2 * L), ir.VectorType(F16, L)
+    vhalf = ir.VectorType(F16, L)
     fma = builder.module.declare_intrinsic(f"llvm.fma.v{L}f32", (), ir.FunctionType(vf32, [vf32] * 3))
     if L == 16:
         dpwssd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpwssd.512", (),
@@ -63,7 +65,9 @@ def _tile_code(builder, path, R, C, args):
     xb, bsb = _ptr(builder, xp, I32), _ptr(builder, bsp, F32)
     wbs = [_ptr(builder, w, I8) for w, _ in blocks]
     low = ir.Constant(vi16, [15] * (2 * L))
-    four = ir.Constant(vi16, [4] * (2 * L))
+
+    def splat_i16(n):
+        return ir.Constant(vi16, [n] * (2 * L))
     zero = ir.Constant(vi32, [0] * L)
 
     def kblock(b, faccs):
@@ -79,15 +83,17 @@ def _tile_code(builder, path, R, C, args):
         # dependent multiply-adds (vpdpwssd's latency) unless split.
         S = CHAINS[R]
         chains = [[zero] * (R * len(vecs)) for _ in range(S)]
-        for quad in range(QUADS):
-            raw = [builder.zext(_vload(builder, rec[c], i64(quad * 32 + h * 2 * L), vbytes, align=1), vi16)
-                   for c, h in vecs]
-            for g, w in enumerate(([builder.and_(v, low) for v in raw], [builder.lshr(v, four) for v in raw])):
-                xrow = builder.gep(xb, [builder.mul(builder.add(kp0, i64(2 * quad + g)), i64(PANEL_ROWS))])
+        for octet in range(OCTETS):
+            raw = [_vload(builder, rec[c], i64(octet * OCTET_BYTES + h * 4 * L), vi16, align=1) for c, h in vecs]
+            for e in range(4):                      # k pair 4 octet + e: nibble e of every lane
+                shifted = raw if e == 0 else [builder.lshr(v, splat_i16(4 * e)) for v in raw]
+                w = shifted if e == 3 else [builder.and_(v, low) for v in shifted]
+                j = 4 * octet + e
+                xrow = builder.gep(xb, [builder.mul(builder.add(kp0, i64(j)), i64(PANEL_ROWS))])
                 for r in range(R):
                     xv = splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=2), vi32)
                     for v in range(len(vecs)):
-                        acc = chains[(2 * quad + g) % S]
+                        acc = chains[j % S]
                         acc[r * len(vecs) + v] = madd(acc[r * len(vecs) + v], xv, w[v])
         accs = chains[0]
         for more in chains[1:]:
