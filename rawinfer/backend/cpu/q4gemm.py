@@ -25,8 +25,9 @@ so that one load of 32 bytes (8 columns, AVX2) or 64 bytes (16 columns, AVX-512)
 int16 order: `& 15` gives the k pair (k0, k0 + 1) of every column, `>> 4 & 15` the pair (k0 + 2, k0 + 3),
 `>> 8 & 15` and `>> 12` the next two; no byte-widening shuffle. (An earlier layout of 4-k quads widened
 each with `vpmovzxbw`: 22 vector operations per 64 weights on AVX2 against 17; docs/benchmarks.md.)
-x is quantized into qgemm's 6-row panels of int32 k pairs, broadcast one row at a time. A tile (q4tile.py, in LLVM IR for both paths) keeps R x 16 (AVX2) or R x 32 (AVX-512, two column
-blocks) int32 sums per k-block and as many float32 accumulators across k-blocks.
+x is quantized into qgemm's 6-row panels of int32 k pairs, broadcast one row at a time. A tile (q4tile.py,
+in LLVM IR for both paths) keeps R x 16 (AVX2) or R x 32 (AVX-512, two column blocks) int32 sums per
+k-block and as many float32 accumulators across k-blocks.
 
 Both paths give the same bits (exact int32 sums, the same float32 fma sequence per element).
 """
@@ -76,7 +77,7 @@ def pack_weights(qs: np.ndarray, dm: np.ndarray) -> np.ndarray:
                          f"dm [N, K/{Q4_BLOCK}, 2], got dm {dm.shape}")
     q = unpack_nibbles(qs).astype(np.uint16).reshape(N // BLOCK_COLS, BLOCK_COLS, K // Q4_BLOCK, OCTETS, 4, 2)
     lanes = q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4) | (q[:, :, :, :, 2] << 8) | (q[:, :, :, :, 3] << 12)
-    nib = np.ascontiguousarray(lanes.transpose(0, 2, 3, 1, 4)).astype("<u2")          # cb b octet c h
+    nib = np.ascontiguousarray(lanes.transpose(0, 2, 3, 1, 4), dtype="<u2")           # cb b octet c h
     nib = nib.view(np.uint8).reshape(N // BLOCK_COLS, K // Q4_BLOCK, OCTETS * 4 * BLOCK_COLS)
     scales = np.asarray(dm, np.float16).reshape(N // BLOCK_COLS, BLOCK_COLS, K // Q4_BLOCK, 2)
     scales = np.ascontiguousarray(scales.transpose(0, 2, 3, 1)).view(np.uint8)           # cb b (d|m) c

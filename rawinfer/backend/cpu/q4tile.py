@@ -64,10 +64,10 @@ def _tile_code(builder, path, R, C, args):
     vecs = [(c, h) for c in range(C) for h in range(parts)]  # vector v: block c, columns h L .. h L + L - 1
     xb, bsb = _ptr(builder, xp, I32), _ptr(builder, bsp, F32)
     wbs = [_ptr(builder, w, I8) for w, _ in blocks]
-    low = ir.Constant(vi16, [15] * (2 * L))
 
     def splat_i16(n):
         return ir.Constant(vi16, [n] * (2 * L))
+    low = splat_i16(15)
     zero = ir.Constant(vi32, [0] * L)
 
     def kblock(b, faccs):
