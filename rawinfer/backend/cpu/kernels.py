@@ -19,7 +19,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from rawinfer.backend.cpu.llvm import abs_max, float_to_half, half_to_float
+from rawinfer.backend.cpu.half import float_to_half, half_to_float
+from rawinfer.backend.cpu.llvm import abs_max
 from rawinfer.backend.cpu.reductions import dot_i8
 from rawinfer.backend.cpu.vmath import EXP_MAX, EXP_MIN, EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E
 

@@ -16,8 +16,6 @@ the way the hardware wants are written here instead, each one a straight-line bl
     prefetch_l2          prefetcht1, not into L1 (fgemm's next weight tile, while L1 holds this one)
     abs_max              max |x| over a float32 row, 8 lanes at a time (the activation quantizer's scale)
 
-    half_to_float,       float16 <-> float32 of one value held as its uint16 bits (Numba has no float16
-    float_to_half        on the CPU); loops of them vectorize to vcvtph2ps / vcvtps2ph
     keep_alive           nothing at run time: keeps an array read through its raw address alive
 
 dot_rows4 and axpy_rows32 come in builds per head count (1..HEADS_MAX) and row type (ELEMS): float32
@@ -55,8 +53,8 @@ def available() -> bool:
 
 
 def has_f16c() -> bool:
-    """Hardware float16 <-> float32 conversion (the float16 KV cache needs it: without it LLVM would
-    call runtime helpers a JIT-compiled kernel cannot link)."""
+    """Hardware float16 <-> float32 conversion (vcvtph2ps / vcvtps2ph), which the q4 GEMM's block scales
+    use; scalar conversions elsewhere work without it (half.py)."""
     return _F16C
 
 
@@ -132,23 +130,6 @@ def keep_alive(typingctx, a):
     def codegen(context, builder, signature, args):
         return context.get_dummy_value()
     return types.none(a), codegen
-
-
-# ---- float16 ----------------------------------------------------------------------------------------
-@intrinsic
-def half_to_float(typingctx, bits):
-    """float32 value of the float16 whose bits are the uint16 `bits` (exact)."""
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], F16), F32)
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def float_to_half(typingctx, x):
-    """uint16 bits of float32 x rounded to float16 (to nearest even; beyond +-65504: +-inf)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], F16), I16)
-    return types.uint16(types.float32), codegen
 
 
 ELEMS = ("f32", "f16", "i8")   # row element types of the attention blocks (KV cache dtypes)

@@ -33,9 +33,10 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN
+from rawinfer.backend.cpu.half import half_to_float
 from rawinfer.backend.cpu.kernels import fast_exp
-from rawinfer.backend.cpu.llvm import F16, F32, I16, I32, V8F32, V8I32, V16I16, _fma, _ptr, _vload, abs_max, counted_loop, \
-    half_to_float, i64
+from rawinfer.backend.cpu.llvm import F16, F32, I16, I32, V8F32, V8I32, V16I16, _fma, _ptr, _vload, abs_max, \
+    counted_loop, i64
 
 X_LEVELS = 32767            # int16 activation levels: a block's int32 sum is at most 32 * 15 * 32767
 
