@@ -242,7 +242,7 @@ def test_smollm2_q4_agrees_with_golden(smollm2_q4_dir, kv_dtype):
     checked, agreed, worst = golden_decode_agreement(engine)
     assert checked > 50
     assert agreed == checked, f"{agreed}/{checked} confident steps agree"
-    assert engine.pool.kv.k[0].dtype == (np.int8 if kv_dtype == "int8" or not cpu_llvm.has_f16c() else np.float16)
+    assert engine.pool.kv.k[0].dtype == (np.int8 if kv_dtype == "int8" else np.float16)
     assert worst < (1.5 if engine.pool.kv.k[0].dtype == np.int8 else 0.6)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rawinfer import LLMEngine
+from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.backend import INT8_GEMV_MAX_ROWS, CPUBackend
 from rawinfer.quant import Int8Weight, dequantize_int8, quantize_int8
 
@@ -79,8 +80,9 @@ def test_tiny_int8_model_tracks_the_float_reference(tiny_int8_dir):
     np.testing.assert_array_equal(logits.argmax(-1)[sure], want.argmax(-1)[sure])
     # the decode path (int8 GEMV on float activations) and the prefill path (integer GEMM on activations
     # quantized to int16 per token; dequantize + BLAS where that is unavailable) agree: measured 1.3e-3
-    # on logits of magnitude ~2 with the integer GEMM, < 1e-4 without
-    tol = 5e-3 if engine.backend.int_gemm else 1e-4
+    # on logits of magnitude ~2 with the integer GEMM, < 1e-4 without where the CPU has FMA and 1.3e-4
+    # with every kernel built for a CPU without (tools/test_portable.sh: no fma in the dot products)
+    tol = 5e-3 if engine.backend.int_gemm else 1e-4 if cpu_llvm.available() else 3e-4
     np.testing.assert_allclose(engine.score(ref["seq_ids"].tolist(), [20] + [1] * 130), logits, atol=tol)
 
 
@@ -119,6 +121,7 @@ def _fused_vs_per_op(model_dir, kv_cache_memory):
     return [r.token_ids for r in fused], [r.token_ids for r in per_op], max(fused_rows)
 
 
+@pytest.mark.skipif(not be.int_gemm, reason="the batched fused kernel runs on the integer GEMM (AVX2)")
 def test_batched_decode_in_one_call_matches_the_per_op_path(tiny_int8_dir, smollm2_int8_dir):
     for model_dir, mem in ((tiny_int8_dir, "8MiB"), (smollm2_int8_dir, "256MiB")):   # head_dim 16 and 64
         fused, per_op, rows = _fused_vs_per_op(model_dir, mem)

@@ -18,6 +18,7 @@ from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu import memory as cpu_memory
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
+from rawinfer.backend.cpu import rows as cpu_rows
 from rawinfer.backend.cpu.fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel
 from rawinfer.backend.cpu.products import INT8_GEMV_MAX_ROWS, QuantizedProducts, check_array
 from rawinfer.backend.cpu import tileattn as cpu_tileattn
@@ -106,13 +107,10 @@ class CPUBackend(QuantizedProducts):
         # int8 for int8 models, built for many sequences, whose golden agreement holds with it
         # (tests/backend/test_quant.py); float16 for q4 models, built for one stream, whose agreement
         # is best with it (test_q4.py: the int8 cache's rounding flips near-ties that float16 keeps);
-        # float32 for float models, exact. float16 needs F16C (every x86-64 CPU with AVX2 has it).
-        f16c = cpu_llvm.has_f16c()
-        if choice == "float16" and not f16c:
-            raise ValueError("kv_cache_dtype='float16' needs a CPU with F16C conversions, which this one lacks; "
-                             "use kv_cache_dtype='int8' or 'float32' (--kv-cache-dtype)")
+        # float32 for float models, exact. float16 converts with F16C where the CPU has it, else in
+        # integer operations with the same results (half.py).
         if choice == "auto":
-            choice = "float32" if quant is None else "float16" if quant == "q4" and f16c else "int8"
+            choice = "float32" if quant is None else "float16" if quant == "q4" else "int8"
         return np.dtype(choice)
 
     # ---- memory (memory.py) ------------------------------------------------------------------
@@ -168,11 +166,13 @@ class CPUBackend(QuantizedProducts):
             self._linear_q4(x, w, out, scratch)
         else:
             parts = max(1, min(self.max_threads, w.shape[0] // 64))
-            if w.dtype == np.float32 and cpu_fgemm.available() and (
-                    self.one_attention or x.shape[0] <= cpu_fgemm.DEFAULT_MAX_ROWS):
+            few = self.one_attention or x.shape[0] <= cpu_fgemm.DEFAULT_MAX_ROWS
+            if w.dtype == np.float32 and few and cpu_fgemm.available():
                 # the row-invariant GEMM: as fast as BLAS's GEMV at one row, faster up to DEFAULT_MAX_ROWS,
                 # slower above (prefill), where the batch-invariant mode alone takes it (docs/kernels.md)
                 cpu_fgemm.matmul_nt(x, w, out, parts)
+            elif w.dtype == np.float32 and few:
+                cpu_rows.rows_matmul_f32(x, w, out, parts)     # the same invariance without fgemm (rows.py)
             elif self.blas_on_numba_pool:
                 cpu_blas.matmul_nt(x, w, out, parts)
             else:
@@ -348,25 +348,25 @@ class CPUBackend(QuantizedProducts):
     def fused_limits(self, plan) -> tuple[int, int]:
         # int8 / q4 with packed weights: every pure decode batch, whatever its size, in one call on the
         # integer GEMMs, and nothing else fused: a row then takes the same kernels alone or in any batch
-        # (the matrix-vector kernels round differently). Otherwise (unpacked): batches of a few rows.
-        # With one_attention, the few-row fused path (its own tiled attention) is off: per-op then.
+        # (the matrix-vector kernels round differently). Otherwise (unpacked): pure decode batches of a
+        # few rows on the per-op path's kernels (the decode attention too); none with one_attention.
         # float32: pure decode batches the per-op path gives fgemm too (every row count with one_attention).
         # Families other than Llama (plan["llama"] false) take the batched kernel alone.
         if plan["float"]:
             return 0, (1 << 30) if self.one_attention else cpu_fgemm.DEFAULT_MAX_ROWS
         if plan["packed"]:
             return 0, 1 << 30
-        return (0, 0) if self.one_attention or self.int8_activations or not plan["llama"] else (INT8_GEMV_MAX_ROWS, 0)
+        return (0, 0) if self.one_attention or self.int8_activations or not plan["llama"] else (0, INT8_GEMV_MAX_ROWS)
 
     def decoder_layers(self, plan, acts, T, batch, cos_sin, eps, scale, num_heads, num_kv_heads) -> None:
         for name in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc"):
             check_array(name, getattr(batch, name), np.int32)
         p = plan
-        if p["packed"] or T > INT8_GEMV_MAX_ROWS:          # see fused_limits
-            if not p["packed"] or batch.max_query_len != 1:
-                raise ValueError(f"decoder_layers takes a pure decode batch of a model with packed weights, "
-                                 f"or at most {INT8_GEMV_MAX_ROWS} tokens of another quantized model; got {T} "
-                                 f"tokens")
+        if batch.max_query_len != 1 or (T > INT8_GEMV_MAX_ROWS and not p["packed"]):   # see fused_limits
+            raise ValueError(f"decoder_layers takes a pure decode batch: of any size for a model with packed "
+                             f"weights, of at most {INT8_GEMV_MAX_ROWS} sequences for another quantized model; "
+                             f"got {T} tokens")
+        if p["packed"]:
             qx, qs, qb = (self._a8_buffers if p["a8"] else self._q4_gemm_buffers)(T, p["max_k"])
             decoder_stack_batched_kernel(
                 acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],
@@ -383,8 +383,8 @@ class CPUBackend(QuantizedProducts):
             acts.act[:T],
             p["in_norms"], p["w_qkvs"], p["s_qkvs"], p["b_qkvs"], p["w_os"], p["s_os"], p["post_norms"],
             p["w_gus"], p["s_gus"], p["w_downs"], p["s_downs"], batch.positions, batch.slot_mapping,
-            batch.block_tables, batch.context_lens, batch.query_start_loc, p["k_caches"], p["v_caches"],
-            cos_sin, np.float32(eps), np.float32(scale), num_heads, num_kv_heads, ATTN_QUERY_TILE, p["windows"])
+            batch.block_tables, batch.context_lens, p["k_caches"], p["v_caches"],
+            cos_sin, np.float32(eps), np.float32(scale), num_heads, num_kv_heads, p["avx2_attention"], p["windows"])
 
     def copy_blocks(self, k_caches, v_caches, pairs) -> None:
         if not pairs:

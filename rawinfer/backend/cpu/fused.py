@@ -2,10 +2,11 @@
 
 A decode step of one token does microseconds of work per op but pays Python and Numba dispatch for
 each of the ~11 ops of every layer, a large share of a small model's step (docs/kernels.md).
-`decoder_stack_kernel` walks every layer and `decoder_layer_kernel` runs the same kernels as the
-per-op path, in the same order, from inside one compiled function: the serial builds for the
-elementwise ops (a few rows), the parallel builds for the matrix-vector products (silu * up fused into
-the gate/up one, as CPUBackend.linear_silu_mul does for a few rows) and attention. It reads and
+`decoder_stack_kernel` walks every layer of a pure decode batch of a few sequences (quantized weights
+without packed copies: no AVX2, or RAWINFER_CPU_INT_GEMM=0) and `decoder_layer_kernel` runs the same
+kernels as the per-op path, in the same order, from inside one compiled function: the serial builds for
+the elementwise ops (a few rows), the parallel builds for the row-invariant products (silu * up fused
+into the gate/up one, as CPUBackend.linear_silu_mul does) and the decode attention. It reads and
 writes the same workspace buffers, and its products sum in the kernels' fixed orders (the int8 rows'
 dot products are reductions.py's dot_i8), so it gives the per-op path's tokens (tests/backend/test_quant.py).
 
@@ -49,7 +50,6 @@ from rawinfer.backend.cpu import variants as V
 _rmsnorm = K.rmsnorm_kernel.serial
 _add_rmsnorm = K.add_rmsnorm_kernel.serial
 _rope = K.rope_kernel.serial
-_attention = A.paged_attention_kernel.parallel
 _kv_write = K.kv_write_kernel.serial
 
 
@@ -77,7 +77,6 @@ def _weight_matvec_silu(x, w, s, out):
 
 
 _matmul, _matmul_silu = weight_matvec, weight_matvec_silu
-_work_items = A.attention_work_items
 
 
 @nb.njit(inline="always")
@@ -92,8 +91,8 @@ def add_rows(x, b):
 @nb.njit(cache=True)
 def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
                          in_norm, w_qkv, s_qkv, b_qkv, w_o, s_o, post_norm, w_gu, s_gu, w_down, s_down,
-                         positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                         seqs, q0, q1, k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads, window):
+                         positions, slot_mapping, block_tables, context_lens,
+                         avx2, k_cache, v_cache, cos_sin, eps, scale, num_heads, num_kv_heads, window):
     # Shapes as in rawinfer/backend/base.py; w_* are int8 rows with per-row scales s_* (or q4 nibbles
     # with their block scales: weight_matvec), b_qkv is the QKV bias (empty when the model has none).
     if first:
@@ -105,8 +104,8 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
         add_rows(qkv, b_qkv)
     _rope(qkv, positions, cos_sin, num_heads, num_kv_heads, cos_sin.shape[1])
     _kv_write(qkv, k_cache, v_cache, slot_mapping, num_heads)
-    _attention(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, seqs, q0, q1,
-               scale, num_heads, window, attn)
+    # the decode kernel the per-op path runs for one query per sequence (a batch's rows round alike)
+    decode_attention(avx2, qkv, k_cache, v_cache, block_tables, context_lens, scale, num_heads, window, attn)
     _matmul(attn, w_o, s_o, h)
     _add_rmsnorm(h, res, post_norm, eps, x)
     _matmul_silu(x, w_gu, s_gu, act)               # silu(gate) * up (gu: unused workspace here)
@@ -116,16 +115,15 @@ def decoder_layer_kernel(first, h, res, x, qkv, attn, gu, act,
 @nb.njit(cache=True)
 def decoder_stack_kernel(h, res, x, qkv, attn, gu, act,
                          in_norms, w_qkvs, s_qkvs, b_qkvs, w_os, s_os, post_norms, w_gus, s_gus, w_downs,
-                         s_downs, positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                         k_caches, v_caches, cos_sin, eps, scale, num_heads, num_kv_heads, query_tile, windows):
-    # Every layer in one call: the per-layer tensors come as typed lists of L arrays each, the layers'
-    # sliding windows as windows[L] (0: full attention).
-    seqs, q0, q1 = _work_items(query_start_loc, query_tile)
+                         s_downs, positions, slot_mapping, block_tables, context_lens,
+                         k_caches, v_caches, cos_sin, eps, scale, num_heads, num_kv_heads, avx2, windows):
+    # Every layer of a pure decode batch (one query per sequence) in one call: the per-layer tensors come
+    # as typed lists of L arrays each, the layers' sliding windows as windows[L] (0: full attention).
     for i in range(len(in_norms)):
         decoder_layer_kernel(i == 0, h, res, x, qkv, attn, gu, act,
                              in_norms[i], w_qkvs[i], s_qkvs[i], b_qkvs[i], w_os[i], s_os[i], post_norms[i],
                              w_gus[i], s_gus[i], w_downs[i], s_downs[i], positions, slot_mapping,
-                             block_tables, context_lens, query_start_loc, seqs, q0, q1,
+                             block_tables, context_lens, avx2,
                              k_caches[i], v_caches[i], cos_sin, eps, scale, num_heads, num_kv_heads, windows[i])
 
 

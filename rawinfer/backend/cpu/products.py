@@ -6,12 +6,16 @@ rows, and the buffers they share.
          same way whatever its batch: a request's tokens do not depend on what else runs.
     int8 with int8_activations (the engine's 8-bit-activation mode): the 8-bit-activation GEMM (a8gemm.py)
          on its own packed copy for any number of rows, silu * up in its epilogue; the same invariance.
-    int8 without one: the matrix-vector kernels for up to INT8_GEMV_MAX_ROWS rows, BLAS on
-         dequantized row tiles above.
+    int8 without one (RAWINFER_CPU_INT_GEMM=0, a shape the GEMM does not fit): the row-invariant kernels
+         (kernels.rows_matmul_kernel) for up to rows.ROWS_MAX rows and, in the batch-invariant mode,
+         for every row count; BLAS on dequantized row tiles above. On a CPU without AVX2 (no integer
+         GEMM) the row-invariant kernels for every row count.
     q4 with a packed copy (made at load where the shape fits): the q4 integer GEMM (q4gemm.py) for any
          number of rows, silu * up in its epilogue, so again a row's bits never depend on its batch.
-    q4 without one: the matrix-vector kernel (q4.py, AVX2) for up to INT8_GEMV_MAX_ROWS rows, BLAS on
-         dequantized row tiles above.
+    q4 without one: the matrix-vector kernel (q4.py, AVX2; without AVX2 rows.q4_rows_matmul) for the
+         same rows as int8, BLAS on dequantized row tiles for the others.
+    (float32 where fgemm.py cannot run, no AVX2 + FMA: rows.rows_matmul_f32 for up to ROWS_MAX rows or
+         in the batch-invariant mode, BLAS above: backend.py.)
 
 `QuantizedProducts` is a part of CPUBackend (backend.py), which sets the attributes it reads.
 """
@@ -29,10 +33,11 @@ from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu import q4 as cpu_q4
 from rawinfer.backend.cpu import q4gemm as cpu_q4gemm
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
+from rawinfer.backend.cpu import rows as cpu_rows
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN
 from rawinfer.quant import Int8Weight, Q4Weight
 
-INT8_GEMV_MAX_ROWS = 4  # up to this many rows, matrix-vector kernels where no integer GEMM applies
+INT8_GEMV_MAX_ROWS = 4  # int8 decode batches up to this many rows without a GEMM: the few-row fused kernel
 INT8_TILE_ROWS = 128    # weight rows per dequantized tile (fits in L2)
 
 
@@ -50,7 +55,7 @@ def check_array(name: str, x, dtype=None, contiguous: bool = True) -> None:
 
 class QuantizedProducts(Backend):
     """The int8 / q4 halves of CPUBackend.linear and linear_silu_mul. Reads the backend's int_gemm,
-    int8_activations, blas_on_numba_pool, max_threads and its integer GEMM buffers _qx, _qs, _qb, _a8."""
+    int8_activations, one_attention, blas_on_numba_pool, max_threads and its integer GEMM buffers _qx, _qs, _qb, _a8."""
 
     def prepare_weight(self, w):
         import dataclasses
@@ -75,7 +80,7 @@ class QuantizedProducts(Backend):
         # for their own GEMM): that GEMM's silu epilogue, or (odd block count) the product, then silu_mul.
         if isinstance(w, Int8Weight):
             gemm = self._on_packed_gemm(x, w, scratch) and w.packed.shape[0] % 2 == 0
-            few = not self.int8_activations and (x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None)
+            few = not self.int8_activations and self._on_rows(x, scratch)
             if gemm or few:
                 shapes.linear_silu_mul(x, w.shape, out)
                 check_array("x", x, np.float32)
@@ -115,16 +120,22 @@ class QuantizedProducts(Backend):
         if self._on_packed_gemm(x, w, scratch):
             cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
             return
-        if T <= INT8_GEMV_MAX_ROWS or scratch is None:
+        if self._on_rows(x, scratch):
             K.rows_matmul_kernel(x, w.q, w.scale, out)
             return
         self._dequantized_matmul(x, w.q, w.scale, out, scratch)
 
-    @staticmethod
-    def _q4_matvec(x, scratch) -> bool:
-        """Whether a q4 product of x takes the matrix-vector kernel (a few rows, or no workspace for the
-        BLAS path) rather than BLAS on dequantized tiles; the kernel needs AVX2."""
-        return cpu_llvm.available() and (x.shape[0] <= INT8_GEMV_MAX_ROWS or scratch is None)
+    def _on_rows(self, x, scratch) -> bool:
+        """Whether a quantized product without a GEMM of its own takes the row-invariant kernels rather
+        than BLAS on dequantized tiles: up to ROWS_MAX rows (decode batches: a row's bits then never
+        depend on its batch), every row count in the batch-invariant mode or where the CPU has no
+        integer GEMM at all (no AVX2: these kernels take its place, so that int8 and q4 rows are
+        batch-invariant by default on every CPU), or no workspace for the tiles."""
+        return x.shape[0] <= cpu_rows.ROWS_MAX or self.one_attention or scratch is None or not cpu_llvm.available()
+
+    def _q4_matvec(self, x, scratch) -> bool:
+        """Whether a q4 product of x takes the AVX2 matrix-vector kernel (_on_rows's rows)."""
+        return cpu_llvm.available() and self._on_rows(x, scratch)
 
     @staticmethod
     def _q4_parts(w: Q4Weight) -> tuple[np.ndarray, np.ndarray]:
@@ -144,8 +155,9 @@ class QuantizedProducts(Backend):
         if self._q4_matvec(x, scratch):
             cpu_q4.q4_matvec(x, qs, dm, out)
             return
-        if scratch is None:                              # no AVX2 and no workspace: a tile of our own
-            scratch = np.empty(min(w.shape[0], INT8_TILE_ROWS) * self.max_threads * w.shape[1], np.float32)
+        if self._on_rows(x, scratch):                    # no AVX2
+            cpu_rows.q4_rows_matmul(x, qs.view(np.uint16), dm, out, self.max_threads)
+            return
         self._dequantized_matmul(x, qs.view(np.uint16), dm, out, scratch)
 
     def _dequantized_matmul(self, x, a, b, out, scratch) -> None:
