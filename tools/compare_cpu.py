@@ -3,7 +3,7 @@
 llama.cpp vs transformers.
 
 Workloads (measured one after the other, each engine in its own process, 2 threads each):
-  decode   single-stream greedy decode of 128 tokens              peer: llama.cpp (llama-cpp-python), same GGUF
+  decode   single-stream greedy decode of 128 tokens, best of 2   peer: llama.cpp (llama-cpp-python), same GGUF
   prefill  one 500-token prompt, logits of the last position       peer: transformers (torch, float32)
   batch64  64 requests, 128 prompt + 128 output tokens, ignore EOS peer: transformers generate, left-padded batch
 
@@ -48,9 +48,11 @@ rng = np.random.default_rng(0)
 warm = llm.generate([[100, 200, 300]] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
 if workload == "decode":
     text = prompt if raw else llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    r = llm.generate([text], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)[0]
-    m = r.metrics
-    value = (m.generated_tokens - 1) / (m.finished_time - m.first_token_time)
+    value = 0.0
+    for rep in range(2):                      # the best of two, as the llama.cpp script takes
+        r = llm.generate([text], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+        m = r.metrics
+        value = max(value, (m.generated_tokens - 1) / (m.finished_time - m.first_token_time))
 elif workload == "prefill":
     ids = [int(x) for x in rng.integers(100, V - 100, 500)]
     best = 1e9
