@@ -42,9 +42,9 @@ from numba import types
 from numba.extending import intrinsic
 
 from rawinfer.backend.cpu.isa import FEATURES as _FEATURES
+from rawinfer.backend.cpu.half import F16C as _F16C
 
 _AVX2 = {"avx2", "fma"} <= _FEATURES
-_F16C = "f16c" in _FEATURES
 
 
 def available() -> bool:

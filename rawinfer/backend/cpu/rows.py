@@ -4,10 +4,10 @@
 
 Each output element is one dot product of an x row with a weight row in reductions.py's fixed order
 (vector lanes, a fixed fold, the tail; fma where the CPU has it, else a rounded product and sum), so
-a row's bits do not depend on how many rows come with it: products.py sends every product of up to
-ROWS_MAX rows here (decode batches), and every product in the batch-invariant mode, as fgemm.py takes
-float32 products elsewhere. Longer products (prompts) go to BLAS, which is faster there and rounds
-by call shape.
+a row's bits do not depend on how many rows come with it: the backend (backend.py's linear,
+products.py) sends every product of up to ROWS_MAX rows here (decode batches), and every product in the
+batch-invariant mode, as fgemm.py takes float32 products elsewhere. Longer products (prompts) go to
+BLAS, which is faster there and rounds by call shape.
 
     rows_matmul_f32   out[t, n] = x[t] . w[n]
     q4_rows_matmul    out[t, n] = x[t] . (row n of W dequantized: d q + m, q4.dequantize_rows, the
@@ -22,10 +22,10 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from rawinfer.backend.cpu.fgemm import DEFAULT_MAX_ROWS as ROWS_MAX    # by default, up to fgemm's rows
 from rawinfer.backend.cpu.q4 import dequantize_rows
 from rawinfer.backend.cpu.reductions import dot
 
-ROWS_MAX = 96          # products of up to this many rows take these kernels by default (fgemm.py's limit)
 
 
 @nb.njit(parallel=True, cache=True)
