@@ -89,3 +89,36 @@ def test_this_cpu_takes_the_hardware_conversion_where_it_has_f16c():
         f2h(np.zeros(4, np.float32), np.empty(4, np.uint16))
         code = "".join(h2f.inspect_llvm().values()) + "".join(f2h.inspect_llvm().values())
         assert ("fpext half" in code) == hardware and ("fptrunc float" in code) == hardware, build
+
+
+def _vector_h2f(code):
+    """A kernel converting 4 halves per step with `code` on <4 x i16> (how q4.py converts block scales)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def four(typingctx, src, dst):
+        def codegen(context, builder, signature, args):
+            vty = ir.VectorType(ir.IntType(16), 4)
+            bits = builder.load(builder.inttoptr(args[0], vty.as_pointer()), align=2)
+            builder.store(code(builder, bits), builder.inttoptr(args[1], ir.VectorType(ir.FloatType(), 4).as_pointer()),
+                          align=4)
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64), codegen
+
+    @nb.njit(cache=False)
+    def h2f(bits, out):
+        for i in range(0, bits.size, 4):
+            four(bits.ctypes.data + 2 * i, out.ctypes.data + 4 * i)
+    return h2f
+
+
+@pytest.mark.parametrize("code", ["half_to_float_ir", "_h2f_soft"])
+def test_half_to_float_on_vectors_matches_the_scalar_build(code):
+    got = np.empty(ALL_HALVES.size, np.float32)
+    _vector_h2f(getattr(H, code))(ALL_HALVES, got)
+    want = ALL_HALVES.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert np.isnan(got[nan]).all()

@@ -12,7 +12,6 @@ import pytest
 
 from conftest import SMOLLM2_GGUF
 from rawinfer import LLMEngine
-from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu import q4 as cpu_q4
 from rawinfer.backend.cpu import q4gemm as cpu_q4gemm
 from rawinfer.backend.cpu.backend import INT8_GEMV_MAX_ROWS, CPUBackend
@@ -23,7 +22,6 @@ be = CPUBackend()
 RNG = np.random.default_rng(11)
 from conftest import DATA  # noqa: E402
 GGUF = SMOLLM2_GGUF
-needs_avx2 = pytest.mark.skipif(not cpu_llvm.available(), reason="the q4 matrix-vector kernel is AVX2 code")
 
 
 def weight(N, K, seed=0):
@@ -92,7 +90,6 @@ def kernel_tol(x, w):
     return sx / 2 * np.abs(w).sum(axis=1) + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6
 
 
-@needs_avx2
 @pytest.mark.parametrize("T,N,K", [(1, 1, 64), (1, 70, 128), (2, 33, 576), (3, 100, 1536), (4, 7, 320)])
 def test_q4_matvec_matches_numpy(T, N, K):
     w = weight(N, K, seed=T)
@@ -109,7 +106,6 @@ def test_q4_matvec_matches_numpy(T, N, K):
         assert (out[1] == 0).all()
 
 
-@needs_avx2
 @pytest.mark.parametrize("T,F,K", [(1, 3, 64), (2, 48, 576), (4, 20, 1536)])
 def test_q4_matvec_silu_matches_numpy(T, F, K):
     w = weight(2 * F, K, seed=F)
@@ -150,24 +146,24 @@ def test_q4_linear_and_linear_silu_mul(T, scratch_rows, numba_pool, monkeypatch)
     np.testing.assert_allclose(act, silu_mul_ref(out - bias), rtol=1e-3, atol=1e-3)   # out: as checked above
 
 
-def test_q4_without_avx2_takes_the_dequantized_blas_path(monkeypatch):
-    """Where the CPU lacks AVX2 the q4 kernel cannot be built: every product, a single row included,
-    runs on dequantized tiles (a workspace of its own when none is given), and decode keeps the per-op
-    path."""
-    monkeypatch.setattr(cpu_llvm, "available", lambda: False)
-    monkeypatch.setattr(cpu_q4, "q4_matvec", None)          # would fail loudly if it were still called
-    monkeypatch.setattr(cpu_q4, "q4_matvec_silu", None)
-    assert be.fused_max_tokens("q4") == 0 and be.fused_max_tokens("int8") == INT8_GEMV_MAX_ROWS
-    N, K = 48, 128
-    qs, dm = quantize_q4(weight(N, K, seed=3))
-    wd = dequantize_q4(qs, dm).astype(np.float64)
-    x = RNG.standard_normal((1, K)).astype(np.float32)
-    out = np.empty((1, N), np.float32)
-    be.linear(x, Q4Weight(qs, dm), out)
-    np.testing.assert_allclose(out, linear_ref(x, wd), rtol=1e-4, atol=1e-4)
-    act = np.empty((1, N // 2), np.float32)
-    be.linear_silu_mul(x, Q4Weight(qs, dm), np.empty((1, N), np.float32), act, scratch=np.empty(10 * K, np.float32))
-    np.testing.assert_allclose(act, silu_mul_ref(linear_ref(x, wd)), rtol=1e-4, atol=1e-4)
+def test_q4_matvec_rows_do_not_depend_on_their_batch():
+    """Each row of x is its own q4_dot calls: alone, in a batch of any size or at any place in it, the
+    same bits (on the AVX2 build and on the SSE2 one tools/test_portable.sh runs)."""
+    N, K, T = 80, 320, 13
+    qs, dm = quantize_q4(weight(N, K, seed=5))
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    batch = np.empty((T, N), np.float32)
+    cpu_q4.q4_matvec(x, qs, dm.view(np.uint16), batch)
+    for lo, hi in ((0, 1), (4, 5), (3, 9), (12, 13)):
+        part = np.empty((hi - lo, N), np.float32)
+        cpu_q4.q4_matvec(np.ascontiguousarray(x[lo:hi]), qs, dm.view(np.uint16), part)
+        assert np.array_equal(part, batch[lo:hi]), (lo, hi)
+
+
+def test_q4_decode_is_fused_on_every_cpu():
+    """The q4 matrix-vector kernel has a build for every x86-64 CPU, so q4 decode steps take the one-call
+    kernel (fused.py) everywhere, as int8's do."""
+    assert be.fused_max_tokens("q4") == be.fused_max_tokens("int8") == INT8_GEMV_MAX_ROWS
 
 
 def test_q4_linear_refuses_a_malformed_weight():
@@ -238,7 +234,7 @@ def test_smollm2_q4_agrees_with_golden(smollm2_q4_dir, kv_dtype):
     from conftest import golden_decode_agreement
     engine = LLMEngine(smollm2_q4_dir, device="cpu", kv_cache_memory="256MiB", max_num_batched_tokens=1024,
                        kv_cache_dtype=kv_dtype)
-    assert engine.model.fused_plan is not None or not cpu_llvm.available()
+    assert engine.model.fused_plan is not None
     checked, agreed, worst = golden_decode_agreement(engine)
     assert checked > 50
     assert agreed == checked, f"{agreed}/{checked} confident steps agree"
@@ -251,14 +247,13 @@ def test_q4_decode_in_one_call_matches_the_per_op_path(tiny_q4_dir):
     from rawinfer.engine.llm import LLM
     llm = LLM(tiny_q4_dir, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256)
     model = llm.engine.model
-    if model.fused_plan is None:
-        pytest.skip("no fused q4 path on this CPU (AVX2)")
+    assert model.fused_plan is not None
     # with the q4 GEMM (AVX2 + F16C): every pure decode batch in the one-call kernel on the packed copies
-    # (the q4 matrices on q4gemm, the int8 down_proj on qgemm); without: a few rows on the matrix-vector
-    # kernels
+    # (the q4 matrices on q4gemm, the int8 down_proj on qgemm); without (tools/test_portable.sh): a few
+    # rows on the matrix-vector kernels
     packed = cpu_q4gemm.available()
     assert model.fused_plan["packed"] == packed
-    assert model.fused_decode_max == (1 << 30 if packed else 0)
+    assert model.fused_decode_max == (1 << 30 if packed else INT8_GEMV_MAX_ROWS)
     prompts = [[5, 9, 200, 31], [7, 7, 7], [100]]
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     fused = [r.token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]

@@ -1,5 +1,5 @@
-"""The row-invariant fallback products (rawinfer/backend/cpu/rows.py) against NumPy over several shapes,
-ragged ones included, and the property they exist for: a row's bits do not depend on the rows beside
+"""The row-invariant fallback float32 product (rawinfer/backend/cpu/rows.py) against NumPy over several shapes,
+ragged ones included, and the property it exists for: a row's bits do not depend on the rows beside
 it or on the thread split. tools/test_portable.sh runs the engine on them (a CPU without AVX2)."""
 
 from __future__ import annotations
@@ -8,16 +8,9 @@ import numpy as np
 import pytest
 
 from rawinfer.backend.cpu import rows as R
-from rawinfer.quant import dequantize_q4, quantize_q4
 
 RNG = np.random.default_rng(17)
 SHAPES = [(1, 16, 64), (3, 50, 64), (7, 33, 192), (40, 129, 576), (97, 64, 128)]    # (T, N, K)
-
-
-def _q4(N, K):
-    """(lanes, dm bits) as the kernel takes them, and the weight dequantized by quant.py."""
-    qs, dm = quantize_q4(RNG.standard_normal((N, K)).astype(np.float32))
-    return (qs.view(np.uint16), dm.view(np.uint16)), dequantize_q4(qs, dm).astype(np.float32)
 
 
 @pytest.mark.parametrize("T,N,K", SHAPES)
@@ -30,26 +23,11 @@ def test_float32_rows_match_numpy(T, N, K):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
 
 
-@pytest.mark.parametrize("T,N,K", SHAPES)
-def test_q4_rows_match_the_dequantized_product(T, N, K):
-    q, wd = _q4(N, K)
-    x = RNG.standard_normal((T, K)).astype(np.float32)
-    out = np.empty((T, N), np.float32)
-    R.q4_rows_matmul(x, *q, out, 3)
-    want = x.astype(np.float64) @ wd.astype(np.float64).T
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
-
-
-@pytest.mark.parametrize("kind", ["float32", "q4"])
-def test_a_rows_bits_do_not_depend_on_its_batch_or_the_split(kind):
+def test_a_rows_bits_do_not_depend_on_its_batch_or_the_split():
     T, N, K = 37, 80, 320
     x = RNG.standard_normal((T, K)).astype(np.float32)
-    if kind == "float32":
-        w = RNG.standard_normal((N, K)).astype(np.float32)
-        run = (lambda xs, out, parts: R.rows_matmul_f32(xs, w, out, parts))
-    else:
-        q, _ = _q4(N, K)
-        run = (lambda xs, out, parts: R.q4_rows_matmul(xs, *q, out, parts))
+    w = RNG.standard_normal((N, K)).astype(np.float32)
+    run = (lambda xs, out, parts: R.rows_matmul_f32(xs, w, out, parts))
     batch = np.empty((T, N), np.float32)
     run(x, batch, 2)
     for t in (0, 5, T - 1):

@@ -15,7 +15,6 @@ from rawinfer.backend.cpu import fgemm as cpu_fgemm
 from rawinfer.backend.cpu import cache as cpu_cache
 from rawinfer.backend.cpu import fused as cpu_fused
 from rawinfer.backend.cpu import kernels as K
-from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu import memory as cpu_memory
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
 from rawinfer.backend.cpu import rows as cpu_rows
@@ -51,12 +50,9 @@ class CPUBackend(QuantizedProducts):
     def fused_max_tokens(self, quant):
         # Decode steps with every layer in one Numba call (fused.py), which saves the per-op dispatch:
         # int8 / q4 models, and float32 ones where fgemm runs (AVX2 + FMA; fused_limits says which
-        # batches). q4's matrix-vector kernel is AVX2 code (q4.py): elsewhere its products take the
-        # per-op BLAS path. Measurements: docs/kernels.md.
+        # batches). Measurements: docs/kernels.md.
         if quant is None:
             return 1 if cpu_fgemm.available() else 0
-        if quant == "q4" and not cpu_llvm.available():
-            return 0
         return INT8_GEMV_MAX_ROWS if quant in ("int8", "q4") else 0
 
     def __init__(self, num_threads: int | None = None, int_gemm: bool = True, cache_dir: str | None = None,

@@ -42,17 +42,23 @@ def _c(v: int) -> ir.Constant:
 
 
 def _h2f_soft(builder, bits):
-    h = builder.zext(bits, _I32)
-    sign = builder.shl(builder.and_(h, _c(0x8000)), _c(16))
-    ax = builder.and_(h, _c(0x7FFF))
-    e = builder.lshr(ax, _c(10))
-    up = builder.shl(ax, _c(13))
-    normal = builder.add(up, _c(112 << 23))
-    special = builder.or_(up, _c(0x7F800000))
-    tiny = builder.bitcast(builder.fmul(builder.sitofp(ax, _F32), ir.Constant(_F32, 2.0 ** -24)), _I32)
-    mag = builder.select(builder.icmp_unsigned("==", e, _c(0)), tiny,
-                         builder.select(builder.icmp_unsigned("==", e, _c(31)), special, normal))
-    return builder.bitcast(builder.or_(mag, sign), _F32)
+    # bits: i16, or a vector of them (every value converted alike, lane by lane)
+    n = bits.type.count if isinstance(bits.type, ir.VectorType) else 0
+    i32, f32 = (ir.VectorType(_I32, n), ir.VectorType(_F32, n)) if n else (_I32, _F32)
+
+    def c(ty, v):
+        return ir.Constant(ty, [v] * n if n else v)
+    h = builder.zext(bits, i32)
+    sign = builder.shl(builder.and_(h, c(i32, 0x8000)), c(i32, 16))
+    ax = builder.and_(h, c(i32, 0x7FFF))
+    e = builder.lshr(ax, c(i32, 10))
+    up = builder.shl(ax, c(i32, 13))
+    normal = builder.add(up, c(i32, 112 << 23))
+    special = builder.or_(up, c(i32, 0x7F800000))
+    tiny = builder.bitcast(builder.fmul(builder.sitofp(ax, f32), c(f32, 2.0 ** -24)), i32)
+    mag = builder.select(builder.icmp_unsigned("==", e, c(i32, 0)), tiny,
+                         builder.select(builder.icmp_unsigned("==", e, c(i32, 31)), special, normal))
+    return builder.bitcast(builder.or_(mag, sign), f32)
 
 
 def _f2h_soft(builder, x):
@@ -72,6 +78,9 @@ def _f2h_soft(builder, x):
 
 
 def _h2f_hw(builder, bits):
+    if isinstance(bits.type, ir.VectorType):
+        n = bits.type.count
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(_F16, n)), ir.VectorType(_F32, n))
     return builder.fpext(builder.bitcast(bits, _F16), _F32)
 
 
@@ -88,7 +97,8 @@ def _make(code, to_float: bool):
     return conversion
 
 
-half_to_float = _make(_h2f_hw if F16C else _h2f_soft, True)
+half_to_float_ir = _h2f_hw if F16C else _h2f_soft     # the IR of half_to_float (i16 or a vector of i16)
+half_to_float = _make(half_to_float_ir, True)
 float_to_half = _make(_f2h_hw if F16C else _f2h_soft, False)
 half_to_float_soft = _make(_h2f_soft, True)         # for the tests: the build a CPU without F16C takes
 float_to_half_soft = _make(_f2h_soft, False)

@@ -12,8 +12,8 @@ rows, and the buffers they share.
          GEMM) the row-invariant kernels for every row count.
     q4 with a packed copy (made at load where the shape fits): the q4 integer GEMM (q4gemm.py) for any
          number of rows, silu * up in its epilogue, so again a row's bits never depend on its batch.
-    q4 without one: the matrix-vector kernel (q4.py, AVX2; without AVX2 rows.q4_rows_matmul) for the
-         same rows as int8, BLAS on dequantized row tiles for the others.
+    q4 without one: the matrix-vector kernel (q4.py: its AVX2 build, or without AVX2 its SSE2 one) for
+         the same rows as int8, BLAS on dequantized row tiles for the others.
     (float32 where fgemm.py cannot run, no AVX2 + FMA: rows.rows_matmul_f32 for up to ROWS_MAX rows or
          in the batch-invariant mode, BLAS above: backend.py.)
 
@@ -134,8 +134,9 @@ class QuantizedProducts(Backend):
         return x.shape[0] <= cpu_rows.ROWS_MAX or self.one_attention or scratch is None or not cpu_llvm.available()
 
     def _q4_matvec(self, x, scratch) -> bool:
-        """Whether a q4 product of x takes the AVX2 matrix-vector kernel (_on_rows's rows)."""
-        return cpu_llvm.available() and self._on_rows(x, scratch)
+        """Whether a q4 product of x takes the matrix-vector kernel (_on_rows's rows; q4.py builds it for
+        any x86-64 CPU)."""
+        return self._on_rows(x, scratch)
 
     @staticmethod
     def _q4_parts(w: Q4Weight) -> tuple[np.ndarray, np.ndarray]:
@@ -154,9 +155,6 @@ class QuantizedProducts(Backend):
         qs, dm = self._q4_parts(w)
         if self._q4_matvec(x, scratch):
             cpu_q4.q4_matvec(x, qs, dm, out)
-            return
-        if self._on_rows(x, scratch):                    # no AVX2
-            cpu_rows.q4_rows_matmul(x, qs.view(np.uint16), dm, out, self.max_threads)
             return
         self._dequantized_matmul(x, qs.view(np.uint16), dm, out, scratch)
 

