@@ -121,7 +121,7 @@ def _fused_vs_per_op(model_dir, kv_cache_memory):
     return [r.token_ids for r in fused], [r.token_ids for r in per_op], max(fused_rows)
 
 
-@pytest.mark.skipif(not be.int_gemm, reason="the batched fused kernel runs on the integer GEMM (AVX2)")
+@pytest.mark.skipif(not be.int_gemm, reason="the batched fused kernel runs on the integer GEMM (off here)")
 def test_batched_decode_in_one_call_matches_the_per_op_path(tiny_int8_dir, smollm2_int8_dir):
     for model_dir, mem in ((tiny_int8_dir, "8MiB"), (smollm2_int8_dir, "256MiB")):   # head_dim 16 and 64
         fused, per_op, rows = _fused_vs_per_op(model_dir, mem)

@@ -4,8 +4,8 @@ Numba compiles loops well when LLVM can vectorize them by itself; the inner loop
 the way the hardware wants are written here instead, each one a straight-line block over registers:
 
     int_gemm_tiles[R]    R x 16 int32 tile of an integer GEMM (R = 2, 4, 6 rows of a 6-row panel): per k
-                         pair, 2R vpmaddwd + 2R vpaddd
-                         (qgemm.py has the layout and the drivers)
+                         pair, 2R vpmaddwd + 2R vpaddd (qgemm.py has the layout and the drivers); built for
+                         any CPU: madd_pairs is vpmaddwd with AVX2, else the same sums in generic IR
     dot_rows4            scores of 4 K rows against up to 3 query heads at once: one float32
                          accumulator register per (head, row), each K row loaded (and converted from
                          float16) once for all heads, reduced by a transposing horizontal add (a loop
@@ -26,7 +26,8 @@ p[g, r], one multiply per row instead of one per element. Arguments are raw addr
 `np.int64(a.ctypes.data)` comes before the block reads it, so a kernel that allocates an array and
 hands a block its address calls keep_alive(a) after the block's last read (arguments of the kernel
 are kept alive by its caller). `available()` is False where the CPU Numba compiles for (isa.py)
-lacks AVX2 or FMA (or is not x86-64): callers then take their plain Numba loops. Prefill attention
+lacks AVX2 or FMA (or is not x86-64): callers then take their plain Numba loops (the integer GEMM's tile
+and q4.py's kernel excepted: they are built for any CPU through madd_pairs). Prefill attention
 stays on OpenBLAS (blas.py): these blocks are shaped for decode's few query rows, and variants built
 on them for prefill's long query runs lost to sgemm (docs/kernels.md).
 
@@ -151,6 +152,22 @@ def _load_f32x8(builder, base, index, elem: str):
 GEMM_ROWS, GEMM_COLS = 6, 16
 
 
+def madd_pairs(builder):
+    """(a, b) -> vpmaddwd of two <16 x i16> (int32 lane j = a[2j] b[2j] + a[2j + 1] b[2j + 1]): AVX2's
+    instruction where the CPU has it, else the same sums in generic vector IR (products in int32, then
+    even lanes plus odd ones), which LLVM compiles for any CPU (SSE2's pmaddwd on x86-64)."""
+    if _AVX2:
+        fn = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(V8I32, [V16I16, V16I16]))
+        return lambda a, b: builder.call(fn, [a, b])
+    v16i32, idx = ir.VectorType(I32, 16), ir.VectorType(I32, 8)
+
+    def madd(a, b):
+        p = builder.mul(builder.sext(a, v16i32), builder.sext(b, v16i32))
+        return builder.add(builder.shuffle_vector(p, p, ir.Constant(idx, list(range(0, 16, 2)))),
+                           builder.shuffle_vector(p, p, ir.Constant(idx, list(range(1, 16, 2)))))
+    return madd
+
+
 def _make_int_gemm_tile(R: int):
     """The tile below computing only the first R rows of the 6-row panel (R accumulator rows)."""
     @intrinsic
@@ -170,8 +187,7 @@ def _int_gemm_tile_code(builder, R, args):
     sxp -> float32 [6] row scales; swp -> float32 [16] column scales."""
     xp, wp, kpairs, op, ldo, rows, sxp, swp = args
     C = GEMM_COLS // 8
-    pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
-                                               ir.FunctionType(V8I32, [V16I16, V16I16]))
+    madd = madd_pairs(builder)
     xb = _ptr(builder, xp, I32)                    # one int32 = the k pair of one row
     wb = _ptr(builder, wp, V16I8)                  # one <16 x i8> = 8 columns x one k pair
 
@@ -184,7 +200,7 @@ def _int_gemm_tile_code(builder, R, args):
             xv = builder.bitcast(splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=2), V8I32),
                                  V16I16)
             for c in range(C):
-                new.append(builder.add(accs[r * C + c], builder.call(pmaddwd, [xv, wv[c]])))
+                new.append(builder.add(accs[r * C + c], madd(xv, wv[c])))
         return new
 
     fin = counted_loop(builder, kpairs, [ir.Constant(V8I32, [0] * 8)] * (R * C), step)

@@ -1,15 +1,16 @@
 """Products with quantized weights on the CPU (int8 rows, q4 blocks): which kernel computes x @ W^T for T
 rows, and the buffers they share.
 
-    int8 with a packed copy (made at load where the shape fits): the integer GEMM (qgemm.py) for any
-         number of rows, silu * up in its epilogue for the gate/up product. Every row is computed the
-         same way whatever its batch: a request's tokens do not depend on what else runs.
+    int8 with a packed copy (made at load where the shape fits; on every CPU, qgemm.py builds for each):
+         the integer GEMM (qgemm.py) for any number of rows, silu * up in its epilogue for the gate/up
+         product. Every row is computed the same way whatever its batch: a request's tokens do not
+         depend on what else runs.
     int8 with int8_activations (the engine's 8-bit-activation mode): the 8-bit-activation GEMM (a8gemm.py)
          on its own packed copy for any number of rows, silu * up in its epilogue; the same invariance.
     int8 without one (RAWINFER_CPU_INT_GEMM=0, a shape the GEMM does not fit): the row-invariant kernels
          (kernels.rows_matmul_kernel) for up to rows.ROWS_MAX rows and, in the batch-invariant mode,
-         for every row count; BLAS on dequantized row tiles above. On a CPU without AVX2 (no integer
-         GEMM) the row-invariant kernels for every row count.
+         for every row count; BLAS on dequantized row tiles above. On a CPU without AVX2 the
+         row-invariant kernels for every row count.
     q4 with a packed copy (made at load where the shape fits): the q4 integer GEMM (q4gemm.py) for any
          number of rows, silu * up in its epilogue, so again a row's bits never depend on its batch.
     q4 without one: the matrix-vector kernel (q4.py: its AVX2 build, or without AVX2 its SSE2 one) for

@@ -38,7 +38,7 @@ from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.half import half_to_float_ir
 from rawinfer.backend.cpu.kernels import fast_exp
 from rawinfer.backend.cpu.llvm import F32, I16, I32, V8F32, V8I32, V16I16, _fma, _ptr, _vload, abs_max, \
-    _vstore, counted_loop, i64, keep_alive, splat
+    _vstore, counted_loop, i64, keep_alive, madd_pairs, splat
 
 X_LEVELS = 32767            # int16 activation levels: a block's int32 sum is at most 32 * 15 * 32767
 
@@ -61,24 +61,6 @@ def _hsum8(builder, v):
     return _hsum4(builder, builder.fadd(lo, hi))
 
 
-def _pmaddwd(builder):
-    """(a, b) -> vpmaddwd of two <16 x i16>: AVX2's instruction where the CPU has it, else SSE2's pmaddwd
-    on each half (the same lanes: int32 lane j = a[2j] b[2j] + a[2j + 1] b[2j + 1])."""
-    if cpu_llvm.available():
-        fn = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(V8I32, [V16I16, V16I16]))
-        return lambda a, b: builder.call(fn, [a, b])
-    v8i16, v4i32 = ir.VectorType(I16, 8), ir.VectorType(I32, 4)
-    fn = builder.module.declare_intrinsic("llvm.x86.sse2.pmadd.wd", (), ir.FunctionType(v4i32, [v8i16, v8i16]))
-
-    def half(v, h):
-        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 8), list(range(8 * h, 8 * h + 8))))
-
-    def madd(a, b):
-        lo, hi = (builder.call(fn, [half(a, h), half(b, h)]) for h in (0, 1))
-        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 8), list(range(8))))
-    return madd
-
-
 def _scale_pairs(builder, dmb, s):
     """The float32 (d, m, d', m') of span s's two blocks, from their float16 bits: vcvtph2ps with F16C,
     else half.py's integer conversion on the 4 lanes (LLVM would call a runtime helper for fpext)."""
@@ -95,7 +77,7 @@ def _dot_sums(builder, xbs, bsbs, wp, dmp, nblocks):
     else:
         fma, fma4 = (builder.module.declare_intrinsic(f"llvm.fmuladd.v{n}f32", (), ir.FunctionType(t, [t] * 3))
                      for n, t in ((8, V8F32), (4, V4F32)))
-    pmaddwd = _pmaddwd(builder)
+    pmaddwd = madd_pairs(builder)
     wb, dmb = _ptr(builder, wp, I16), _ptr(builder, dmp, I16)
     low = ir.Constant(V16I16, [15] * 16)
     R = len(xbs)
@@ -140,10 +122,10 @@ def q4_dot(typingctx, xp, bsp, wp, dmp, nblocks, xscale):
     xq each by vpmaddwd (no shuffle: the layout puts weight 16 i + l in nibble i of lane l). One
     vcvtph2ps turns the two (d, m) pairs into floats; d_b and d_b+1 scale the blocks' int32 sums
     (two accumulators), and (d, m) times the (0, bs) pairs accumulates the m terms.
-    Built for the CPU Numba compiles for: AVX2 + FMA as above; any other x86-64 the same integer sums
-    on SSE2's 128-bit pmaddwd (exact, so the same values), the float steps as llvm.fmuladd (a product
-    and a sum where there is no FMA: last bits may differ from the AVX2 build) and the scales through
-    half.py."""
+    Built for the CPU Numba compiles for: AVX2 + FMA as above; any other CPU the same integer sums in
+    generic vector IR (exact, so the same values; SSE2's pmaddwd on x86-64), the float steps as
+    llvm.fmuladd (a product and a sum where there is no FMA: last bits may differ from the AVX2 build)
+    and the scales through half.py."""
     sig = types.float32(types.int64, types.int64, types.int64, types.int64, types.int64, types.float32)
 
     def codegen(context, builder, signature, args):

@@ -34,7 +34,9 @@ pair, work items of two blocks: gemm_packed_512, gemm_packed_silu_512), AVX2 the
 Both read the same packed operands and give the same bits (exact int32 sums, the same float32
 epilogue), so a model's output does not depend on which machine type ran it. Each path has its own
 compiled entry points (PATHS), and `int8_matmul` / `int8_matmul_silu` name this machine's.
-`available()` is False on CPUs without AVX2; the backend then dequantizes.
+Any other CPU (isa.PORTABLE) runs the AVX2 path's code built for it: llvm.int_gemm_tiles' vpmaddwd is then
+generic vector IR with the same exact sums (SSE2's pmaddwd on x86-64), so int8 models get the same
+bits there too (the silu epilogue's exp differs: no FMA).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from rawinfer.backend.cpu.llvm import GEMM_COLS as BLOCK_COLS
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
 from rawinfer.backend.cpu.kernels import Kernel
 from rawinfer.backend.cpu import isa
-from rawinfer.backend.cpu.llvm import abs_max, available, int_gemm_tiles, keep_alive
+from rawinfer.backend.cpu.llvm import abs_max, int_gemm_tiles, keep_alive
 from rawinfer.backend.cpu.vmath import silu_tile
 from rawinfer.backend.cpu.vnni import int_gemm_tiles_512
 
@@ -55,6 +57,11 @@ _z1c1, _z2c1, _z4c1, _z6c1 = (int_gemm_tiles_512[R, 1] for R in (1, 2, 4, PANEL_
 _z1c2, _z2c2, _z4c2, _z6c2 = (int_gemm_tiles_512[R, 2] for R in (1, 2, 4, PANEL_ROWS))
 
 PANELS_PER_ITEM = 16   # x panels one work item walks for its 16 columns (96 rows: ~110-300 KiB, in L2)
+
+
+def available() -> bool:
+    """Whether this CPU runs the integer GEMM: every CPU does (PATHS has a build for each isa.py path)."""
+    return True
 
 
 def supports(shape: tuple[int, int]) -> bool:
@@ -331,19 +338,17 @@ def int8_matmul_silu_avx512(x, wp, sw, out, xbuf, sx):
 # The entry points per path (isa.py's names); each is its own compiled function, so a cached build
 # of one path is never taken for another.
 PATHS = {isa.AVX512_VNNI: (int8_matmul_avx512, int8_matmul_silu_avx512),
-         isa.AVX2: (int8_matmul_avx2, int8_matmul_silu_avx2)}
+         isa.AVX2: (int8_matmul_avx2, int8_matmul_silu_avx2),
+         isa.PORTABLE: (int8_matmul_avx2, int8_matmul_silu_avx2)}     # the AVX2 drivers, built for that CPU
 
 
-def path_for(features) -> str | None:
-    """The integer GEMM's path on a CPU with `features` (isa.py), None where it has none (no AVX2)."""
-    chosen = isa.select(set(features))
-    return chosen if chosen in PATHS else None
+def path_for(features) -> str:
+    """The integer GEMM's path on a CPU with `features` (isa.py)."""
+    return isa.select(set(features))
 
 
 PATH = path_for(isa.FEATURES)
-# int8_matmul, int8_matmul_silu: the entry points of this machine's path (the AVX2 ones where there
-# is none: available() is False and nothing calls them)
-int8_matmul, int8_matmul_silu = PATHS[PATH or isa.AVX2]
+int8_matmul, int8_matmul_silu = PATHS[PATH]      # the entry points of this machine's path
 
 
 def x_buffer_sizes(M: int, K: int) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from rawinfer.backend.cpu.llvm import F32, I32, _fma, _ptr, _vload, _vstore, counted_loop, i64
+from rawinfer.backend.cpu.llvm import F32, I32, _fma, _ptr, _vload, _vstore, available, counted_loop, i64
 
 # fast_exp's constants (kernels.py uses them too)
 EXP_MIN, EXP_MAX = -87.0, 88.0            # exp(-87) = 1.6e-38 still a normal float32; exp(88) < float32 max
@@ -35,17 +35,33 @@ def const16(v, ty=V16F32):
 
 
 def exp16(builder, x):
-    """exp of the 16 float32 lanes of x (kernels.fast_exp's steps; every p * r + c one fma)."""
-    floor = builder.module.declare_intrinsic("llvm.floor.v16f32", (), ir.FunctionType(V16F32, [V16F32]))
-    fma = _fma(builder, V16F32)
+    """exp of the 16 float32 lanes of x (kernels.fast_exp's steps; every p * r + c one fma). Where the CPU
+    has no FMA (or no AVX2: the portable builds) each is llvm.fmuladd, a product and a sum there, and
+    the floor is taken through int32 (exact for the clamped range), since LLVM would make both calls
+    to libm per lane."""
+    if available():
+        floor_fn = builder.module.declare_intrinsic("llvm.floor.v16f32", (), ir.FunctionType(V16F32, [V16F32]))
+        fma_fn = _fma(builder, V16F32)
+
+        def floor(v):
+            return builder.call(floor_fn, [v])
+    else:
+        fma_fn = builder.module.declare_intrinsic("llvm.fmuladd.v16f32", (), ir.FunctionType(V16F32, [V16F32] * 3))
+
+        def floor(v):
+            t = builder.sitofp(builder.fptosi(v, V16I32), V16F32)            # toward zero
+            return builder.fsub(t, builder.uitofp(builder.fcmp_ordered(">", t, v), V16F32))
+
+    def fma(args):
+        return builder.call(fma_fn, args)
     x = builder.select(builder.fcmp_ordered(">", x, const16(EXP_MIN)), x, const16(EXP_MIN))
     x = builder.select(builder.fcmp_ordered("<", x, const16(EXP_MAX)), x, const16(EXP_MAX))
-    n = builder.call(floor, [builder.call(fma, [x, const16(LOG2E), const16(0.5)])])
-    r = builder.call(fma, [n, const16(-LN2_HI), x])
-    r = builder.call(fma, [n, const16(-LN2_LO), r])
+    n = floor(fma([x, const16(LOG2E), const16(0.5)]))
+    r = fma([n, const16(-LN2_HI), x])
+    r = fma([n, const16(-LN2_LO), r])
     p = const16(EXP_TAYLOR[0])
     for coef in EXP_TAYLOR[1:]:
-        p = builder.call(fma, [p, r, const16(coef)])
+        p = fma([p, r, const16(coef)])
     two_n = builder.shl(builder.add(builder.fptosi(n, V16I32), const16(127, V16I32)), const16(23, V16I32))
     return builder.fmul(p, builder.bitcast(two_n, V16F32))
 
