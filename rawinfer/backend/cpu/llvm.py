@@ -125,6 +125,14 @@ def _fma(builder, ty=V8F32):
     return builder.module.declare_intrinsic(name, (), ir.FunctionType(ty, [ty] * 3))
 
 
+def mul_add(builder, ty):
+    """The a * b + c of the blocks built for any CPU (float32 `ty`, a vector type): one fma where the CPU
+    has AVX2 + FMA, else llvm.fmuladd, a product and a sum there (llvm.fma would be a libm call per lane)."""
+    if _AVX2:
+        return _fma(builder, ty)
+    return builder.module.declare_intrinsic(f"llvm.fmuladd.v{ty.count}f32", (), ir.FunctionType(ty, [ty] * 3))
+
+
 @intrinsic
 def keep_alive(typingctx, a):
     """Nothing, at run time: a use of `a` by name, so that Numba releases it no earlier than here."""

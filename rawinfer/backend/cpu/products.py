@@ -13,7 +13,7 @@ rows, and the buffers they share.
          row-invariant kernels for every row count.
     q4 with a packed copy (made at load where the shape fits): the q4 integer GEMM (q4gemm.py) for any
          number of rows, silu * up in its epilogue, so again a row's bits never depend on its batch.
-    q4 without one: the matrix-vector kernel (q4.py: its AVX2 build, or without AVX2 its SSE2 one) for
+    q4 without one: the matrix-vector kernel (q4.py: its AVX2 build, or without AVX2 its generic one) for
          the same rows as int8, BLAS on dequantized row tiles for the others.
     (float32 where fgemm.py cannot run, no AVX2 + FMA: rows.rows_matmul_f32 for up to ROWS_MAX rows or
          in the batch-invariant mode, BLAS above: backend.py.)
@@ -99,7 +99,7 @@ class QuantizedProducts(Backend):
             check_array("out", out)
             cpu_q4gemm.q4_matmul_silu(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
             return
-        if isinstance(w, Q4Weight) and w.packed is None and self._q4_matvec(x, scratch):
+        if isinstance(w, Q4Weight) and w.packed is None and self._on_rows(x, scratch):
             shapes.linear_silu_mul(x, w.shape, out)
             check_array("x", x, np.float32)
             check_array("out", out)
@@ -134,11 +134,6 @@ class QuantizedProducts(Backend):
         batch-invariant by default on every CPU), or no workspace for the tiles."""
         return x.shape[0] <= cpu_rows.ROWS_MAX or self.one_attention or scratch is None or not cpu_llvm.available()
 
-    def _q4_matvec(self, x, scratch) -> bool:
-        """Whether a q4 product of x takes the matrix-vector kernel (_on_rows's rows; q4.py builds it for
-        any x86-64 CPU)."""
-        return self._on_rows(x, scratch)
-
     @staticmethod
     def _q4_parts(w: Q4Weight) -> tuple[np.ndarray, np.ndarray]:
         """(nibbles, block scales as uint16 float16 bits): what the q4 kernels take, after checking that
@@ -154,7 +149,7 @@ class QuantizedProducts(Backend):
             cpu_q4gemm.q4_matmul(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
             return
         qs, dm = self._q4_parts(w)
-        if self._q4_matvec(x, scratch):
+        if self._on_rows(x, scratch):
             cpu_q4.q4_matvec(x, qs, dm, out)
             return
         self._dequantized_matmul(x, qs.view(np.uint16), dm, out, scratch)

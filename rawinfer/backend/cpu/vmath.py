@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from rawinfer.backend.cpu.llvm import F32, I32, _fma, _ptr, _vload, _vstore, available, counted_loop, i64
+from rawinfer.backend.cpu.llvm import F32, I32, _ptr, _vload, _vstore, available, counted_loop, i64, mul_add
 
 # fast_exp's constants (kernels.py uses them too)
 EXP_MIN, EXP_MAX = -87.0, 88.0            # exp(-87) = 1.6e-38 still a normal float32; exp(88) < float32 max
@@ -39,15 +39,13 @@ def exp16(builder, x):
     has no FMA (or no AVX2: the portable builds) each is llvm.fmuladd, a product and a sum there, and
     the floor is taken through int32 (exact for the clamped range), since LLVM would make both calls
     to libm per lane."""
+    fma_fn = mul_add(builder, V16F32)
     if available():
         floor_fn = builder.module.declare_intrinsic("llvm.floor.v16f32", (), ir.FunctionType(V16F32, [V16F32]))
-        fma_fn = _fma(builder, V16F32)
 
         def floor(v):
             return builder.call(floor_fn, [v])
     else:
-        fma_fn = builder.module.declare_intrinsic("llvm.fmuladd.v16f32", (), ir.FunctionType(V16F32, [V16F32] * 3))
-
         def floor(v):
             t = builder.sitofp(builder.fptosi(v, V16I32), V16F32)            # toward zero
             return builder.fsub(t, builder.uitofp(builder.fcmp_ordered(">", t, v), V16F32))
