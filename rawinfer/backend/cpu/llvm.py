@@ -12,10 +12,9 @@ the way the hardware wants are written here instead, each one a straight-line bl
                          over rows with a reduction each pays a horizontal sum per row)
     axpy_rows32          o[g, 0:32] += sum_r p[g, r] * v[r, 0:32] for up to 3 heads, o held in registers
                          across the rows (a vectorized loop over d would load and store o for every row)
-    prefetch             prefetcht0 over a byte range (the next KV block while this one is scored);
-    prefetch_l2          prefetcht1, not into L1 (fgemm's next weight tile, while L1 holds this one)
+    prefetch[_l2]        prefetcht0 over a byte range (the next KV block while this one is scored); prefetcht1,
+                         not into L1 (fgemm's next weight tile, while L1 holds this one)
     abs_max              max |x| over a float32 row, 8 lanes at a time (the activation quantizer's scale)
-
     keep_alive           nothing at run time: keeps an array read through its raw address alive
 
 dot_rows4 and axpy_rows32 come in builds per head count (1..HEADS_MAX) and row type (ELEMS): float32
