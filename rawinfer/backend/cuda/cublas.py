@@ -15,6 +15,7 @@ first of its sonames that loads, so cupy-cuda12x and cupy-cuda13x both work.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from pathlib import Path
 
 CUDA_R = {"float": 0, "f16": 2, "bf16": 14}   # cudaDataType: CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
@@ -63,6 +64,7 @@ class Cublas:
         lib = self._lib = load_library()
         vp, i = ctypes.c_void_p, ctypes.c_int
         lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasDestroy_v2.argtypes = [vp]
         lib.cublasSetStream_v2.argtypes = [vp, vp]
         lib.cublasSetPointerMode_v2.argtypes = [vp, i]
         lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
@@ -73,6 +75,9 @@ class Cublas:
         handle = vp()
         _check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
         self._handle = handle
+        # The handle goes when its launcher does (tests and notebooks make many engines in one process),
+        # but not at interpreter exit, when the CUDA context may already be gone.
+        weakref.finalize(self, lib.cublasDestroy_v2, handle).atexit = False
         _check(lib.cublasSetPointerMode_v2(handle, POINTER_MODE_HOST), "cublasSetPointerMode")
         self._stream: int | None = None
 
