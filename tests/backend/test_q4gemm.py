@@ -1,6 +1,7 @@
 """The q4 integer GEMM (rawinfer/backend/cpu/q4gemm.py) against NumPy: the packed layout, every tile
-build (panels of 1..6 rows, one or two column blocks), both instruction-set paths bit for bit where the
-machine has both, and a row's bits that do not depend on the other rows of the call."""
+build (panels of 1..6 rows, one or two column blocks), the AVX2 and AVX-512 paths bit for bit where the
+machine has both (the portable build where tools/test_portable.sh makes it), and a row's bits that do not
+depend on the other rows of the call."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from rawinfer.backend.cpu.backend import CPUBackend
 from rawinfer.quant import Q4Weight, dequantize_q4, quantize_q4
 from reference_ops import silu_mul_ref
 
-pytestmark = pytest.mark.skipif(not G.available(), reason="the q4 GEMM needs AVX2, FMA and F16C")
-PATHS = [p for p in (isa.AVX2, isa.AVX512_VNNI) if isa.supports(p)]
+# The portable path is the AVX2 drivers built for a CPU without AVX2: tested where the build is that
+# (tools/test_portable.sh), since elsewhere it is the AVX2 build again.
+PATHS = ([p for p in (isa.AVX2, isa.AVX512_VNNI) if isa.supports(p)]
+         + ([isa.PORTABLE] if isa.HOST == isa.PORTABLE else []))
 RNG = np.random.default_rng(7)
 
 

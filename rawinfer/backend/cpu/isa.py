@@ -9,8 +9,8 @@ without it.
 
     avx512_vnni   AVX-512 F/BW with VNNI: the integer GEMM on 512-bit vectors and vpdpwssd (vnni.py)
     avx2          AVX2 + FMA: the integer GEMM on vpmaddwd, the q4 kernels, the AVX2 attention (llvm.py)
-    portable      anything else: plain Numba loops, generic vector IR (the int8 GEMM's AVX2 drivers, q4's
-                  matrix-vector kernel), row-invariant dot products (rows.py)
+    portable      anything else: plain Numba loops, generic vector IR (the int8 and q4 GEMMs' AVX2 drivers,
+                  q4's matrix-vector kernel), row-invariant dot products (rows.py)
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ GGUF's layers are Q4_1 already: converted with --quant q4 they keep the file's w
 
     q4_dot            one row's dot product against x, straight from the nibbles (LLVM IR: AVX2, or
                       generic vector IR on any other CPU); q4_dot_rows the same for 4 rows of x at once
-    q4_matvec         out[T, N] = x[T, K] @ W^T for a few rows T (decode; every T without AVX2)
+    q4_matvec         out[T, N] = x[T, K] @ W^T for a few rows T (decode; every T without AVX2, for weights
+                      the q4 GEMM's packed layout does not fit)
     q4_matvec_silu    out[T, F] = silu(x @ Wg^T) * (x @ Wu^T) for a gate_up weight [Wg; Wu]
     dequantize_tile   more rows (prefill, AVX2 without the q4 GEMM): tiles of W as float32 for OpenBLAS's
                       sgemm (blas.quant_matmul_nt), the float model's own arithmetic on the same weights

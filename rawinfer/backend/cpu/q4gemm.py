@@ -1,5 +1,6 @@
-"""Integer GEMM for q4 weights (quant.py's Q4_1 blocks) on x86 CPUs with AVX2 or AVX-512 VNNI, for any
-number of rows: one token's decode, a batch, a prompt.
+"""Integer GEMM for q4 weights (quant.py's Q4_1 blocks), for any number of rows: one token's decode, a
+batch, a prompt. Paths (isa.py): AVX-512 VNNI, AVX2, and on any other CPU the AVX2 path's code built
+for it (q4tile.py's generic IR; the float steps without FMA there, so its bits are its own).
 
 Why one kernel for every row count: the q4 matrix-vector kernel (q4.py) and BLAS on dequantized tiles
 (prefill) round differently, so a request's tokens depended on its batch; and prefill on BLAS ran at
@@ -29,7 +30,7 @@ x is quantized into qgemm's 6-row panels of int32 k pairs, broadcast one row at 
 in LLVM IR for both paths) keeps R x 16 (AVX2) or R x 32 (AVX-512, two column blocks) int32 sums per
 k-block and as many float32 accumulators across k-blocks.
 
-Both paths give the same bits (exact int32 sums, the same float32 fma sequence per element).
+The AVX2 and AVX-512 paths give the same bits (exact int32 sums, the same float32 fma sequence per element).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import numba as nb
 import numpy as np
 
 from rawinfer.backend.cpu import isa
-from rawinfer.backend.cpu import llvm as cpu_llvm
 from rawinfer.backend.cpu.kernels import Kernel
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
 from rawinfer.backend.cpu.q4tile import BLOCK_COLS, D_AT, M_AT, OCTETS, RECORD, TILE_ROWS, q4_gemm_tiles  # noqa: F401
@@ -50,8 +50,8 @@ X_LEVELS = 32767
 
 
 def available() -> bool:
-    """AVX2, FMA and F16C (the block scales are float16) on the CPU Numba compiles for."""
-    return cpu_llvm.available() and cpu_llvm.has_f16c()
+    """Whether this CPU runs the q4 GEMM: every CPU does (PATHS has a build for each isa.py path)."""
+    return True
 
 
 def supports(shape: tuple[int, int]) -> bool:
@@ -299,8 +299,7 @@ def q4_matmul_silu_avx512(x, wp, out, xbuf, sx, bsbuf):
 # The entry points per path (isa.py's names): separate compiled functions, so a cached build of one
 # path is never taken for another.
 PATHS = {isa.AVX512_VNNI: (q4_matmul_avx512, q4_matmul_silu_avx512),
-         isa.AVX2: (q4_matmul_avx2, q4_matmul_silu_avx2)}
-PATH = isa.HOST if isa.HOST in PATHS else None
-# q4_matmul, q4_matmul_silu: this machine's path (the AVX2 ones where there is none: available() is
-# False and nothing calls them)
-q4_matmul, q4_matmul_silu = PATHS[PATH or isa.AVX2]
+         isa.AVX2: (q4_matmul_avx2, q4_matmul_silu_avx2),
+         isa.PORTABLE: (q4_matmul_avx2, q4_matmul_silu_avx2)}      # the AVX2 drivers, built for that CPU
+PATH = isa.HOST
+q4_matmul, q4_matmul_silu = PATHS[PATH]      # the entry points of this machine's path

@@ -3,16 +3,19 @@ intrinsics, one source for both paths:
 
     q4_gemm_tiles[path, R, C]   R rows of a 6-row x panel (R = 1, 2, 4, 6) against C 16-column blocks;
                                 AVX2: C = 1 as two ymm per row, vpmaddwd + vpaddd; AVX-512 VNNI: C = 1
-                                or 2 (blocks given by separate addresses), one zmm per block, vpdpwssd
+                                or 2 (blocks given by separate addresses), one zmm per block, vpdpwssd.
+                                The AVX2 build compiles for any CPU: llvm.madd_pairs and llvm.mul_add are
+                                generic IR where AVX2 and FMA are missing, the scales' conversion
+                                half.py's integer one where F16C is
 
-Per k-block of 32: per k octet, one load of each vector's 4L bytes as 2L int16 lanes, each lane holding
-four nibbles, one per k pair of its column (q4gemm.py's layout); `& 15`, `>> 4 & 15`, `>> 8 & 15` and
-`>> 12` give the octet's four k pairs in pmaddwd's order (no widening shuffle); per pair one broadcast
-int32 x pair per row and R x (vectors) multiply-adds into int32 sums that start from zero; then per sum,
-in this order, acc = fma(float(s), d, acc) and acc = fma(m, bs, acc) (d and m converted from float16
-with vcvtph2ps); at the end acc * sx is stored for the rows < rows. The float32 accumulators live across
-k-blocks (the int32 ones within one), so the 6-row builds keep 12 int32 and 12 float32 vectors:
-AVX-512's 32 zmm hold both, AVX2 spills the float ones once per k-block.
+Per k-block of 32: per k octet, one load of each vector's 4L bytes as 2L int16 lanes, each lane holding four
+nibbles, one per k pair of its column (q4gemm.py's layout); `& 15`, `>> 4 & 15`, `>> 8 & 15` and `>> 12` give
+the octet's four k pairs in pmaddwd's order (no widening shuffle); per pair one broadcast int32 x pair per row
+and R x (vectors) multiply-adds into int32 sums that start from zero; then per sum, in this order, acc =
+fma(float(s), d, acc) and acc = fma(m, bs, acc) (d and m converted from float16 with vcvtph2ps where the CPU
+has F16C); at the end acc * sx is stored for the rows < rows. The float32 accumulators live across k-blocks
+(the int32 ones within one), so the 6-row builds keep 12 int32 and 12 float32 vectors: AVX-512's 32 zmm hold
+both, AVX2 spills the float ones once per k-block.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from numba.extending import intrinsic
 
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
-from rawinfer.backend.cpu.llvm import F16, F32, I8, I16, I32, _ptr, _vload, _vstore, counted_loop, i64, splat
-from rawinfer.backend.cpu.llvm import prefetch_line
+from rawinfer.backend.cpu.half import half_to_float_ir
+from rawinfer.backend.cpu.llvm import F32, I8, I16, I32, _ptr, _vload, _vstore, counted_loop, i64, splat
+from rawinfer.backend.cpu.llvm import madd_pairs, mul_add, prefetch_line
 from rawinfer.quant import Q4_BLOCK
 
 BLOCK_COLS = 16                 # output columns per packed column block
@@ -51,15 +55,15 @@ def _tile_code(builder, path, R, C, args):
     blocks = [args[6 + 2 * c:8 + 2 * c] for c in range(C)]
     L = 16 if path == isa.AVX512_VNNI else 8                 # int32 lanes per vector
     vi32, vi16, vf32 = ir.VectorType(I32, L), ir.VectorType(I16, 2 * L), ir.VectorType(F32, L)
-    vhalf = ir.VectorType(F16, L)
-    fma = builder.module.declare_intrinsic(f"llvm.fma.v{L}f32", (), ir.FunctionType(vf32, [vf32] * 3))
+    vhalf = ir.VectorType(I16, L)                            # float16 bits
+    fma = mul_add(builder, vf32)
     if L == 16:
         dpwssd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpwssd.512", (),
                                                   ir.FunctionType(vi32, [vi32] * 3))
         madd = (lambda acc, xv, wv: builder.call(dpwssd, [acc, xv, builder.bitcast(wv, vi32)]))
     else:
-        pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(vi32, [vi16] * 2))
-        madd = (lambda acc, xv, wv: builder.add(acc, builder.call(pmaddwd, [builder.bitcast(xv, vi16), wv])))
+        pairs = madd_pairs(builder)
+        madd = (lambda acc, xv, wv: builder.add(acc, pairs(builder.bitcast(xv, vi16), wv)))
     parts = BLOCK_COLS // L                                  # vectors per column block
     vecs = [(c, h) for c in range(C) for h in range(parts)]  # vector v: block c, columns h L .. h L + L - 1
     xb, bsb = _ptr(builder, xp, I32), _ptr(builder, bsp, F32)
@@ -98,8 +102,10 @@ def _tile_code(builder, path, R, C, args):
         accs = chains[0]
         for more in chains[1:]:
             accs = [builder.add(a, c) for a, c in zip(accs, more)]
-        d = [builder.fpext(_vload(builder, rec[c], i64(D_AT + h * 2 * L), vhalf, align=1), vf32) for c, h in vecs]
-        m = [builder.fpext(_vload(builder, rec[c], i64(M_AT + h * 2 * L), vhalf, align=1), vf32) for c, h in vecs]
+        d = [half_to_float_ir(builder, _vload(builder, rec[c], i64(D_AT + h * 2 * L), vhalf, align=1))
+             for c, h in vecs]
+        m = [half_to_float_ir(builder, _vload(builder, rec[c], i64(M_AT + h * 2 * L), vhalf, align=1))
+             for c, h in vecs]
         new = []
         for r in range(R):
             bs = splat(builder, builder.load(builder.gep(bsb, [builder.add(builder.mul(i64(r), nkb), b)])), vf32)
