@@ -174,19 +174,19 @@ def _raw_address_kernels():
         g, u = out[:, :160].astype(np.float64), out[:, 160:]        # the products as the kernel rounds them
         np.testing.assert_allclose(act, g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-5, err_msg="q4 matvec silu")
     from rawinfer.backend.cpu import qgemm
-    if qgemm.available():                                      # the integer GEMM and its silu epilogue
-        x = rng.standard_normal((13, 576)).astype(np.float32)
-        q = rng.integers(-127, 128, (64, 576)).astype(np.int8)
-        s = rng.random(64).astype(np.float32) * 0.01
-        xbuf, sbuf = (np.empty(n, t) for n, t in zip(qgemm.x_buffer_sizes(13, 576), (np.int16, np.float32)))
-        out = np.zeros((13, 64), np.float32)
-        qgemm.int8_matmul(x, qgemm.pack_weights(q), s, out, xbuf, sbuf)
-        ref = int8_matmul_ref(x, q, s, qgemm.act_qmax(576))
-        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5, err_msg="int8 GEMM")
-        out = np.zeros((13, 32), np.float32)
-        qgemm.int8_matmul_silu(x, qgemm.pack_weights(q), s, out, xbuf, sbuf)
-        g, u = ref[:, :32], ref[:, 32:]
-        np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-5, err_msg="int8 GEMM silu")
+    # the integer GEMM and its silu epilogue
+    x = rng.standard_normal((13, 576)).astype(np.float32)
+    q = rng.integers(-127, 128, (64, 576)).astype(np.int8)
+    s = rng.random(64).astype(np.float32) * 0.01
+    xbuf, sbuf = (np.empty(n, t) for n, t in zip(qgemm.x_buffer_sizes(13, 576), (np.int16, np.float32)))
+    out = np.zeros((13, 64), np.float32)
+    qgemm.int8_matmul(x, qgemm.pack_weights(q), s, out, xbuf, sbuf)
+    ref = int8_matmul_ref(x, q, s, qgemm.act_qmax(576))
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5, err_msg="int8 GEMM")
+    out = np.zeros((13, 32), np.float32)
+    qgemm.int8_matmul_silu(x, qgemm.pack_weights(q), s, out, xbuf, sbuf)
+    g, u = ref[:, :32], ref[:, 32:]
+    np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-5, err_msg="int8 GEMM silu")
 
 
 def _in_new_process(call: str, timeout: int, **env) -> None:
@@ -250,12 +250,11 @@ def _kernel_outputs(cache_dir: str, out_path: str) -> None:
         out = np.zeros((5, 320), np.float32)
         fgemm.matmul_nt(rng.standard_normal((5, 576)).astype(np.float32), w, out, 2)
         got["fgemm"] = out
-    if qgemm.available():
-        xx = rng.standard_normal((13, 576)).astype(np.float32)
-        xbuf, sbuf = (np.empty(n, t) for n, t in zip(qgemm.x_buffer_sizes(13, 576), (np.int16, np.float32)))
-        out = np.zeros((13, 160), np.float32)
-        qgemm.int8_matmul_silu(xx, qgemm.pack_weights(q), s, out, xbuf, sbuf)
-        got["int8 GEMM silu"] = out
+    xx = rng.standard_normal((13, 576)).astype(np.float32)
+    xbuf, sbuf = (np.empty(n, t) for n, t in zip(qgemm.x_buffer_sizes(13, 576), (np.int16, np.float32)))
+    out = np.zeros((13, 160), np.float32)
+    qgemm.int8_matmul_silu(xx, qgemm.pack_weights(q), s, out, xbuf, sbuf)
+    got["int8 GEMM silu"] = out
     compiled = sum(sum(d.stats.cache_misses.values()) for d in cpu_cache._dispatchers())
     np.savez(out_path, compiled=compiled, **got)
 

@@ -13,7 +13,6 @@ import pytest
 from conftest import SMOLLM2_GGUF
 from rawinfer import LLMEngine
 from rawinfer.backend.cpu import q4 as cpu_q4
-from rawinfer.backend.cpu import q4gemm as cpu_q4gemm
 from rawinfer.backend.cpu.backend import INT8_GEMV_MAX_ROWS, CPUBackend
 from rawinfer.quant import Int8Weight, Q4Weight, dequantize_q4, quantize_q4, storage_kind
 from reference_ops import linear_ref, silu_mul_ref
@@ -248,12 +247,10 @@ def test_q4_decode_in_one_call_matches_the_per_op_path(tiny_q4_dir):
     llm = LLM(tiny_q4_dir, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256)
     model = llm.engine.model
     assert model.fused_plan is not None
-    # with the q4 GEMM (AVX2 + F16C): every pure decode batch in the one-call kernel on the packed copies
-    # (the q4 matrices on q4gemm, the int8 down_proj on qgemm); without (tools/test_portable.sh): a few
-    # rows on the matrix-vector kernels
-    packed = cpu_q4gemm.available()
-    assert model.fused_plan["packed"] == packed
-    assert model.fused_decode_max == (1 << 30 if packed else INT8_GEMV_MAX_ROWS)
+    # every pure decode batch in the one-call kernel on the packed copies (the q4 matrices on q4gemm, the
+    # int8 down_proj on qgemm), on every CPU (tools/test_portable.sh too)
+    assert model.fused_plan["packed"]
+    assert model.fused_decode_max == 1 << 30
     prompts = [[5, 9, 200, 31], [7, 7, 7], [100]]
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     fused = [r.token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]

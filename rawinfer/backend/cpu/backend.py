@@ -58,8 +58,8 @@ class CPUBackend(QuantizedProducts):
     def __init__(self, num_threads: int | None = None, int_gemm: bool = True, cache_dir: str | None = None,
                  one_attention: bool = False, int8_activations: bool = False):
         """num_threads: the Numba pool's size (None: every core). int_gemm: int8 and q4 models' products in
-        integer arithmetic on int16-quantized activations (qgemm.py, q4gemm.py), for any row count, where
-        the CPU has AVX2; False dequantizes the weights to float32 for BLAS instead (matrix-vector
+        integer arithmetic on int16-quantized activations (qgemm.py, q4gemm.py), for any row count, on
+        every CPU; False dequantizes the weights to float32 for BLAS instead (matrix-vector
         kernels for a few rows)
         (EngineConfig.cpu_int_gemm, RAWINFER_CPU_INT_GEMM=0). cache_dir: the user cache whose kernels/
         folder keeps the compiled kernels (EngineConfig.cache_dir; None: Numba's own locations).
@@ -86,7 +86,7 @@ class CPUBackend(QuantizedProducts):
         # num_threads None: every core while the machine is otherwise idle, fewer while other processes
         # keep cores busy (threads.py); a number given is kept as it is.
         self._governor = ThreadGovernor(self.threads) if num_threads is None and self.threads > 1 else None
-        self.int_gemm = int_gemm and cpu_qgemm.available()
+        self.int_gemm = int_gemm
         self._qx = np.empty(0, np.int16)                   # activation buffers of the integer GEMM,
         self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
         self._qb = np.empty(0, np.float32)                 # (and the q4 GEMM's block sums)

@@ -49,15 +49,11 @@ assert BLOCK_COLS == 16          # qgemm.silu_rows, the shared epilogue, writes 
 X_LEVELS = 32767
 
 
-def available() -> bool:
-    """Whether this CPU runs the q4 GEMM: every CPU does (PATHS has a build for each isa.py path)."""
-    return True
-
-
 def supports(shape: tuple[int, int]) -> bool:
-    """Whether a q4 weight [N, K] fits the packed layout (whole 16-column blocks, whole spans)."""
+    """Whether a q4 weight [N, K] fits the packed layout (whole 16-column blocks, whole spans). Every CPU
+    runs the GEMM (PATHS has a build for each isa.py path): only the shape decides."""
     N, K = shape
-    return available() and N % BLOCK_COLS == 0 and K % Q4_SPAN == 0 and K > 0
+    return N % BLOCK_COLS == 0 and K % Q4_SPAN == 0 and K > 0
 
 
 def unpack_nibbles(qs: np.ndarray) -> np.ndarray:

@@ -59,15 +59,11 @@ _z1c2, _z2c2, _z4c2, _z6c2 = (int_gemm_tiles_512[R, 2] for R in (1, 2, 4, PANEL_
 PANELS_PER_ITEM = 16   # x panels one work item walks for its 16 columns (96 rows: ~110-300 KiB, in L2)
 
 
-def available() -> bool:
-    """Whether this CPU runs the integer GEMM: every CPU does (PATHS has a build for each isa.py path)."""
-    return True
-
-
 def supports(shape: tuple[int, int]) -> bool:
-    """Whether a [N, K] weight fits the packed layout (whole 16-column blocks, whole k pairs)."""
+    """Whether a [N, K] weight fits the packed layout (whole 16-column blocks, whole k pairs). Every CPU
+    runs the GEMM (PATHS has a build for each isa.py path): only the shape decides."""
     N, K = shape
-    return available() and N % BLOCK_COLS == 0 and K % 2 == 0 and K > 0
+    return N % BLOCK_COLS == 0 and K % 2 == 0 and K > 0
 
 
 @nb.njit(cache=True)
