@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -14,6 +17,31 @@ DATA = os.path.join(ROOT, "tests", "data")
 SMOLLM2_DIR = os.path.join(ROOT, "weights", "smollm2-135m-instruct")
 SMOLLM2_GGUF = os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser("~/.cache/rawinfer")),
                             "SmolLM2-135M-Instruct.Q4_1.gguf")   # cached by tools/fetch_default_model.sh
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_prefill(model: str, addr: str, engine: dict) -> subprocess.Popen:
+    """A disaggregated prefill instance (`python -m rawinfer.frontends.disagg.prefill`) in its own process,
+    bound to addr, with these engine options; returns once it printed "ready <endpoint>" (its engine is
+    loaded), or fails the test with the end of its stderr if it exits first."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    err = tempfile.TemporaryFile(mode="w+")      # a file, not a pipe: nobody reads it while the process runs
+    proc = subprocess.Popen([sys.executable, "-m", "rawinfer.frontends.disagg.prefill", model, "--bind", addr,
+                             "--engine", json.dumps(engine)], stdout=subprocess.PIPE, stderr=err, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
+    line = proc.stdout.readline()           # bounded by its exit
+    if not line.startswith("ready"):
+        proc.kill()
+        proc.wait(10)
+        err.seek(0)
+        pytest.fail(f"the prefill instance did not start: {line!r} {err.read()[-2000:]}")
+    return proc
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,12 +6,8 @@ side. Skipped wherever no usable GPU or no pyzmq is present."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -23,17 +19,11 @@ USABLE, WHY = cuda_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]
 pytest.importorskip("zmq")
 
-from conftest import DATA, ROOT  # noqa: E402
+from conftest import DATA, free_port, start_prefill  # noqa: E402
 
 # An explicit pool: two processes share the GPU, so neither may size its pool from all free memory.
 OPTS = dict(device="cuda", kv_cache_memory="64MiB", max_num_batched_tokens=256, warmup=False)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-def _free_addr() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture(scope="module")
@@ -44,28 +34,16 @@ def bf16_llama(tmp_path_factory) -> str:
     return dst
 
 
-def _start_prefill(model: str, addr: str) -> subprocess.Popen:
-    """The prefill role in its own process, warmed up as `rawinfer serve --role prefill` is (a cold CUDA
-    engine's first steps load modules and pick cuBLAS algorithms, which can outlast a heartbeat)."""
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "rawinfer.frontends.disagg.prefill", model, "--bind", addr,
-                             "--engine", json.dumps({**OPTS, "warmup": True})], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
-    line = proc.stdout.readline()           # "ready <endpoint>" once the engine is loaded (bounded by its exit)
-    if not line.startswith("ready"):
-        proc.kill()
-        pytest.fail(f"the prefill instance did not start: {line!r} {proc.stderr.read()[-2000:]}")
-    return proc
-
-
 def test_cuda_decode_server_with_a_cuda_prefill_process(bf16_llama):
     from rawinfer import LLM, LLMEngine, SamplingParams
     from rawinfer.frontends.disagg.connector import DecodeConfig, DecodeConnector
     from rawinfer.frontends.server.client import Client
     from rawinfer.frontends.server.server import Server, ServerConfig
 
-    addr, paddr = _free_addr(), _free_addr()
-    proc = _start_prefill(bf16_llama, paddr)
+    addr, paddr = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    # warmed up as `rawinfer serve --role prefill` is: a cold CUDA engine's first steps load modules and
+    # pick cuBLAS algorithms, which can outlast a heartbeat
+    proc = start_prefill(bf16_llama, paddr, {**OPTS, "warmup": True})
     prompts = [list(range(20 + i, 60 + 5 * i)) for i in range(8)]
     want = [r.token_ids for r in LLM(bf16_llama, **OPTS).generate(
         prompts, SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)]

@@ -11,7 +11,6 @@ import pty
 import re
 import select
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from conftest import DATA, ROOT  # noqa: E402
+from conftest import DATA, ROOT, free_port  # noqa: E402,F401 - free_port: its importers take it from here too
 
 CHAT_TEMPLATE = os.path.join(DATA, "tokenizer", "smollm2_chat_template.jinja")
 
@@ -70,10 +69,6 @@ def make_chat_model(dst: str) -> str:
     return dst
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

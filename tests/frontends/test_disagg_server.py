@@ -4,11 +4,7 @@ every request completed (policy recompute) and no block held."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,27 +15,15 @@ from rawinfer.frontends.disagg.connector import DecodeConfig, DecodeConnector
 from rawinfer.frontends.server.client import Client
 from rawinfer.frontends.server.server import Server, ServerConfig
 
-from conftest import ROOT
-from cli_util import free_port  # noqa: E402
+from conftest import free_port, start_prefill
 
 OPTS = dict(device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256, warmup=False)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-def start_prefill(model: str, addr: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "rawinfer.frontends.disagg.prefill", model, "--bind", addr,
-                             "--engine", json.dumps(OPTS)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
-    line = proc.stdout.readline()           # "ready <endpoint>" once the engine is loaded (bounded by its exit)
-    if not line.startswith("ready"):
-        proc.kill()
-        pytest.fail(f"the prefill instance did not start: {line!r}")
-    return proc
-
-
 def test_decode_server_with_a_prefill_process_that_gets_killed(tiny_llama_dir):
     addr, paddr = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    proc = start_prefill(tiny_llama_dir, paddr)
+    proc = start_prefill(tiny_llama_dir, paddr, OPTS)
     decode = LLMEngine(tiny_llama_dir, **OPTS)
     conn = DecodeConnector(decode, DecodeConfig(prefill=[paddr], min_remote_tokens=16, heartbeat_s=0.05,
                                                 peer_timeout_s=0.5, transfer_timeout_s=3.0))

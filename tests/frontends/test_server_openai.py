@@ -3,7 +3,6 @@ context, the metrics in `stats`, and log-probabilities over the wire, on an in-p
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -12,11 +11,9 @@ from rawinfer.frontends.server import protocol as P
 from rawinfer.frontends.server.client import Client, RequestError
 from rawinfer.frontends.server.server import Server, ServerConfig
 
+from conftest import free_port  # noqa: E402
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 @pytest.fixture(scope="module")
