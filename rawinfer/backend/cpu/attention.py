@@ -248,9 +248,10 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
     a time with the outputs in registers across a V block's rows (axpy_rows32), each K and V row loaded
     (and, for float16 caches, converted) once for the query heads it serves. The caches come from DRAM
     (every layer's blocks are read once per step): the K block two ahead, and this block's V, are
-    prefetched while a K block is scored, and the next work item's first two K blocks at its start, all
-    into L2 (prefetcht1): a block is 64 cache lines, and prefetches into L1 stall on its few miss
-    buffers, so fewer blocks were in flight (docs/kernels.md).
+    prefetched while a K block is scored, a quarter of each before each 4-row group, and the next work
+    item's first two K blocks a slice per V block of this item's second pass, all into L2 (prefetcht1):
+    a block is 64 cache lines, prefetches into L1 stall on its few miss buffers, and a block's lines
+    requested in one burst arrived slower than the same requests spread over the scoring (docs/kernels.md).
     Needs BS % 4 == 0, D % 32 == 0 (decode_attention_avx2_fits); the 4-row groups may read a block's
     rows past the context, which exist and whose scores are never used. int8 caches: the row scales
     are applied inside the blocks, once per row (to the 4 scores, to the weights p). window W > 0: the
@@ -265,11 +266,11 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
     for w in nb.prange(B * Hkv):
         b = w // Hkv
         kvh = w % Hkv
-        if w + 1 < B * Hkv:                              # the next item's first two K blocks
+        b1, h1, p1, n1 = b, kvh, 0, 0                     # the next item's first two K blocks
+        if w + 1 < B * Hkv:
             b1, h1 = (w + 1) // Hkv, (w + 1) % Hkv
             p1 = window_start(context_lens[b1] - 1, window) // BS
-            for page in range(p1, min(p1 + 2, (context_lens[b1] + BS - 1) // BS)):
-                prefetch_l2(k0 + tile_offset(block_tables, b1, page, h1, Hkv, tbytes), tbytes)
+            n1 = min(2, (context_lens[b1] + BS - 1) // BS - p1)
         n = context_lens[b]
         lo = window_start(n - 1, window)
         p0 = lo // BS                                    # s[g, (page - p0) * BS + r]: row r of a page
@@ -282,12 +283,15 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
         qa, sa, oa = np.int64(q.ctypes.data), np.int64(s.ctypes.data), np.int64(o.ctypes.data)
         for page in range(p0, pages):
             tile = tile_offset(block_tables, b, page, kvh, Hkv, tbytes)
-            if page + 2 < pages:
-                prefetch_l2(k0 + tile_offset(block_tables, b, page + 2, kvh, Hkv, tbytes), tbytes)
-            prefetch_l2(v0 + tile, tbytes)
+            ahead = tile_offset(block_tables, b, page + 2, kvh, Hkv, tbytes) if page + 2 < pages else -1
             rows = min(BS, n - page * BS)
+            part = tbytes * 4 // BS
             for g0 in range(0, G, HM):
                 for r0 in range(0, rows, 4):
+                    if g0 == 0:
+                        if ahead >= 0:
+                            prefetch_l2(k0 + ahead + r0 // 4 * part, part)
+                        prefetch_l2(v0 + tile + r0 // 4 * part, part)
                     kv_dot_rows4(k_cache, G - g0, qa + g0 * D * 4, D, k0 + tile + r0 * D * isz, D, D // 8,
                                  sa + (g0 * width + (page - p0) * BS + r0) * 4, width,
                                  k0 + tile + BS * D + r0 * 4)     # int8: the rows' scales (else unused)
@@ -296,8 +300,14 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
         for g in range(G):
             inv[g] = softmax_numerators(s[g, skip:], n - lo)
             s[g, :skip] = np.float32(0.0)
+        each = (n1 * tbytes // (pages - p0) + 63) // 64 * 64
         for page in range(p0, pages):
             tile = tile_offset(block_tables, b, page, kvh, Hkv, tbytes)
+            at = (page - p0) * each
+            while at < min((page - p0 + 1) * each, n1 * tbytes):     # (a slice may span two tiles)
+                k = min((page - p0 + 1) * each, (at // tbytes + 1) * tbytes) - at
+                prefetch_l2(k0 + tile_offset(block_tables, b1, p1 + at // tbytes, h1, Hkv, tbytes) + at % tbytes, k)
+                at += k
             rows = min(BS, n - page * BS)
             for g0 in range(0, G, HM):
                 for d0 in range(0, D, 32):
