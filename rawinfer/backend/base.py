@@ -148,6 +148,10 @@ class Backend(ABC):
         """Called by the runner before each step's first op: a backend may adapt to the machine here (the
         CPU backend picks its thread count)."""
 
+    def after_warm_up(self) -> None:
+        """Called when the engine's warm-up is done: what the backend measured of the machine during it
+        (the CPU backend: the compile helper's load, as another program's) no longer holds."""
+
     def synchronize(self) -> None:
         """Wait until every queued op has finished (a no-op on the CPU)."""
 

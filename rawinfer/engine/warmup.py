@@ -61,6 +61,7 @@ def warm_up(engine) -> float:
     if ok(head + 3):
         engine.score(prompt(head + 3), [head, 1, 1, 1])
     engine.reset_state()
+    engine.backend.after_warm_up()
     seconds = time.monotonic() - t0
     log.info("warm-up done in %.1f s", seconds)
     return seconds

@@ -55,6 +55,31 @@ def test_short_blips_do_not_flap_and_unreadable_machines_keep_every_thread():
     assert read_machine_busy_seconds() is None or read_machine_busy_seconds() > 0
 
 
+def test_reset_gives_every_thread_back_and_forgets_the_load_seen_so_far():
+    """The warm-up's compile helper is this engine's own process at work: once the warm-up is done the
+    governor starts over (every thread, readings from now on), else the first requests after a cold
+    start, and a benchmark's ceiling measured right after it, ran on one thread."""
+    m = FakeMachine()
+    g = m.governor()
+    m.advance(0.5, own_cores=1.0, other_cores=1.0)  # the helper compiling beside the engine
+    assert g.update() == 1
+    assert g.reset() == 2 and g.threads == 2 and g.others == 0.0
+    m.advance(0.5, own_cores=2.0, other_cores=0.0)
+    assert g.update() == 2
+
+
+def test_the_cpu_backend_takes_every_thread_back_after_the_warm_up():
+    import numba
+    from rawinfer.backend.cpu.backend import CPUBackend
+    be = CPUBackend()
+    if be.max_threads < 2 or be._governor is None:
+        pytest.skip("one core: nothing to narrow")
+    numba.set_num_threads(1)                        # as the governor leaves it while the helper compiles
+    be.threads = be._governor.threads = 1
+    be.after_warm_up()
+    assert numba.get_num_threads() == be.threads == be.max_threads == be._governor.threads
+
+
 @pytest.mark.parametrize("quant", [None, "int8", "q4"])
 def test_outputs_do_not_depend_on_the_thread_count(tmp_path_factory, quant):
     """The same greedy tokens and the same scored logits with one thread running and with two, for every

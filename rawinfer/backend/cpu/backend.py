@@ -48,9 +48,8 @@ class CPUBackend(QuantizedProducts):
     capabilities = Capabilities(quantized_weights=("int8", "q4"))
 
     def fused_max_tokens(self, quant):
-        # Decode steps with every layer in one Numba call (fused.py), which saves the per-op dispatch:
-        # int8 / q4 models, and float32 ones where fgemm runs (AVX2 + FMA; fused_limits says which
-        # batches). Measurements: docs/kernels.md.
+        # Decode steps with every layer in one Numba call (fused.py), which saves the per-op dispatch: int8 / q4
+        # models, and float32 ones where fgemm runs (AVX2 + FMA; fused_limits: which batches; docs/kernels.md).
         if quant is None:
             return 1 if cpu_fgemm.available() else 0
         return INT8_GEMV_MAX_ROWS if quant in ("int8", "q4") else 0
@@ -59,9 +58,8 @@ class CPUBackend(QuantizedProducts):
                  one_attention: bool = False, int8_activations: bool = False):
         """num_threads: the Numba pool's size (None: every core). int_gemm: int8 and q4 models' products in
         integer arithmetic on int16-quantized activations (qgemm.py, q4gemm.py), for any row count, on
-        every CPU; False dequantizes the weights to float32 for BLAS instead (matrix-vector
-        kernels for a few rows)
-        (EngineConfig.cpu_int_gemm, RAWINFER_CPU_INT_GEMM=0). cache_dir: the user cache whose kernels/
+        every CPU; False dequantizes the weights to float32 for BLAS instead (matrix-vector kernels for a
+        few rows) (EngineConfig.cpu_int_gemm, RAWINFER_CPU_INT_GEMM=0). cache_dir: the user cache whose kernels/
         folder keeps the compiled kernels (EngineConfig.cache_dir; None: Numba's own locations).
         one_attention: every query of every step through the decode attention kernel, whatever its
         sequence's query count, and every float32 product through the row-invariant GEMM (fgemm.py)
@@ -96,6 +94,11 @@ class CPUBackend(QuantizedProducts):
         if self._governor is not None and (n := self._governor.update()) != self.threads:
             numba.set_num_threads(n)
             self.threads = n
+
+    def after_warm_up(self) -> None:
+        if self._governor is not None:     # the warm-up's compile helper is no other program taking a core
+            numba.set_num_threads(self._governor.reset())
+            self.threads = self.max_threads
 
     def kv_dtype(self, model_dtype: str, choice: str = "auto", quant: str | None = None) -> np.dtype:
         # Decode attention streams every cached K/V row each step: float16 halves those bytes, int8 (a

@@ -70,6 +70,11 @@ class ThreadGovernor:
         busy = self._machine()
         return None if busy is None else (self._clock(), busy, self._process())
 
+    def reset(self) -> int:
+        """Every thread again, and the other processes' use counted from now on; returns the count."""
+        self.threads, self.others, self._last = self.max_threads, 0.0, self._sample()
+        return self.threads
+
     def update(self) -> int:
         """The thread count to use now (cheap between intervals: one clock read)."""
         if self._last is None or self._clock() - self._last[0] < self.interval_s:
