@@ -21,8 +21,10 @@ number of rows (one row: streaming C weight rows at once; more: a register block
 
 It reads x and w in their natural layouts (row-major, K contiguous): nothing is packed at load.
 A tile's weight rows come from memory (DRAM, for a model's weights) at its first row tile and from L1
-at the others; every tile call also prefetches a slice of the next tile's rows, so that read overlaps
-the arithmetic instead of stalling the first row tile (it does not change what is computed).
+at the others; every tile call also prefetches a slice of the next tile's rows, one cache line per
+16-float chunk of its loop rather than all at once (requests spread out arrived sooner than the same
+lines in one burst: docs/kernels.md), so that read overlaps the arithmetic instead of stalling the first
+row tile (it does not change what is computed).
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from numba.extending import intrinsic
 
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu import llvm as cpu_llvm
-from rawinfer.backend.cpu.llvm import F32, I32, _fma, _ptr, _vload, _vstore, counted_loop, i64, keep_alive, prefetch_l2
+from rawinfer.backend.cpu.llvm import (F32, I32, _fma, _ptr, _vload, _vstore, counted_loop, i64, keep_alive,
+                                      prefetch_line)
 
 LANES = 16
 _VF = ir.VectorType(F32, LANES)
 _VI = ir.VectorType(I32, LANES)
+_I8P = ir.IntType(8).as_pointer()
 _M_BLOCK = 96          # rows of x a thread walks per pass over its weight rows (their panel stays in L2)
 _K_SPLIT = 1024        # longer rows (K) are walked in slices of _K_SLICE (a multiple of LANES), so that a
 _K_SLICE = 768         # tile's weight rows and x rows fit L1 together
@@ -87,9 +91,9 @@ def _tile_code(builder, R, C, args, carried=False):
     accumulators go back to accp). Each lane's fma chain goes on where it stopped, so the bits are
     those of one pass over all of K."""
     if carried:
-        xp, ldx, wp, ldw, op, ldo, K, rows, cols, accp, finish = args
+        xp, ldx, wp, ldw, op, ldo, K, rows, cols, accp, finish, pfp, pfn = args
     else:
-        xp, ldx, wp, ldw, op, ldo, K, rows, cols = args
+        xp, ldx, wp, ldw, op, ldo, K, rows, cols, pfp, pfn = args
     xb, wb, ob = _ptr(builder, xp, F32), _ptr(builder, wp, F32), _ptr(builder, op, F32)
     fma = _fma(builder, _VF)
 
@@ -107,6 +111,8 @@ def _tile_code(builder, R, C, args, carried=False):
     nfull = builder.sdiv(K, i64(LANES))
 
     def body(j, acc):
+        with builder.if_then(builder.icmp_signed("<", j, pfn)):     # one line per chunk, paced
+            prefetch_line(builder, builder.inttoptr(builder.add(pfp, builder.mul(j, i64(64))), _I8P), 2)
         at = builder.mul(j, i64(LANES))
         xv = [_vload(builder, p, at, _VF) for p in xr]
         wv = [_vload(builder, p, at, _VF) for p in wc]
@@ -168,21 +174,21 @@ def _phi(builder, a, a_block, b, b_block):
 
 def _make_tile(R: int, C: int):
     @intrinsic
-    def f32_dot_tile(typingctx, xp, ldx, wp, ldw, op, ldo, K, rows, cols):
+    def f32_dot_tile(typingctx, xp, ldx, wp, ldw, op, ldo, K, rows, cols, pfp, pfn):
         def codegen(context, builder, signature, args):
             _tile_code(builder, R, C, args)
             return context.get_dummy_value()
-        return types.void(*([types.int64] * 9)), codegen
+        return types.void(*([types.int64] * 11)), codegen
     return f32_dot_tile
 
 
 def _make_carried_tile(R: int, C: int):
     @intrinsic
-    def f32_dot_tile_carried(typingctx, xp, ldx, wp, ldw, op, ldo, K, rows, cols, accp, finish):
+    def f32_dot_tile_carried(typingctx, xp, ldx, wp, ldw, op, ldo, K, rows, cols, accp, finish, pfp, pfn):
         def codegen(context, builder, signature, args):
             _tile_code(builder, R, C, args, carried=True)
             return context.get_dummy_value()
-        return types.void(*([types.int64] * 11)), codegen
+        return types.void(*([types.int64] * 13)), codegen
     return f32_dot_tile_carried
 
 
@@ -219,13 +225,14 @@ def _prefetch_step(K, row_tiles, slices):
 
 @nb.njit(inline="always")
 def _prefetch_next(w0, K, n, n_hi, i, step):
-    """Before the i-th tile call on weight rows n .. n + _C: prefetch the i-th `step` bytes of the next
-    tile's rows (contiguous: rows are K floats apart), none past this thread's last row n_hi, into L2
-    (L1 holds the rows the tile calls are reusing)."""
+    """(address, lines): the i-th `step` bytes of the next tile's rows (contiguous: rows are K floats
+    apart), none past this thread's last row n_hi, for the i-th tile call on weight rows n .. n + _C to
+    prefetch into L2, a line per 16-float chunk (L1 holds the rows the tile calls are reusing)."""
     a = w0 + ((n + _C) * K * 4 + i * step)
     end = w0 + min(n + 2 * _C, n_hi) * K * 4
     if step > 0 and a < end:
-        prefetch_l2(a, min(step, end - a))
+        return a, (min(step, end - a) + 63) // 64
+    return np.int64(0), np.int64(0)
 
 
 @nb.njit(parallel=True, cache=True)
@@ -241,7 +248,8 @@ def matmul_nt(x, w, out, parts):
         n_lo, n_hi = N * p // parts, N * (p + 1) // parts
         if M == 1:
             for n in range(n_lo, n_hi, _C1):
-                _one(x0, Kl, w0 + n * Kl * 4, Kl, o0 + n * 4, ldo, Kl, np.int64(1), np.int64(min(_C1, n_hi - n)))
+                _one(x0, Kl, w0 + n * Kl * 4, Kl, o0 + n * 4, ldo, Kl, np.int64(1), np.int64(min(_C1, n_hi - n)),
+                     np.int64(0), np.int64(0))
         elif K <= _K_SPLIT:
             for mb in range(0, M, _M_BLOCK):
                 me = min(M, mb + _M_BLOCK)
@@ -250,10 +258,10 @@ def matmul_nt(x, w, out, parts):
                     cols = np.int64(min(_C, n_hi - n))
                     i = 0
                     for m in range(mb, me, _R):
-                        _prefetch_next(w0, Kl, n, n_hi, i, step)
+                        pa, pn = _prefetch_next(w0, Kl, n, n_hi, i, step)
                         i += 1
                         _many(x0 + m * Kl * 4, Kl, w0 + n * Kl * 4, Kl, o0 + (m * ldo + n) * 4, ldo, Kl,
-                              np.int64(min(_R, me - m)), cols)
+                              np.int64(min(_R, me - m)), cols, pa, pn)
         else:
             # K in slices of _K_SLICE, all of a block's row tiles per slice, the accumulators kept in
             # `acc` between slices: the weight rows' slice stays in L1 across the row tiles
@@ -270,11 +278,11 @@ def matmul_nt(x, w, out, parts):
                         kc = np.int64(min(_K_SLICE, K - k0))
                         finish = np.int64(k0 + _K_SLICE >= K)
                         for m in range(mb, me, _R):
-                            _prefetch_next(w0, Kl, n, n_hi, i, step)
+                            pa, pn = _prefetch_next(w0, Kl, n, n_hi, i, step)
                             i += 1
                             _many_carried(x0 + (m * Kl + k0) * 4, Kl, w0 + (n * Kl + k0) * 4, Kl,
                                           o0 + (m * ldo + n) * 4, ldo, kc, np.int64(min(_R, me - m)), cols,
-                                          a0 + (m - mb) // _R * (_R * _C * LANES * 4), finish)
+                                          a0 + (m - mb) // _R * (_R * _C * LANES * 4), finish, pa, pn)
             keep_alive(acc)
     keep_alive(x)                      # read through x0, w0, o0 up to here
     keep_alive(w)
