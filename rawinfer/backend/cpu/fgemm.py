@@ -111,7 +111,7 @@ def _tile_code(builder, R, C, args, carried=False):
     nfull = builder.sdiv(K, i64(LANES))
 
     def body(j, acc):
-        with builder.if_then(builder.icmp_signed("<", j, pfn)):     # one line per chunk, paced
+        with builder.if_then(builder.icmp_signed("<", j, pfn)):     # one line per chunk, paced (pfn lines)
             prefetch_line(builder, builder.inttoptr(builder.add(pfp, builder.mul(j, i64(64))), _I8P), 2)
         at = builder.mul(j, i64(LANES))
         xv = [_vload(builder, p, at, _VF) for p in xr]
@@ -124,6 +124,12 @@ def _tile_code(builder, R, C, args, carried=False):
     else:
         init = [zero] * (R * C)
     acc = counted_loop(builder, nfull, init, body)
+
+    def rest(i, _):                       # lines past one per chunk (a few row tiles share a big tile)
+        at = builder.add(pfp, builder.mul(builder.add(nfull, i), i64(64)))
+        prefetch_line(builder, builder.inttoptr(at, _I8P), 2)
+        return []
+    counted_loop(builder, builder.sub(pfn, nfull), [], rest)
     if not carried:
         _finish(builder, R, C, acc, xr, wc, chunk, K, nfull, rows, cols, ob, ldo)
         return
