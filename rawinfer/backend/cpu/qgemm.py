@@ -215,34 +215,49 @@ def gemm_packed_silu(xp, sx, wp, sw, out, M):
 
 # ---- AVX-512 VNNI drivers (vnni.py's tiles): two 16-column blocks per tile ---------------------------
 @nb.njit(inline="always")
-def _tile512(rows, xp, kpairs, sxp, ldo, w0, s0, o0, w1, s1, o1):
-    # The build that computes the fewest rows covering `rows`, on blocks 0 and 1.
+def _tile512(rows, xp, kpairs, sxp, ldo, w0, s0, o0, w1, s1, o1, pf):
+    # The build that computes the fewest rows covering `rows`, on blocks 0 and 1; pf = (pf0, pf1, pfn):
+    # the next weight blocks' slice to prefetch (vnni.py).
     if rows > 4:
-        _z6c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1)
+        _z6c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
     elif rows > 2:
-        _z4c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1)
+        _z4c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
     elif rows > 1:
-        _z2c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1)
+        _z2c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
     else:
-        _z1c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1)
+        _z1c2(xp, kpairs, rows, sxp, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
 
 
 @nb.njit(inline="always")
 def _tile512_one(rows, xp, kpairs, sxp, ldo, w0, s0, o0):
-    # The same on one block (the last of an odd count).
+    # The same on one block (the last of an odd count), nothing prefetched.
+    z = np.int64(0)
     if rows > 4:
-        _z6c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0)
+        _z6c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0, z, z, z)
     elif rows > 2:
-        _z4c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0)
+        _z4c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0, z, z, z)
     elif rows > 1:
-        _z2c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0)
+        _z2c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0, z, z, z)
     else:
-        _z1c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0)
+        _z1c1(xp, kpairs, rows, sxp, ldo, w0, s0, o0, z, z, z)
+
+
+@nb.njit(inline="always")
+def _next_blocks(a, b, wstride, i, panels, ok):
+    """(pf0, pf1, pfn) for the i-th of a work item's `panels` tile calls: the i-th slice of the next
+    item's weight blocks a and b (wstride bytes each, at these addresses), nothing where not ok."""
+    lines = wstride // 64
+    per = (lines + panels - 1) // panels
+    n = min(per, lines - i * per)
+    if not ok or n <= 0:
+        return np.int64(0), np.int64(0), np.int64(0)
+    return a + i * per * 64, b + i * per * 64, np.int64(n)
 
 
 @nb.njit(parallel=True, cache=True)
 def gemm_packed_512(xp, sx, wp, sw, out, M):
-    """gemm_packed on AVX-512 VNNI: work items are (group of x panels, pair of 16-column blocks)."""
+    """gemm_packed on AVX-512 VNNI: work items are (group of x panels, pair of 16-column blocks); each
+    tile call also prefetches a slice of the next pair's weights (the next item of this thread)."""
     panels, kpairs = xp.shape[0], xp.shape[1]
     nblocks = wp.shape[0]
     npairs = (nblocks + 1) // 2
@@ -253,14 +268,17 @@ def gemm_packed_512(xp, sx, wp, sw, out, M):
     mgroups = _panel_groups(panels)
     for it in nb.prange(mgroups * npairs):
         g, b = it // npairs, 2 * (it % npairs)
-        for t in range(g * panels // mgroups, (g + 1) * panels // mgroups):
+        t0, t1 = g * panels // mgroups, (g + 1) * panels // mgroups
+        for t in range(t0, t1):
             m0 = t * PANEL_ROWS
             rows = min(PANEL_ROWS, M - m0)
             xt, st, ot = x0 + t * xstride, sx0 + m0 * 4, o0 + m0 * ldo * 4
             if b + 1 < nblocks:
+                nxt = w0 + (b + 2) * wstride
                 _tile512(rows, xt, kpairs, st, ldo, w0 + b * wstride, sw0 + b * BLOCK_COLS * 4,
                          ot + b * BLOCK_COLS * 4, w0 + (b + 1) * wstride, sw0 + (b + 1) * BLOCK_COLS * 4,
-                         ot + (b + 1) * BLOCK_COLS * 4)
+                         ot + (b + 1) * BLOCK_COLS * 4,
+                         _next_blocks(nxt, nxt + wstride, wstride, t - t0, t1 - t0, b + 3 < nblocks))
             else:
                 _tile512_one(rows, xt, kpairs, st, ldo, w0 + b * wstride, sw0 + b * BLOCK_COLS * 4,
                              ot + b * BLOCK_COLS * 4)
@@ -279,12 +297,15 @@ def gemm_packed_silu_512(xp, sx, wp, sw, out, M):
         g, j = it // half, it % half
         gu = np.empty((2, PANEL_ROWS, BLOCK_COLS), np.float32)
         ga, ua = np.int64(gu.ctypes.data), np.int64(gu[1].ctypes.data)
-        for t in range(g * panels // mgroups, (g + 1) * panels // mgroups):
+        t0, t1 = g * panels // mgroups, (g + 1) * panels // mgroups
+        for t in range(t0, t1):
             m0 = t * PANEL_ROWS
             rows = min(PANEL_ROWS, M - m0)
             _tile512(rows, x0 + t * xstride, kpairs, sx0 + m0 * 4, BLOCK_COLS,
                      w0 + j * wstride, sw0 + j * BLOCK_COLS * 4, ga,
-                     w0 + (j + half) * wstride, sw0 + (j + half) * BLOCK_COLS * 4, ua)
+                     w0 + (j + half) * wstride, sw0 + (j + half) * BLOCK_COLS * 4, ua,
+                     _next_blocks(w0 + (j + 1) * wstride, w0 + (j + 1 + half) * wstride, wstride, t - t0, t1 - t0,
+                                  j + 1 < half))
             silu_rows(gu, out, m0, rows, j)
 
 

@@ -29,6 +29,7 @@ from rawinfer.backend.cpu.llvm import GEMM_COLS, GEMM_ROWS, F32, I8, I32, _ptr, 
 
 V16I32, V32I16, V32I8, V16F32 = (ir.VectorType(I32, 16), ir.VectorType(ir.IntType(16), 32),
                                  ir.VectorType(I8, 32), ir.VectorType(F32, 16))
+I8P = I8.as_pointer()
 TILE_ROWS = (1, 2, 4, GEMM_ROWS)
 TILE_BLOCKS = (1, 2)
 # k pairs ahead that the builds of one or two rows (decode) prefetch each block's weights, into L2
@@ -46,12 +47,13 @@ def _make_tile(R: int, C: int):
 
     if C == 1:
         @intrinsic
-        def int_gemm_tile_512(typingctx, xp, kpairs, rows, sxp, ldo, wp0, swp0, op0):
-            return types.void(*([types.int64] * 8)), codegen
+        def int_gemm_tile_512(typingctx, xp, kpairs, rows, sxp, ldo, wp0, swp0, op0, pf0, pf1, pfn):
+            return types.void(*([types.int64] * 11)), codegen
     else:
         @intrinsic
-        def int_gemm_tile_512(typingctx, xp, kpairs, rows, sxp, ldo, wp0, swp0, op0, wp1, swp1, op1):
-            return types.void(*([types.int64] * 11)), codegen
+        def int_gemm_tile_512(typingctx, xp, kpairs, rows, sxp, ldo, wp0, swp0, op0, wp1, swp1, op1, pf0, pf1,
+                              pfn):
+            return types.void(*([types.int64] * 14)), codegen
     return int_gemm_tile_512
 
 
@@ -59,9 +61,12 @@ def _tile_code(builder, R, C, args):
     """out_c[r, 0:16] = sx[r] * sw_c[0:16] * (x panel row r . w block c) for r < min(rows, R), c < C.
     xp -> int16 panel [kpairs, 6, 2]; sxp -> float32 [6] row scales; ldo: the row stride of every out_c
     (floats); then per block c: wp_c -> int8 block [kpairs, 16, 2], swp_c -> float32 [16] column
-    scales, op_c -> float32 out_c."""
+    scales, op_c -> float32 out_c. Last, pf0, pf1, pfn: builds of more than 2 rows prefetch pfn lines from
+    each of pf0 and pf1 into L2, one from each per k pair (the driver's next weight blocks, paced so
+    that the requests spread over the arithmetic; pfn <= kpairs)."""
     xp, kpairs, rows, sxp, ldo = args[:5]
     blocks = [args[5 + 3 * c:8 + 3 * c] for c in range(C)]
+    pf0, pf1, pfn = args[-3:]
     # Declared with LLVM's original int32 operand types: older LLVMs know only these, newer ones
     # upgrade the call to their int16 form (the same instruction).
     dpwssd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpwssd.512", (),
@@ -73,6 +78,10 @@ def _tile_code(builder, R, C, args):
         if R <= 2:                                           # past the end: a hint, never a fault
             for wb in wbs:
                 prefetch_line(builder, builder.gep(wb, [builder.add(kp, i64(PREFETCH_AHEAD))]), locality=2)
+        else:
+            with builder.if_then(builder.icmp_signed("<", kp, pfn)):
+                for pf in (pf0, pf1):
+                    prefetch_line(builder, builder.inttoptr(builder.add(pf, builder.mul(kp, i64(64))), I8P), 2)
         wv = [builder.bitcast(builder.sext(builder.load(builder.gep(wb, [kp]), align=1), V32I16), V16I32)
               for wb in wbs]
         xrow = builder.gep(xb, [builder.mul(kp, i64(GEMM_ROWS))])
