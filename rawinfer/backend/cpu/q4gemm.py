@@ -42,7 +42,8 @@ from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu.kernels import Kernel
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
 from rawinfer.backend.cpu.q4tile import BLOCK_COLS, D_AT, M_AT, OCTETS, RECORD, TILE_ROWS, q4_gemm_tiles  # noqa: F401
-from rawinfer.backend.cpu.qgemm import PANELS_PER_ITEM, _panel_groups, _quantize_row, packed_x_shape, silu_rows
+from rawinfer.backend.cpu.qgemm import (PANELS_PER_ITEM, _next_blocks, _panel_groups, _quantize_row, packed_x_shape,
+                                        silu_rows)
 from rawinfer.quant import Q4_BLOCK, Q4_SPAN
 
 assert BLOCK_COLS == 16          # qgemm.silu_rows, the shared epilogue, writes 16-column blocks
@@ -143,39 +144,43 @@ def x_buffer_sizes(M: int, K: int) -> tuple[int, int, int]:
 # ---- drivers -------------------------------------------------------------------------------------------
 @nb.njit(inline="always")
 def _tile_avx2(rows, xp, bsp, sxp, nkb, ldo, w, o):
-    # The build that computes the fewest rows covering `rows` (a last panel of M % 6 rows).
+    # The build that computes the fewest rows covering `rows` (a last panel of M % 6 rows); nothing
+    # prefetched (the AVX-512 drivers' next-block prefetch was not measured on an AVX2 machine).
+    z = np.int64(0)
     if rows > 4:
-        _a6(xp, bsp, sxp, nkb, rows, ldo, w, o)
+        _a6(xp, bsp, sxp, nkb, rows, ldo, w, o, z, z, z)
     elif rows > 2:
-        _a4(xp, bsp, sxp, nkb, rows, ldo, w, o)
+        _a4(xp, bsp, sxp, nkb, rows, ldo, w, o, z, z, z)
     elif rows > 1:
-        _a2(xp, bsp, sxp, nkb, rows, ldo, w, o)
+        _a2(xp, bsp, sxp, nkb, rows, ldo, w, o, z, z, z)
     else:
-        _a1(xp, bsp, sxp, nkb, rows, ldo, w, o)
+        _a1(xp, bsp, sxp, nkb, rows, ldo, w, o, z, z, z)
 
 
 @nb.njit(inline="always")
-def _tile_512(rows, xp, bsp, sxp, nkb, ldo, w0, o0, w1, o1):
+def _tile_512(rows, xp, bsp, sxp, nkb, ldo, w0, o0, w1, o1, pf):
+    # pf = (pf0, pf1, pfn): the next weight blocks' slice to prefetch (q4tile.py; qgemm._next_blocks)
     if rows > 4:
-        _z6c2(xp, bsp, sxp, nkb, rows, ldo, w0, o0, w1, o1)
+        _z6c2(xp, bsp, sxp, nkb, rows, ldo, w0, o0, w1, o1, pf[0], pf[1], pf[2])
     elif rows > 2:
-        _z4c2(xp, bsp, sxp, nkb, rows, ldo, w0, o0, w1, o1)
+        _z4c2(xp, bsp, sxp, nkb, rows, ldo, w0, o0, w1, o1, pf[0], pf[1], pf[2])
     elif rows > 1:
-        _z2c2(xp, bsp, sxp, nkb, rows, ldo, w0, o0, w1, o1)
+        _z2c2(xp, bsp, sxp, nkb, rows, ldo, w0, o0, w1, o1, pf[0], pf[1], pf[2])
     else:
-        _z1c2(xp, bsp, sxp, nkb, rows, ldo, w0, o0, w1, o1)
+        _z1c2(xp, bsp, sxp, nkb, rows, ldo, w0, o0, w1, o1, pf[0], pf[1], pf[2])
 
 
 @nb.njit(inline="always")
 def _tile_512_one(rows, xp, bsp, sxp, nkb, ldo, w0, o0):
+    z = np.int64(0)
     if rows > 4:
-        _z6c1(xp, bsp, sxp, nkb, rows, ldo, w0, o0)
+        _z6c1(xp, bsp, sxp, nkb, rows, ldo, w0, o0, z, z, z)
     elif rows > 2:
-        _z4c1(xp, bsp, sxp, nkb, rows, ldo, w0, o0)
+        _z4c1(xp, bsp, sxp, nkb, rows, ldo, w0, o0, z, z, z)
     elif rows > 1:
-        _z2c1(xp, bsp, sxp, nkb, rows, ldo, w0, o0)
+        _z2c1(xp, bsp, sxp, nkb, rows, ldo, w0, o0, z, z, z)
     else:
-        _z1c1(xp, bsp, sxp, nkb, rows, ldo, w0, o0)
+        _z1c1(xp, bsp, sxp, nkb, rows, ldo, w0, o0, z, z, z)
 
 
 @nb.njit(inline="always")
@@ -232,13 +237,16 @@ def gemm_512(xp, bs, sx, wp, out, M):
     w0, o0 = np.int64(wp.ctypes.data), np.int64(out.ctypes.data)
     for it in nb.prange(mgroups * npairs):
         g, c = it // npairs, 2 * (it % npairs)
-        for t in range(g * panels // mgroups, (g + 1) * panels // mgroups):
+        t0, t1 = g * panels // mgroups, (g + 1) * panels // mgroups
+        for t in range(t0, t1):
             m0 = t * PANEL_ROWS
             rows = min(PANEL_ROWS, M - m0)
             xt, bt, st, ot = x0 + t * xstride, bs0 + m0 * nkb * 4, sx0 + m0 * 4, o0 + m0 * ldo * 4
             if c + 1 < nblocks:
+                nxt = w0 + (c + 2) * wstride
                 _tile_512(rows, xt, bt, st, nkb, ldo, w0 + c * wstride, ot + c * BLOCK_COLS * 4,
-                          w0 + (c + 1) * wstride, ot + (c + 1) * BLOCK_COLS * 4)
+                          w0 + (c + 1) * wstride, ot + (c + 1) * BLOCK_COLS * 4,
+                          _next_blocks(nxt, nxt + wstride, wstride, t - t0, t1 - t0, c + 3 < nblocks))
             else:
                 _tile_512_one(rows, xt, bt, st, nkb, ldo, w0 + c * wstride, ot + c * BLOCK_COLS * 4)
 
@@ -254,11 +262,14 @@ def gemm_silu_512(xp, bs, sx, wp, out, M):
         g, j = it // half, it % half
         gu = np.empty((2, PANEL_ROWS, BLOCK_COLS), np.float32)
         ga, ua = np.int64(gu.ctypes.data), np.int64(gu[1].ctypes.data)
-        for t in range(g * panels // mgroups, (g + 1) * panels // mgroups):
+        t0, t1 = g * panels // mgroups, (g + 1) * panels // mgroups
+        for t in range(t0, t1):
             m0 = t * PANEL_ROWS
             rows = min(PANEL_ROWS, M - m0)
             _tile_512(rows, x0 + t * xstride, bs0 + m0 * nkb * 4, sx0 + m0 * 4, nkb, BLOCK_COLS,
-                      w0 + j * wstride, ga, w0 + (j + half) * wstride, ua)
+                      w0 + j * wstride, ga, w0 + (j + half) * wstride, ua,
+                      _next_blocks(w0 + (j + 1) * wstride, w0 + (j + 1 + half) * wstride, wstride, t - t0, t1 - t0,
+                                   j + 1 < half))
             silu_rows(gu, out, m0, rows, j)
 
 

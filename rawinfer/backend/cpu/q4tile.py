@@ -50,9 +50,13 @@ def _tile_code(builder, path, R, C, args):
     """out_c[r, 0:16] for r < min(rows, R), c < C (module docstring). xp -> int16 panel [kpairs, 6, 2];
     bsp -> float32 bs of the panel's rows [6, nkb]; sxp -> float32 [6] row scales; nkb: k-blocks; ldo:
     the row stride of every out_c (floats); per block c: wp_c -> its records [nkb, RECORD], op_c ->
-    float32 out_c."""
+    float32 out_c. Last, pf0, pf1, pfn: builds of more than 2 rows prefetch pfn lines from each of pf0
+    and pf1 into L2 (the driver's next weight blocks), spread evenly over the k-blocks."""
     xp, bsp, sxp, nkb, rows, ldo = args[:6]
     blocks = [args[6 + 2 * c:8 + 2 * c] for c in range(C)]
+    pf0, pf1, pfn = args[-3:]
+    per = builder.sdiv(builder.add(pfn, builder.sub(nkb, i64(1))), builder.select(
+        builder.icmp_signed(">", nkb, i64(0)), nkb, i64(1)))         # lines per k-block, rounded up
     L = 16 if path == isa.AVX512_VNNI else 8                 # int32 lanes per vector
     vi32, vi16, vf32 = ir.VectorType(I32, L), ir.VectorType(I16, 2 * L), ir.VectorType(F32, L)
     vhalf = ir.VectorType(I16, L)                            # float16 bits
@@ -81,6 +85,16 @@ def _tile_code(builder, path, R, C, args):
             for r0 in rec:
                 for line in range(0, RECORD, 64):
                     prefetch_line(builder, builder.gep(r0, [i64(PREFETCH_AHEAD[R] * RECORD + line)]), locality=2)
+        elif R > 2:
+            first = builder.mul(b, per)
+
+            def line(i, _):
+                at = builder.mul(builder.add(first, i), i64(64))
+                for pf in (pf0, pf1):
+                    prefetch_line(builder, builder.inttoptr(builder.add(pf, at), I8.as_pointer()), 2)
+                return []
+            left = builder.sub(pfn, first)
+            counted_loop(builder, builder.select(builder.icmp_signed("<", left, per), left, per), [], line)
         kp0 = builder.mul(b, i64(Q4_BLOCK // 2))
         # S independent int32 sums per output vector (k pair j into sum j % S), added at the end of the
         # k-block: exact, so any split gives the same bits. A few rows give few sums, each a chain of
@@ -133,12 +147,12 @@ def _make_tile(path: str, R: int, C: int):
 
     if C == 1:
         @intrinsic
-        def q4_gemm_tile(typingctx, xp, bsp, sxp, nkb, rows, ldo, wp0, op0):
-            return types.void(*([types.int64] * 8)), codegen
+        def q4_gemm_tile(typingctx, xp, bsp, sxp, nkb, rows, ldo, wp0, op0, pf0, pf1, pfn):
+            return types.void(*([types.int64] * 11)), codegen
     else:
         @intrinsic
-        def q4_gemm_tile(typingctx, xp, bsp, sxp, nkb, rows, ldo, wp0, op0, wp1, op1):
-            return types.void(*([types.int64] * 10)), codegen
+        def q4_gemm_tile(typingctx, xp, bsp, sxp, nkb, rows, ldo, wp0, op0, wp1, op1, pf0, pf1, pfn):
+            return types.void(*([types.int64] * 13)), codegen
     return q4_gemm_tile
 
 
