@@ -35,7 +35,7 @@ from rawinfer.backend.cpu.llvm import GEMM_COLS as BLOCK_COLS
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
 from rawinfer.backend.cpu.llvm import abs_max
 from rawinfer.backend.cpu.qgemm import _panel_groups as _groups   # qgemm.gemm_packed's equal panel groups
-from rawinfer.backend.cpu.qgemm import silu_rows
+from rawinfer.backend.cpu.qgemm import _next_blocks, silu_rows
 
 _z = tiles[isa.AVX512_VNNI]
 _z1c1, _z2c1, _z4c1, _z6c1 = (_z[R, 1] for R in (1, 2, 4, PANEL_ROWS))
@@ -131,28 +131,29 @@ def quantized_x(x, xbuf, sbuf, cbuf):
 
 # ---- drivers ------------------------------------------------------------------------------------------
 @nb.njit(inline="always")
-def _vnni2(rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1):
-    # blocks 0 and 1 with the build that computes the fewest rows covering `rows`
+def _vnni2(rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf):
+    # blocks 0 and 1 with the build that computes the fewest rows covering `rows`; pf = (pf0, pf1,
+    # pfn): the next weight blocks' slice to prefetch (a8tile.py; qgemm._next_blocks)
     if rows > 4:
-        _z6c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1)
+        _z6c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
     elif rows > 2:
-        _z4c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1)
+        _z4c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
     elif rows > 1:
-        _z2c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1)
+        _z2c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
     else:
-        _z1c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1)
+        _z1c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
 
 
 @nb.njit(inline="always")
 def _vnni1(rows, xt, kb, st, ct, ldo, w0, s0, o0):
     if rows > 4:
-        _z6c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0)
+        _z6c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0, 0, 0, 0)
     elif rows > 2:
-        _z4c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0)
+        _z4c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0, 0, 0, 0)
     elif rows > 1:
-        _z2c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0)
+        _z2c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0, 0, 0, 0)
     else:
-        _z1c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0)
+        _z1c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0, 0, 0, 0)
 
 
 @nb.njit(inline="always")
@@ -160,9 +161,9 @@ def _avx2(rows, xt, kb, st, ct, ldo, w0, s0, o0):
     # the panel's rows two at a time (x rows 4 bytes apart in a quad row, scales 4 bytes apart)
     for r in range(0, rows, 2):
         if rows - r > 1:
-            _y2(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0)
+            _y2(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0, 0, 0, 0)
         else:
-            _y1(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0)
+            _y1(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0, 0, 0, 0)
 
 
 @nb.njit(inline="always")
@@ -183,13 +184,16 @@ def gemm_vnni(xq, xs, xc, wq, sw, out, M):
     groups = _groups(panels)
     for it in nb.prange(groups * npairs):
         g, b = it // npairs, 2 * (it % npairs)
-        for t in range(g * panels // groups, (g + 1) * panels // groups):
+        t0, t1 = g * panels // groups, (g + 1) * panels // groups
+        for t in range(t0, t1):
             m0 = t * PANEL_ROWS
             rows = min(PANEL_ROWS, M - m0)
             xt, st, ct, ot = x0 + t * xst, s0 + t * sst, c0 + t * sst, o0 + m0 * ldo * 4
             if b + 1 < nblocks:
+                nxt = w0 + (b + 2) * wst
                 _vnni2(rows, xt, kblocks, st, ct, ldo, w0 + b * wst, sw0 + b * BLOCK_COLS * 4, ot + b * BLOCK_COLS * 4,
-                       w0 + (b + 1) * wst, sw0 + (b + 1) * BLOCK_COLS * 4, ot + (b + 1) * BLOCK_COLS * 4)
+                       w0 + (b + 1) * wst, sw0 + (b + 1) * BLOCK_COLS * 4, ot + (b + 1) * BLOCK_COLS * 4,
+                       _next_blocks(nxt, nxt + wst, wst, t - t0, t1 - t0, b + 3 < nblocks))
             else:
                 _vnni1(rows, xt, kblocks, st, ct, ldo, w0 + b * wst, sw0 + b * BLOCK_COLS * 4, ot + b * BLOCK_COLS * 4)
 
@@ -206,11 +210,13 @@ def gemm_silu_vnni(xq, xs, xc, wq, sw, out, M):
         g, j = it // half, it % half
         gu = np.empty((2, PANEL_ROWS, BLOCK_COLS), np.float32)
         ga, ua = np.int64(gu.ctypes.data), np.int64(gu[1].ctypes.data)
-        for t in range(g * panels // groups, (g + 1) * panels // groups):
+        t0, t1 = g * panels // groups, (g + 1) * panels // groups
+        for t in range(t0, t1):
             rows = min(PANEL_ROWS, M - t * PANEL_ROWS)
             _vnni2(rows, x0 + t * xst, kblocks, s0 + t * sst, c0 + t * sst, BLOCK_COLS,
                    w0 + j * wst, sw0 + j * BLOCK_COLS * 4, ga,
-                   w0 + (j + half) * wst, sw0 + (j + half) * BLOCK_COLS * 4, ua)
+                   w0 + (j + half) * wst, sw0 + (j + half) * BLOCK_COLS * 4, ua,
+                   _next_blocks(w0 + (j + 1) * wst, w0 + (j + 1 + half) * wst, wst, t - t0, t1 - t0, j + 1 < half))
             silu_rows(gu, out, t * PANEL_ROWS, rows, j)
 
 

@@ -33,6 +33,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from rawinfer.backend.cpu import isa
+from rawinfer.backend.cpu.vnni import lines_per_step, paced_prefetch
 from rawinfer.backend.cpu.llvm import F32, GEMM_COLS, GEMM_ROWS, I32, _fma, _ptr, _vload, _vstore, \
     counted_loop, i64, prefetch_line, splat
 
@@ -53,8 +54,8 @@ def _make_tile(path: str, R: int, C: int):
         return context.get_dummy_value()
 
     @intrinsic
-    def a8_tile(typingctx, xp, kblocks, rows, xsp, xcp, ldo, wp0, swp0, op0, wp1, swp1, op1):
-        return types.void(*([types.int64] * 12)), codegen
+    def a8_tile(typingctx, xp, kblocks, rows, xsp, xcp, ldo, wp0, swp0, op0, wp1, swp1, op1, pf0, pf1, pfn):
+        return types.void(*([types.int64] * 15)), codegen
     return a8_tile
 
 
@@ -72,9 +73,12 @@ def _tile_code(builder, path, R, C, args):
     """out_c[r, 0:16] = sw_c[0:16] * sum over blocks b of xs[b, r] * (x panel row r . w block c over
     block b) for r < min(rows, R), c < C. xp -> int8 panel [kblocks * 8, 6, 4]; xsp -> float32 [kblocks,
     6] scales; xcp -> int32 [kblocks, 6] corrections; ldo: the row stride of every out_c (floats); per
-    block c: wp_c -> uint8 block [kblocks * 8, 16, 4], swp_c -> float32 [16], op_c -> float32 out_c."""
+    block c: wp_c -> uint8 block [kblocks * 8, 16, 4], swp_c -> float32 [16], op_c -> float32 out_c.
+    Last, pf0, pf1, pfn: the AVX-512 builds of more than 2 rows prefetch pfn lines from each of pf0 and
+    pf1 into L2 (the driver's next weight blocks), spread evenly over the k-blocks."""
     xp, kblocks, rows, xsp, xcp, ldo = args[:6]
     blocks = [args[6 + 3 * c:9 + 3 * c] for c in range(C)]
+    pf0, pf1, pfn = args[12:15]
     lanes = _LANES[path]
     H = GEMM_COLS // lanes                               # vectors per (row, block)
     VI, VF = ir.VectorType(I32, lanes), ir.VectorType(F32, lanes)
@@ -91,7 +95,11 @@ def _tile_code(builder, path, R, C, args):
     xb, xsb, xcb = _ptr(builder, xp, I32), _ptr(builder, xsp, F32), _ptr(builder, xcp, I32)
     wbs = [_ptr(builder, w, VI) for w, _, _ in blocks]
 
+    per = lines_per_step(builder, pfn, kblocks)
+
     def kblock(kb, sums):
+        if vnni and R > 2:
+            paced_prefetch(builder, kb, per, pfn, (pf0, pf1))
         row0 = builder.mul(kb, i64(GEMM_ROWS))           # this block's entry of row 0 in xs, xc
         accs = []
         for r in range(R):

@@ -29,6 +29,7 @@ from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
 from rawinfer.backend.cpu.half import half_to_float_ir
 from rawinfer.backend.cpu.llvm import F32, I8, I16, I32, _ptr, _vload, _vstore, counted_loop, i64, splat
 from rawinfer.backend.cpu.llvm import madd_pairs, mul_add, prefetch_line
+from rawinfer.backend.cpu.vnni import lines_per_step, paced_prefetch
 from rawinfer.quant import Q4_BLOCK
 
 BLOCK_COLS = 16                 # output columns per packed column block
@@ -55,8 +56,7 @@ def _tile_code(builder, path, R, C, args):
     xp, bsp, sxp, nkb, rows, ldo = args[:6]
     blocks = [args[6 + 2 * c:8 + 2 * c] for c in range(C)]
     pf0, pf1, pfn = args[-3:]
-    per = builder.sdiv(builder.add(pfn, builder.sub(nkb, i64(1))), builder.select(
-        builder.icmp_signed(">", nkb, i64(0)), nkb, i64(1)))         # lines per k-block, rounded up
+    per = lines_per_step(builder, pfn, nkb)
     L = 16 if path == isa.AVX512_VNNI else 8                 # int32 lanes per vector
     vi32, vi16, vf32 = ir.VectorType(I32, L), ir.VectorType(I16, 2 * L), ir.VectorType(F32, L)
     vhalf = ir.VectorType(I16, L)                            # float16 bits
@@ -86,15 +86,7 @@ def _tile_code(builder, path, R, C, args):
                 for line in range(0, RECORD, 64):
                     prefetch_line(builder, builder.gep(r0, [i64(PREFETCH_AHEAD[R] * RECORD + line)]), locality=2)
         elif R > 2:
-            first = builder.mul(b, per)
-
-            def line(i, _):
-                at = builder.mul(builder.add(first, i), i64(64))
-                for pf in (pf0, pf1):
-                    prefetch_line(builder, builder.inttoptr(builder.add(pf, at), I8.as_pointer()), 2)
-                return []
-            left = builder.sub(pfn, first)
-            counted_loop(builder, builder.select(builder.icmp_signed("<", left, per), left, per), [], line)
+            paced_prefetch(builder, b, per, pfn, (pf0, pf1))
         kp0 = builder.mul(b, i64(Q4_BLOCK // 2))
         # S independent int32 sums per output vector (k pair j into sum j % S), added at the end of the
         # k-block: exact, so any split gives the same bits. A few rows give few sums, each a chain of

@@ -39,6 +39,28 @@ TILE_BLOCKS = (1, 2)
 PREFETCH_AHEAD = 640
 
 
+def lines_per_step(builder, lines, steps):
+    """ceil(lines / steps) (steps <= 0 counts as 1): how many lines paced_prefetch takes per loop step."""
+    steps = builder.select(builder.icmp_signed(">", steps, i64(0)), steps, i64(1))
+    return builder.sdiv(builder.add(lines, builder.sub(steps, i64(1))), steps)
+
+
+def paced_prefetch(builder, step, per, lines, bases):
+    """In loop step `step` of a tile: prefetch into L2 (prefetcht1) lines step * per .. step * per + per
+    - 1 of each region starting at an address of `bases`, those below `lines`. A driver hands a tile a
+    slice of the weights it will read next; requested a few per step, spread over the arithmetic,
+    they arrive sooner than the same lines in one burst (docs/kernels.md)."""
+    first = builder.mul(step, per)
+    left = builder.sub(lines, first)
+
+    def line(i, _):
+        at = builder.mul(builder.add(first, i), i64(64))
+        for base in bases:
+            prefetch_line(builder, builder.inttoptr(builder.add(base, at), I8P), 2)
+        return []
+    counted_loop(builder, builder.select(builder.icmp_signed("<", left, per), left, per), [], line)
+
+
 def _make_tile(R: int, C: int):
     # Numba's intrinsics take no *args: one typer per block count.
     def codegen(context, builder, signature, args):
@@ -79,9 +101,7 @@ def _tile_code(builder, R, C, args):
             for wb in wbs:
                 prefetch_line(builder, builder.gep(wb, [builder.add(kp, i64(PREFETCH_AHEAD))]), locality=2)
         else:
-            with builder.if_then(builder.icmp_signed("<", kp, pfn)):
-                for pf in (pf0, pf1):
-                    prefetch_line(builder, builder.inttoptr(builder.add(pf, builder.mul(kp, i64(64))), I8P), 2)
+            paced_prefetch(builder, kp, i64(1), pfn, (pf0, pf1))
         wv = [builder.bitcast(builder.sext(builder.load(builder.gep(wb, [kp]), align=1), V32I16), V16I32)
               for wb in wbs]
         xrow = builder.gep(xb, [builder.mul(kp, i64(GEMM_ROWS))])
