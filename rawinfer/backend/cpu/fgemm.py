@@ -221,7 +221,7 @@ def available() -> bool:
 
 @nb.njit(inline="always")
 def _prefetch_step(K, row_tiles, slices):
-    """Bytes of the next weight tile (_C rows of K floats) to prefetch before each of the row_tiles x
+    """Bytes of the next weight tile (_C rows of K floats) to prefetch with each of the row_tiles x
     slices tile calls on the current one, whole cache lines; none for a single row tile (each weight
     row is then read once, a plain stream the hardware prefetcher follows)."""
     if row_tiles < 2:

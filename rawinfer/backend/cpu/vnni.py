@@ -11,7 +11,9 @@ the float32 epilogue is the same expression, so both paths give the same bits.
                                k pair C sign extensions and R C vpdpwssd
                                (accumulators: R C zmm, 12 for the 6 x 2 build, which keeps enough
                                independent sums in flight to cover vpdpwssd's latency); the 1- and
-                               2-row builds prefetch the weights PREFETCH_AHEAD k pairs on into L2
+                               2-row builds prefetch the weights PREFETCH_AHEAD k pairs on into L2,
+                               the 4- and 6-row builds a slice of the driver's next blocks
+                               (paced_prefetch, which q4tile.py and a8tile.py use too)
 
 The blocks' addresses are separate arguments so that one build serves the plain GEMM (blocks j and
 j + 1) and the gate/up GEMM with silu in its epilogue (gate block j and up block j + F/16).
