@@ -11,6 +11,7 @@ import pty
 import re
 import select
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -137,10 +138,12 @@ class Server:
 class Terminal:
     """`rawinfer ARGS` on a pseudo-terminal (stdin and stdout are a terminal): what it prints, keys typed in."""
 
-    def __init__(self, *args: str, **env_extra: str):
+    def __init__(self, *args: str, sigint_ignored: bool = False, **env_extra: str):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:                           # the child: the pty is its controlling terminal
             os.chdir(ROOT)
+            if sigint_ignored:                      # as a shell starts its background commands
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
             os.execve(sys.executable, [sys.executable, "-m", "rawinfer", *args], env(**env_extra))
         # a terminal of 40 x 160 characters (a new pty has 0 x 0: progress bars would draw nothing)
         fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))

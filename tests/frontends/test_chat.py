@@ -106,9 +106,12 @@ def test_chat_against_a_server(chat_setup):
 
 
 # ---- a terminal: Ctrl-C --------------------------------------------------------------------------------
-def test_ctrl_c_stops_the_answer_not_the_chat(smollm2_dir):
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_ctrl_c_stops_the_answer_not_the_chat(smollm2_dir, sigint_ignored):
+    """sigint_ignored: started as a shell starts a background command (SIGINT ignored, which Python keeps):
+    the chat still takes Ctrl-C at its prompt (it once ignored them there: the suite run that way failed)."""
     term = Terminal("chat", "--model", smollm2_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
-                    "--max-tokens", "400", "--ignore-eos")
+                    "--max-tokens", "400", "--ignore-eos", sigint_ignored=sigint_ignored)
     try:
         term.read_until(r"> $")
         term.type("Write a long story about the sea.\n")
@@ -121,7 +124,7 @@ def test_ctrl_c_stops_the_answer_not_the_chat(smollm2_dir):
         term.type("\x03")
         try:
             term.read_until(r"Ctrl-C again, Ctrl-D or /exit leaves", timeout=20)
-        except AssertionError:      # NOTE: seen once on a loaded machine: a Ctrl-C at the prompt went unnoticed
+        except AssertionError:      # the select() race of the NOTE below: the next key shows it
             term.type("\x03")
             term.read_until(r"Ctrl-C again, Ctrl-D or /exit leaves")
         # NOTE: a Ctrl-C that lands before readline waits for input again is only seen at the next key (the
