@@ -21,10 +21,10 @@ number of rows (one row: streaming C weight rows at once; more: a register block
 
 It reads x and w in their natural layouts (row-major, K contiguous): nothing is packed at load.
 A tile's weight rows come from memory (DRAM, for a model's weights) at its first row tile and from L1
-at the others; every tile call also prefetches a slice of the next tile's rows, one cache line per
-16-float chunk of its loop rather than all at once (requests spread out arrived sooner than the same
-lines in one burst: docs/kernels.md), so that read overlaps the arithmetic instead of stalling the first
-row tile (it does not change what is computed).
+at the others; every tile call also prefetches a slice of the next tile's rows, spread over the
+16-float chunks of its loop (vnni.paced_prefetch) rather than all at once (requests spread out arrived
+sooner than the same lines in one burst: docs/kernels.md), so that read overlaps the arithmetic instead
+of stalling the first row tile (it does not change what is computed).
 """
 
 from __future__ import annotations
@@ -37,13 +37,12 @@ from numba.extending import intrinsic
 
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu import llvm as cpu_llvm
-from rawinfer.backend.cpu.llvm import (F32, I32, _fma, _ptr, _vload, _vstore, counted_loop, i64, keep_alive,
-                                      prefetch_line)
+from rawinfer.backend.cpu.llvm import F32, I32, _fma, _ptr, _vload, _vstore, counted_loop, i64, keep_alive
+from rawinfer.backend.cpu.vnni import lines_per_step, paced_prefetch
 
 LANES = 16
 _VF = ir.VectorType(F32, LANES)
 _VI = ir.VectorType(I32, LANES)
-_I8P = ir.IntType(8).as_pointer()
 _M_BLOCK = 96          # rows of x a thread walks per pass over its weight rows (their panel stays in L2)
 _K_SPLIT = 1024        # longer rows (K) are walked in slices of _K_SLICE (a multiple of LANES), so that a
 _K_SLICE = 768         # tile's weight rows and x rows fit L1 together
@@ -110,9 +109,10 @@ def _tile_code(builder, R, C, args, carried=False):
 
     nfull = builder.sdiv(K, i64(LANES))
 
+    per = lines_per_step(builder, pfn, nfull)
+
     def body(j, acc):
-        with builder.if_then(builder.icmp_signed("<", j, pfn)):     # one line per chunk, paced (pfn lines)
-            prefetch_line(builder, builder.inttoptr(builder.add(pfp, builder.mul(j, i64(64))), _I8P), 2)
+        paced_prefetch(builder, j, per, pfn, (pfp,))                 # pfn lines spread over the chunks
         at = builder.mul(j, i64(LANES))
         xv = [_vload(builder, p, at, _VF) for p in xr]
         wv = [_vload(builder, p, at, _VF) for p in wc]
@@ -124,12 +124,6 @@ def _tile_code(builder, R, C, args, carried=False):
     else:
         init = [zero] * (R * C)
     acc = counted_loop(builder, nfull, init, body)
-
-    def rest(i, _):                       # lines past one per chunk (a few row tiles share a big tile)
-        at = builder.add(pfp, builder.mul(builder.add(nfull, i), i64(64)))
-        prefetch_line(builder, builder.inttoptr(at, _I8P), 2)
-        return []
-    counted_loop(builder, builder.sub(pfn, nfull), [], rest)
     if not carried:
         _finish(builder, R, C, acc, xr, wc, chunk, K, nfull, rows, cols, ob, ldo)
         return
@@ -233,7 +227,7 @@ def _prefetch_step(K, row_tiles, slices):
 def _prefetch_next(w0, K, n, n_hi, i, step):
     """(address, lines): the i-th `step` bytes of the next tile's rows (contiguous: rows are K floats
     apart), none past this thread's last row n_hi, for the i-th tile call on weight rows n .. n + _C to
-    prefetch into L2, a line per 16-float chunk (L1 holds the rows the tile calls are reusing)."""
+    prefetch into L2, spread over its 16-float chunks (L1 holds the rows the tile calls are reusing)."""
     a = w0 + ((n + _C) * K * 4 + i * step)
     end = w0 + min(n + 2 * _C, n_hi) * K * 4
     if step > 0 and a < end:
