@@ -262,6 +262,7 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
     k0, v0 = np.int64(k_cache.ctypes.data), np.int64(v_cache.ctypes.data)
     isz = np.int64(k_cache.itemsize)
     tbytes = k_cache.shape[2] * D * isz                  # one (block, kv head) tile (int8: with its scales)
+    part = tbytes * 4 // BS                              # the share of a tile prefetched per 4-row group
     HM = cpu_llvm.HEADS_MAX
     for w in nb.prange(B * Hkv):
         b = w // Hkv
@@ -285,7 +286,6 @@ def _decode_attention_avx2_kernel(qkv, k_cache, v_cache, block_tables, context_l
             tile = tile_offset(block_tables, b, page, kvh, Hkv, tbytes)
             ahead = tile_offset(block_tables, b, page + 2, kvh, Hkv, tbytes) if page + 2 < pages else -1
             rows = min(BS, n - page * BS)
-            part = tbytes * 4 // BS
             for g0 in range(0, G, HM):
                 for r0 in range(0, rows, 4):
                     if g0 == 0:

@@ -142,7 +142,6 @@ def loop(model, conv: Conversation, params, quiet: bool) -> int:
         # Ctrl-C on the terminal is the user's: a process started where SIGINT is ignored (a shell's
         # background command) keeps it ignored, and the prompt would never see one
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
