@@ -364,7 +364,7 @@ class EngineConfig:
     cpu_int_gemm: bool = field(default_factory=lambda: env_flag("RAWINFER_CPU_INT_GEMM", True))
                                             # CPU, int8 and q4 models: integer GEMMs on int16-quantized activations for
                                             # every row count (False: dequantized weights on BLAS, few rows: GEMV)
-    int8_activations: bool = False          # CPU, int8 models: activations in 8 bits per block of 32 (a8gemm.py):
+    int8_activations: bool = False          # CPU, int8 and q4 models: activations in 8 bits per block of 32 (a8gemm.py):
                                             # faster prefill and batches, coarser numerics (docs/kernels.md)
     cache_dir: str | None = field(default_factory=lambda: env_path("RAWINFER_CACHE", DEFAULT_CACHE_DIR))
                                             # user cache for compiled kernels (None: Numba's own places)

@@ -8,9 +8,9 @@ Workloads (measured one after the other, each engine in its own process, 2 threa
   batch64  64 requests, 128 prompt + 128 output tokens, ignore EOS peer: transformers generate, left-padded batch
 
 rawinfer runs each workload on three conversions of the same GGUF: float32, int8 (--quant int8) and
-q4 (--quant q4, the file's own 4-bit blocks), and on the int8 one with --int8-activations ("int8a8":
-activations in 8 bits per block of 32, as llama.cpp's q8_0); the ratio takes the best of them (--models
-narrows it).
+q4 (--quant q4, the file's own 4-bit blocks), and on the int8 and q4 ones with --int8-activations
+("int8a8", "q4a8": activations in 8 bits per block of 32, as llama.cpp's q8_0); the ratio takes the best
+of them (--models narrows it).
 
 Peers are optional: give a Python that has them with --peer-python (llama_cpp and/or torch +
 transformers + gguf installed there); a missing peer prints "n/a". rawinfer runs in this Python.
@@ -170,8 +170,9 @@ def main() -> int:
     ap.add_argument("--gguf", default=None, help="the GGUF the peers load (default: the preset's, in the cache)")
     ap.add_argument("--peer-python", default=sys.executable, help="Python with llama_cpp / torch+transformers")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--models", default="float32,int8,int8a8,q4",
-                    help="comma-separated rawinfer models to run (int8a8: the int8 model with --int8-activations)")
+    ap.add_argument("--models", default="float32,int8,int8a8,q4,q4a8",
+                    help="comma-separated rawinfer models to run (int8a8, q4a8: the int8 and q4 models with "
+                         "--int8-activations)")
     ap.add_argument("--workloads", default="decode,prefill,batch64", help="comma-separated subset to run")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every engine this many times, interleaved, and keep each one's best "
@@ -186,12 +187,13 @@ def main() -> int:
     args.gguf = args.gguf or os.path.join(os.environ.get("RAWINFER_CACHE", os.path.expanduser("~/.cache/rawinfer")),
                                           gguf_name)
 
-    models = {"float32": args.model, "int8": args.int8_model, "int8a8": args.int8_model, "q4": args.q4_model}
+    models = {"float32": args.model, "int8": args.int8_model, "int8a8": args.int8_model, "q4": args.q4_model,
+              "q4a8": args.q4_model}
     unknown = set(args.models.split(",")) - set(models)
     if unknown:
         ap.error(f"--models: unknown {', '.join(sorted(unknown))}; choose from {', '.join(models)}")
     models = {k: v for k, v in models.items() if k in args.models.split(",")}
-    for quant in ("int8", "int8a8", "q4"):
+    for quant in ("int8", "int8a8", "q4", "q4a8"):
         if quant in models and not os.path.isfile(os.path.join(models[quant], "config.json")):
             from rawinfer.convert import convert
             print(f"converting {args.gguf} -> {models[quant]} ({quant})", file=sys.stderr)
@@ -212,7 +214,7 @@ def main() -> int:
             tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
             for name, path in models.items():
                 print(f"[{workload}] rawinfer {name}{tag} ...", file=sys.stderr)
-                a8 = "a8" if name == "int8a8" else "-"
+                a8 = "a8" if name.endswith("a8") else "-"
                 runs[f"rawinfer_{name}"].append(run_script(sys.executable, RAWINFER, path, workload, th, prompt,
                                                            prompt_mode, a8))
             print(f"[{workload}] {peer_name}{tag} ...", file=sys.stderr)
@@ -230,7 +232,8 @@ def main() -> int:
     targets = {"decode": 1.5, "prefill": 3.0, "batch64": 4.0}     # issue 22's
     units = {"decode": "decode tokens/s", "prefill": "prefill tokens/s", "batch64": "output tokens/s"}
     fmt = (lambda v: "n/a" if v is None else f"{v:.1f}")
-    print(f"\n{'workload':9} {'metric':17} {'rawinfer f32':>12} {'int8':>7} {'int8a8':>7} {'q4':>7} {'peer':>13} "
+    print(f"\n{'workload':9} {'metric':17} {'rawinfer f32':>12} {'int8':>7} {'int8a8':>7} {'q4':>7} {'q4a8':>7} "
+          f"{'peer':>13} "
           f"{'value':>8} {'best ratio':>10} {'target':>7}  met")
     for r in rows:
         best = max(v for v in [r[f"rawinfer_{name}"] for name in models] + [0.0] if v is not None)
@@ -239,6 +242,7 @@ def main() -> int:
         r["met"] = None if ratio is None else ratio >= r["target"]
         print(f"{r['workload']:9} {units[r['workload']]:17} {fmt(r.get('rawinfer_float32')):>12} "
               f"{fmt(r.get('rawinfer_int8')):>7} {fmt(r.get('rawinfer_int8a8')):>7} {fmt(r.get('rawinfer_q4')):>7} "
+              f"{fmt(r.get('rawinfer_q4a8')):>7} "
               f"{r['peer']:>13} {fmt(r['peer_value']):>8} "
               f"{'n/a' if ratio is None else f'{ratio:.2f}x':>10} {r['target']:>6.1f}x  "
               f"{'n/a' if r['met'] is None else ('yes' if r['met'] else 'NO')}")

@@ -97,9 +97,10 @@ class LLMEngine(Scoring):
         self.max_model_len = resolve_max_model_len(cfg, ecfg)
         self.backend = get_backend(ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm, ecfg.cache_dir,
                                    ecfg.batch_invariant, ecfg.int8_activations)
-        if ecfg.int8_activations and cfg.quant != "int8":
-            raise ValueError(f"int8_activations (--int8-activations) runs the products of int8 models; this model is "
-                             f"{cfg.quant or cfg.dtype}: convert it with --quant int8, or leave the option off")
+        if ecfg.int8_activations and cfg.quant not in ("int8", "q4"):
+            raise ValueError(f"int8_activations (--int8-activations) runs the products of int8 and q4 models; this "
+                             f"model is {cfg.quant or cfg.dtype}: convert it with --quant int8 or --quant q4, or leave "
+                             "the option off")
         if cfg.quant is not None and cfg.quant not in self.backend.capabilities.quantized_weights:
             raise ValueError(f"{cfg.quant} weight-only models run on the CPU backend; convert without --quant "
                              f"for --device {self.backend.name} (or run this model with --device cpu)")

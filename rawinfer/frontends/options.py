@@ -167,9 +167,10 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                         "not depend on prefix-cache hits, chunking or preemption; prefill is slower "
                         "(docs/kernels.md) (default: off, each sequence's query count picks its kernel)")
     g.add_argument("--int8-activations", action="store_true",
-                   help="CPU, int8 models: quantize the activations to 8 bits per block of 32 (as llama.cpp's "
-                        "q8_0) for a GEMM with twice the products per instruction on AVX-512 VNNI: faster "
-                        "prefill and batches, coarser numerics (docs/kernels.md) (default: off, 16-bit activations)")
+                   help="CPU, int8 and q4 models: quantize the activations to 8 bits per block of 32 (as "
+                        "llama.cpp's q8_0) for GEMMs with twice the products per instruction (vpdpbusd on AVX-512 "
+                        "VNNI, vpmaddubsw for q4 on AVX2): faster prefill and batches, coarser numerics "
+                        "(docs/kernels.md) (default: off, 16-bit activations)")
     g.add_argument("--threads", type=cpu_threads, default=None, metavar="N",
                    help="CPU threads (default: all cores, fewer while other processes keep cores busy)")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",

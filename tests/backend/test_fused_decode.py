@@ -92,11 +92,12 @@ def test_fused_quantized_decode_of_other_families_is_the_per_op_path(family, qua
 
 
 @pytest.mark.skipif(not cpu_a8gemm.available(), reason="8-bit activations need AVX2")
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_fused_decode_on_8_bit_activations_is_the_per_op_path(family, tiny_dir):
-    """int8 models with int8_activations: every decode batch in one call on a8gemm.py (silu in its epilogue,
-    GeGLU apart), the per-op path's bits; the few-row kernel (int16-activation products) never runs."""
-    llm = LLM(tiny_dir(family, "int8"), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
+@pytest.mark.parametrize("family,quant", [("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int8"), ("gemma3", "int8"),
+                                         ("llama", "q4"), ("gemma3", "q4")])
+def test_fused_decode_on_8_bit_activations_is_the_per_op_path(family, quant, tiny_dir):
+    """int8 and q4 models with int8_activations: every decode batch in one call on a8gemm.py (silu in its
+    epilogue, GeGLU apart), the per-op path's bits; the few-row kernel (int16-activation products) never runs."""
+    llm = LLM(tiny_dir(family, quant), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
               enable_prefix_caching=False, int8_activations=True)
     model = llm.engine.model
     assert model.fused_plan["packed"] and model.fused_plan["a8"]

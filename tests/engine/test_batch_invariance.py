@@ -1,5 +1,5 @@
 """A request's greedy tokens do not depend on what else the engine runs, on SmolLM2 in every weight
-format (int8 also with 8-bit activations: int8a8): alone vs inside a batch, and (batch_invariant) after
+format (int8 and q4 also with 8-bit activations: int8a8, q4a8): alone vs inside a batch, and (batch_invariant) after
 prefix-cache hits and preemption.
 
 Why each holds (docs/kernels.md): int8 and q4 products of any number of rows run on integer GEMMs whose
@@ -23,18 +23,16 @@ from rawinfer.backend.cpu import a8gemm as cpu_a8gemm
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain KV caches.",
              "Who wrote Hamlet?", "Why is the sky blue?", "Translate hello to Spanish.", "Tell a joke.",
              "Count to five."]
-FORMATS = ["float32", "int8",
-           pytest.param("int8a8", marks=pytest.mark.skipif(not cpu_a8gemm.available(),
-                                                           reason="8-bit activations need AVX2 and FMA")),
-           "q4"]
+_A8 = pytest.mark.skipif(not cpu_a8gemm.available(), reason="8-bit activations need AVX2 and FMA")
+FORMATS = ["float32", "int8", pytest.param("int8a8", marks=_A8), "q4", pytest.param("q4a8", marks=_A8)]
 
 
 @pytest.fixture
 def model(request):
     """(the SmolLM2 conversion named by the test's parameter, the engine options it runs with)."""
     fixture = {"float32": "smollm2_dir", "int8": "smollm2_int8_dir", "int8a8": "smollm2_int8_dir",
-               "q4": "smollm2_q4_dir"}[request.param]
-    return request.getfixturevalue(fixture), {"int8_activations": request.param == "int8a8"}
+               "q4": "smollm2_q4_dir", "q4a8": "smollm2_q4_dir"}[request.param]
+    return request.getfixturevalue(fixture), {"int8_activations": request.param.endswith("a8")}
 
 
 @pytest.mark.parametrize("model", FORMATS, indirect=True)

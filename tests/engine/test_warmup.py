@@ -30,7 +30,7 @@ def workload(engine) -> None:
     engine.score(list(range(3, 30)), [20, 1, 1, 1, 1, 1, 1, 1])
 
 
-@pytest.mark.parametrize("quant,a8", [(None, False), ("int8", False), ("int8", True), ("q4", False)])
+@pytest.mark.parametrize("quant,a8", [(None, False), ("int8", False), ("int8", True), ("q4", False), ("q4", True)])
 def test_after_warm_up_no_request_compiles_a_kernel(tmp_path_factory, quant, a8):
     from rawinfer.backend.cpu import a8gemm
     if a8 and not a8gemm.available():

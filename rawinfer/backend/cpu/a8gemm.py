@@ -1,5 +1,6 @@
-"""Integer GEMM for int8 models with 8-bit activations (the engine's `int8_activations` mode):
-out = x @ (q * scale)^T with x quantized to int8 per row and block of 32 k, as llama.cpp's q8_0.
+"""Integer GEMM for int8 and q4 models with 8-bit activations (the engine's `int8_activations` mode):
+out = x @ W^T with x quantized to int8 per row and block of 32 k, as llama.cpp's q8_0; W int8 rows
+(below) or q4 blocks (a8q4tile.py has their layout, arithmetic and tiles; the drivers here serve both).
 
 Why: with int16 activations (qgemm.py) the integer GEMM multiplies 2 pairs of 16 bits per int32 lane
 and instruction (vpdpwssd); with 8-bit ones `vpdpbusd` multiplies 4 pairs of bytes, twice the
@@ -19,15 +20,18 @@ Numbers:
 
 Each block's integer sum is exact, and every row is computed the same way whatever the number of
 rows, so a request's tokens do not depend on its batch. Paths (isa.py): AVX-512 VNNI (vpdpbusd on 6 x
-32 tiles) and AVX2 (vpmaddwd on the same bytes, 2 x 16 tiles, slower), the same bits (a8tile.py).
-`available()` is False without AVX2; the engine then refuses the mode.
+32 tiles) and AVX2 (int8: vpmaddwd on the same bytes, 2 x 16 tiles, slower; q4: vpmaddubsw, 3 x 16), the
+same bits on both (a8tile.py, a8q4tile.py). `available()` is False without AVX2; the engine then refuses
+the mode.
 """
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba.extending import overload
 
+from rawinfer.backend.cpu import a8q4tile as q4tile
 from rawinfer.backend.cpu import isa
 from rawinfer.backend.cpu.a8tile import KBLOCK, QUADS, tiles
 from rawinfer.backend.cpu.kernels import Kernel
@@ -37,10 +41,6 @@ from rawinfer.backend.cpu.llvm import abs_max
 from rawinfer.backend.cpu.qgemm import _panel_groups as _groups   # qgemm.gemm_packed's equal panel groups
 from rawinfer.backend.cpu.qgemm import _next_blocks, silu_rows
 
-_z = tiles[isa.AVX512_VNNI]
-_z1c1, _z2c1, _z4c1, _z6c1 = (_z[R, 1] for R in (1, 2, 4, PANEL_ROWS))
-_z1c2, _z2c2, _z4c2, _z6c2 = (_z[R, 2] for R in (1, 2, 4, PANEL_ROWS))
-_y1, _y2 = tiles[isa.AVX2][1, 1], tiles[isa.AVX2][2, 1]
 
 
 def supports(shape: tuple[int, int]) -> bool:
@@ -130,57 +130,102 @@ def quantized_x(x, xbuf, sbuf, cbuf):
 
 
 # ---- drivers ------------------------------------------------------------------------------------------
-@nb.njit(inline="always")
-def _vnni2(rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf):
-    # blocks 0 and 1 with the build that computes the fewest rows covering `rows`; pf = (pf0, pf1,
-    # pfn): the next weight blocks' slice to prefetch (a8tile.py; qgemm._next_blocks)
-    if rows > 4:
-        _z6c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
-    elif rows > 2:
-        _z4c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
-    elif rows > 1:
-        _z2c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
-    else:
-        _z1c2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
+# One source for both weight layouts: int8 rows (pack_weights, 4-d) and q4 (a8q4tile.pack_q4, 2-d). The
+# overloads below pick a layout's tiles and strides while Numba types the driver, so each driver compiles
+# once per layout; the tiles of both take the same arguments.
+def _layout(wq):
+    """(k-blocks, column blocks, bytes per column block) of a packed weight of either layout."""
 
 
-@nb.njit(inline="always")
-def _vnni1(rows, xt, kb, st, ct, ldo, w0, s0, o0):
-    if rows > 4:
-        _z6c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0, 0, 0, 0)
-    elif rows > 2:
-        _z4c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0, 0, 0, 0)
-    elif rows > 1:
-        _z2c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0, 0, 0, 0)
-    else:
-        _z1c1(xt, kb, rows, st, ct, ldo, w0, s0, o0, 0, 0, 0, 0, 0, 0)
+@overload(_layout, inline="always")
+def _layout_of(wq):
+    if wq.ndim == 2:
+        return lambda wq: (wq.shape[1] // q4tile.RECORD, wq.shape[0], np.int64(wq.shape[1]))
+    return lambda wq: (wq.shape[1] // QUADS, wq.shape[0], np.int64(wq.shape[1] * 4 * BLOCK_COLS))
 
 
-@nb.njit(inline="always")
-def _avx2(rows, xt, kb, st, ct, ldo, w0, s0, o0):
-    # the panel's rows two at a time (x rows 4 bytes apart in a quad row, scales 4 bytes apart)
-    for r in range(0, rows, 2):
-        if rows - r > 1:
-            _y2(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0, 0, 0, 0)
+def _by_rows(t1, t2, t4, t6):
+    """The body that runs the tile build (t1, t2, t4, t6: 1, 2, 4, 6 rows) computing the fewest rows
+    covering `rows`; pf = (pf0, pf1, pfn): the next weight blocks' slice to prefetch (qgemm._next_blocks)."""
+    def impl(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf):
+        if rows > 4:
+            t6(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
+        elif rows > 2:
+            t4(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
+        elif rows > 1:
+            t2(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
         else:
-            _y1(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0, 0, 0, 0)
+            t1(xt, kb, rows, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf[0], pf[1], pf[2])
+    return impl
+
+
+def _vnni2(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf):
+    """Blocks 0 and 1 on AVX-512 VNNI (_by_rows)."""
+
+
+def _vnni1(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf):
+    """Block 0 on AVX-512 VNNI (_by_rows; w1, s1, o1 and pf unused)."""
+
+
+@overload(_vnni2, inline="always")
+def _vnni2_of(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf):
+    return _by_rows(*((q4tile.tiles if wq.ndim == 2 else tiles)[isa.AVX512_VNNI][R, 2] for R in (1, 2, 4, 6)))
+
+
+@overload(_vnni1, inline="always")
+def _vnni1_of(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf):
+    return _by_rows(*((q4tile.tiles if wq.ndim == 2 else tiles)[isa.AVX512_VNNI][R, 1] for R in (1, 2, 4, 6)))
+
+
+def _avx2(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
+    """One block on AVX2: int8 rows two at a time (x rows 4 bytes apart in a quad row, scales 4 bytes
+    apart), q4 with the build that computes the fewest rows covering `rows`."""
+
+
+@overload(_avx2, inline="always")
+def _avx2_of(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
+    if wq.ndim == 2:
+        t1, t2, t3 = (q4tile.tiles[isa.AVX2][R, 1] for R in (1, 2, 3))
+
+        def q4(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
+            for r in range(0, rows, 3):
+                n = rows - r
+                xr, sr, cr, orow = xt + 4 * r, st + 4 * r, ct + 4 * r, o0 + 4 * r * ldo
+                if n > 2:
+                    t3(xr, kb, n, sr, cr, ldo, w0, s0, orow, 0, 0, 0, 0, 0, 0)
+                elif n > 1:
+                    t2(xr, kb, n, sr, cr, ldo, w0, s0, orow, 0, 0, 0, 0, 0, 0)
+                else:
+                    t1(xr, kb, n, sr, cr, ldo, w0, s0, orow, 0, 0, 0, 0, 0, 0)
+        return q4
+    y1, y2 = tiles[isa.AVX2][1, 1], tiles[isa.AVX2][2, 1]
+
+    def int8(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
+        for r in range(0, rows, 2):
+            if rows - r > 1:
+                y2(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0, 0, 0, 0)
+            else:
+                y1(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0, 0, 0, 0)
+    return int8
 
 
 @nb.njit(inline="always")
-def _addresses(xq, xs, xc, wq, kblocks):
+def _addresses(xq, xs, xc, wq):
     # (base addresses of xq, xs, xc, wq; bytes per x panel, per scale panel, per weight block)
+    kblocks, _, wst = _layout(wq)
     return (np.int64(xq.ctypes.data), np.int64(xs.ctypes.data), np.int64(xc.ctypes.data),
             np.int64(wq.ctypes.data), np.int64(kblocks * KBLOCK * PANEL_ROWS),
-            np.int64(kblocks * PANEL_ROWS * 4), np.int64(kblocks * KBLOCK * BLOCK_COLS))
+            np.int64(kblocks * PANEL_ROWS * 4), wst)
 
 
 @nb.njit(parallel=True, cache=True)
 def gemm_vnni(xq, xs, xc, wq, sw, out, M):
     """out[M, N] over packed operands on AVX-512 VNNI; work items (group of x panels, pair of blocks)."""
-    panels, kblocks, nblocks = xq.shape[0], wq.shape[1] // QUADS, wq.shape[0]
+    panels = xq.shape[0]
+    kblocks, nblocks, _ = _layout(wq)
     npairs = (nblocks + 1) // 2
     ldo, o0, sw0 = np.int64(out.shape[1]), np.int64(out.ctypes.data), np.int64(sw.ctypes.data)
-    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq, kblocks)
+    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq)
     groups = _groups(panels)
     for it in nb.prange(groups * npairs):
         g, b = it // npairs, 2 * (it % npairs)
@@ -191,20 +236,24 @@ def gemm_vnni(xq, xs, xc, wq, sw, out, M):
             xt, st, ct, ot = x0 + t * xst, s0 + t * sst, c0 + t * sst, o0 + m0 * ldo * 4
             if b + 1 < nblocks:
                 nxt = w0 + (b + 2) * wst
-                _vnni2(rows, xt, kblocks, st, ct, ldo, w0 + b * wst, sw0 + b * BLOCK_COLS * 4, ot + b * BLOCK_COLS * 4,
+                _vnni2(wq, rows, xt, kblocks, st, ct, ldo,
+                       w0 + b * wst, sw0 + b * BLOCK_COLS * 4, ot + b * BLOCK_COLS * 4,
                        w0 + (b + 1) * wst, sw0 + (b + 1) * BLOCK_COLS * 4, ot + (b + 1) * BLOCK_COLS * 4,
                        _next_blocks(nxt, nxt + wst, wst, t - t0, t1 - t0, b + 3 < nblocks))
             else:
-                _vnni1(rows, xt, kblocks, st, ct, ldo, w0 + b * wst, sw0 + b * BLOCK_COLS * 4, ot + b * BLOCK_COLS * 4)
+                _vnni1(wq, rows, xt, kblocks, st, ct, ldo,
+                       w0 + b * wst, sw0 + b * BLOCK_COLS * 4, ot + b * BLOCK_COLS * 4, 0, 0, 0, (0, 0, 0))
 
 
 @nb.njit(parallel=True, cache=True)
 def gemm_silu_vnni(xq, xs, xc, wq, sw, out, M):
     """out[M, F] = silu(g) * u for [g | u] = x @ W^T, W a gate_up weight [2F, K]: gate block j and up
     block j in one tile, into a small scratch (the [M, 2F] product is never stored)."""
-    panels, kblocks, half = xq.shape[0], wq.shape[1] // QUADS, wq.shape[0] // 2
+    panels = xq.shape[0]
+    kblocks, nblocks, _ = _layout(wq)
+    half = nblocks // 2
     sw0 = np.int64(sw.ctypes.data)
-    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq, kblocks)
+    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq)
     groups = _groups(panels)
     for it in nb.prange(groups * half):
         g, j = it // half, it % half
@@ -213,7 +262,7 @@ def gemm_silu_vnni(xq, xs, xc, wq, sw, out, M):
         t0, t1 = g * panels // groups, (g + 1) * panels // groups
         for t in range(t0, t1):
             rows = min(PANEL_ROWS, M - t * PANEL_ROWS)
-            _vnni2(rows, x0 + t * xst, kblocks, s0 + t * sst, c0 + t * sst, BLOCK_COLS,
+            _vnni2(wq, rows, x0 + t * xst, kblocks, s0 + t * sst, c0 + t * sst, BLOCK_COLS,
                    w0 + j * wst, sw0 + j * BLOCK_COLS * 4, ga,
                    w0 + (j + half) * wst, sw0 + (j + half) * BLOCK_COLS * 4, ua,
                    _next_blocks(w0 + (j + 1) * wst, w0 + (j + 1 + half) * wst, wst, t - t0, t1 - t0, j + 1 < half))
@@ -223,24 +272,27 @@ def gemm_silu_vnni(xq, xs, xc, wq, sw, out, M):
 @nb.njit(parallel=True, cache=True)
 def gemm_avx2(xq, xs, xc, wq, sw, out, M):
     """gemm_vnni on AVX2: work items (group of x panels, block)."""
-    panels, kblocks, nblocks = xq.shape[0], wq.shape[1] // QUADS, wq.shape[0]
+    panels = xq.shape[0]
+    kblocks, nblocks, _ = _layout(wq)
     ldo, o0, sw0 = np.int64(out.shape[1]), np.int64(out.ctypes.data), np.int64(sw.ctypes.data)
-    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq, kblocks)
+    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq)
     groups = _groups(panels)
     for it in nb.prange(groups * nblocks):
         g, b = it // nblocks, it % nblocks
         for t in range(g * panels // groups, (g + 1) * panels // groups):
             m0 = t * PANEL_ROWS
-            _avx2(min(PANEL_ROWS, M - m0), x0 + t * xst, kblocks, s0 + t * sst, c0 + t * sst, ldo,
+            _avx2(wq, min(PANEL_ROWS, M - m0), x0 + t * xst, kblocks, s0 + t * sst, c0 + t * sst, ldo,
                   w0 + b * wst, sw0 + b * BLOCK_COLS * 4, o0 + (m0 * ldo + b * BLOCK_COLS) * 4)
 
 
 @nb.njit(parallel=True, cache=True)
 def gemm_silu_avx2(xq, xs, xc, wq, sw, out, M):
     """gemm_silu_vnni on AVX2."""
-    panels, kblocks, half = xq.shape[0], wq.shape[1] // QUADS, wq.shape[0] // 2
+    panels = xq.shape[0]
+    kblocks, nblocks, _ = _layout(wq)
+    half = nblocks // 2
     sw0 = np.int64(sw.ctypes.data)
-    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq, kblocks)
+    x0, s0, c0, w0, xst, sst, wst = _addresses(xq, xs, xc, wq)
     groups = _groups(panels)
     for it in nb.prange(groups * half):
         g, j = it // half, it % half
@@ -249,8 +301,9 @@ def gemm_silu_avx2(xq, xs, xc, wq, sw, out, M):
         for t in range(g * panels // groups, (g + 1) * panels // groups):
             rows = min(PANEL_ROWS, M - t * PANEL_ROWS)
             xt, st, ct = x0 + t * xst, s0 + t * sst, c0 + t * sst
-            _avx2(rows, xt, kblocks, st, ct, BLOCK_COLS, w0 + j * wst, sw0 + j * BLOCK_COLS * 4, ga)
-            _avx2(rows, xt, kblocks, st, ct, BLOCK_COLS, w0 + (j + half) * wst, sw0 + (j + half) * BLOCK_COLS * 4, ua)
+            _avx2(wq, rows, xt, kblocks, st, ct, BLOCK_COLS, w0 + j * wst, sw0 + j * BLOCK_COLS * 4, ga)
+            _avx2(wq, rows, xt, kblocks, st, ct, BLOCK_COLS,
+                  w0 + (j + half) * wst, sw0 + (j + half) * BLOCK_COLS * 4, ua)
             silu_rows(gu, out, t * PANEL_ROWS, rows, j)
 
 

@@ -151,11 +151,11 @@ _a8_matmul_silu = cpu_a8gemm.a8_matmul_silu
 
 
 def packed_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
-    """out = x @ W^T on a packed copy p: int8 (qgemm.pack_weights, 4-d int8, s = row scales), int8 for
-    8-bit activations (a8gemm.pack_weights, 4-d uint8, s = row scales; xbuf int8, sbuf float32, bbuf
-    int32: a8gemm's buffers) or q4 (q4gemm.pack_weights, 3-d uint8, s unused; bbuf its block sums), or on
-    a float32 W itself (p = W, [N, K], fgemm split over `threads` as CPUBackend.linear splits it; s and
-    the buffers unused). Compiled code only (an overload)."""
+    """out = x @ W^T on a packed copy p: int8 (qgemm.pack_weights, 4-d int8, s = row scales), int8 or q4 for
+    8-bit activations (a8gemm.pack_weights, 4-d uint8, s = row scales, or a8q4tile.pack_q4, 2-d uint8, s
+    unused; xbuf int8, sbuf float32, bbuf int32: a8gemm's buffers) or q4 (q4gemm.pack_weights, 3-d uint8, s
+    unused; bbuf its block sums), or on a float32 W itself (p = W, [N, K], fgemm split over `threads` as
+    CPUBackend.linear splits it; s and the buffers unused). Compiled code only (an overload)."""
 
 
 def _fgemm_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
@@ -166,7 +166,7 @@ def _fgemm_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
 def _packed_matmul(x, p, s, out, xbuf, sbuf, bbuf, threads):
     if p.dtype == types.float32:
         return _fgemm_matmul
-    if p.dtype == types.uint8 and p.ndim == 4:
+    if p.dtype == types.uint8 and p.ndim != 3:
         return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _a8_matmul(x, p, s, out, xbuf, sbuf, bbuf)
     if p.dtype == types.uint8:
         return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _q4_matmul(x, p, out, xbuf, sbuf, bbuf)
@@ -179,7 +179,7 @@ def packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf, threads):
 
 @overload(packed_matmul_silu)
 def _packed_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf, threads):
-    if p.dtype == types.uint8 and p.ndim == 4:
+    if p.dtype == types.uint8 and p.ndim != 3:
         return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _a8_matmul_silu(x, p, s, out, xbuf, sbuf, bbuf)
     if p.dtype == types.uint8:
         return lambda x, p, s, out, xbuf, sbuf, bbuf, threads: _q4_matmul_silu(x, p, out, xbuf, sbuf, bbuf)

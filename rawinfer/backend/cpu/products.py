@@ -5,8 +5,9 @@ rows, and the buffers they share.
          the integer GEMM (qgemm.py) for any number of rows, silu * up in its epilogue for the gate/up
          product. Every row is computed the same way whatever its batch: a request's tokens do not
          depend on what else runs.
-    int8 with int8_activations (the engine's 8-bit-activation mode): the 8-bit-activation GEMM (a8gemm.py)
-         on its own packed copy for any number of rows, silu * up in its epilogue; the same invariance.
+    int8 and q4 with int8_activations (the engine's 8-bit-activation mode): the 8-bit-activation GEMM
+         (a8gemm.py; q4 on a8q4tile.py's tiles) on its own packed copy for any number of rows, silu * up in
+         its epilogue; the same invariance.
     int8 without one (RAWINFER_CPU_INT_GEMM=0, a shape the GEMM does not fit): the row-invariant kernels
          (kernels.rows_matmul_kernel) for up to rows.ROWS_MAX rows and, in the batch-invariant mode,
          for every row count; BLAS on dequantized row tiles above. On a CPU without AVX2 the
@@ -28,6 +29,7 @@ import numpy as np
 from rawinfer.backend import shapes
 from rawinfer.backend.base import Backend
 from rawinfer.backend.cpu import a8gemm as cpu_a8gemm
+from rawinfer.backend.cpu import a8q4tile as cpu_a8q4
 from rawinfer.backend.cpu import blas as cpu_blas
 from rawinfer.backend.cpu import kernels as K
 from rawinfer.backend.cpu import llvm as cpu_llvm
@@ -66,6 +68,12 @@ class QuantizedProducts(Backend):
                                  f"and K % {cpu_a8gemm.KBLOCK} == 0; this model has one of {w.shape}: leave the "
                                  "option off for it")
             return dataclasses.replace(w, packed=cpu_a8gemm.pack_weights(w.q))
+        if isinstance(w, Q4Weight) and self.int8_activations:
+            if not cpu_a8q4.supports(w.shape):
+                raise ValueError(f"int8_activations needs q4 matrices [N, K] with N % {cpu_a8q4.BLOCK_COLS} == 0 and "
+                                 f"K % {SPAN} == 0; this model has one of {w.shape}: leave the option off for it")
+            self._q4_parts(w)                        # checks the pair
+            return dataclasses.replace(w, packed=cpu_a8q4.pack_q4(cpu_q4gemm.unpack_nibbles(w.qs), w.dm))
         if isinstance(w, Int8Weight) and self.int_gemm and cpu_qgemm.supports(w.shape):
             return dataclasses.replace(w, packed=cpu_qgemm.pack_weights(w.q))
         if isinstance(w, Q4Weight) and self.int_gemm and cpu_q4gemm.supports(w.shape):
@@ -97,7 +105,10 @@ class QuantizedProducts(Backend):
             shapes.linear_silu_mul(x, w.shape, out)
             check_array("x", x, np.float32)
             check_array("out", out)
-            cpu_q4gemm.q4_matmul_silu(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
+            if self.int8_activations:
+                cpu_a8gemm.a8_matmul_silu(x, w.packed, self._q4_parts(w)[1], out, *self._a8_buffers(*x.shape))
+            else:
+                cpu_q4gemm.q4_matmul_silu(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
             return
         if isinstance(w, Q4Weight) and w.packed is None and self._on_rows(x, scratch):
             shapes.linear_silu_mul(x, w.shape, out)
@@ -145,6 +156,9 @@ class QuantizedProducts(Backend):
         return w.qs, w.dm.view(np.uint16)
 
     def _linear_q4(self, x, w: Q4Weight, out, scratch) -> None:
+        if w.packed is not None and self.int8_activations:         # a8q4tile.py's layout, for every row count
+            cpu_a8gemm.a8_matmul(x, w.packed, self._q4_parts(w)[1], out, *self._a8_buffers(*x.shape))
+            return
         if w.packed is not None:
             cpu_q4gemm.q4_matmul(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
             return
