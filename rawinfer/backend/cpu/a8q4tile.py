@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
-
 from rawinfer.backend.cpu import isa
+from rawinfer.backend.cpu.a8tile import make_tile
 from rawinfer.backend.cpu.half import half_to_float_ir
 from rawinfer.backend.cpu.llvm import F32, GEMM_ROWS, I8, I16, I32, _fma, _ptr, _vload, _vstore, counted_loop, \
     i64, prefetch_line, splat
@@ -165,18 +163,8 @@ def _tile_code(builder, path, R, C, args):
                 _vstore(builder, fin[r * len(vecs) + v], obs[c], builder.add(builder.mul(i64(r), ldo), i64(L * h)))
 
 
-def _make_tile(path: str, R: int, C: int):
-    def codegen(context, builder, signature, args):
-        _tile_code(builder, path, R, C, args)
-        return context.get_dummy_value()
-
-    @intrinsic
-    def a8_q4_tile(typingctx, xp, kblocks, rows, xsp, xcp, ldo, wp0, swp0, op0, wp1, swp1, op1, pf0, pf1, pfn):
-        return types.void(*([types.int64] * 15)), codegen
-    return a8_q4_tile
-
-
 assert GEMM_ROWS == 6 and Q4_BLOCK == 32
 # 16 int16 pair sums of at most 2 x 15 x 127 per lane and block: no int16 overflow on AVX2
 assert 16 * 15 * 127 < 2 ** 15
-tiles = {path: {(R, C): _make_tile(path, R, C) for R in ROWS[path] for C in BLOCKS[path]} for path in BLOCKS}
+tiles = {path: {(R, C): make_tile(_tile_code, path, R, C) for R in ROWS[path] for C in BLOCKS[path]}
+         for path in BLOCKS}

@@ -47,10 +47,12 @@ _LANES = {isa.AVX512_VNNI: 16, isa.AVX2: 8}
 PREFETCH_AHEAD = 640
 
 
-def _make_tile(path: str, R: int, C: int):
-    # Every build takes two blocks' addresses; a one-block build ignores the second three.
+def make_tile(tile_code, path: str, R: int, C: int):
+    """A Numba intrinsic of a8gemm's tile arguments whose IR tile_code(builder, path, R, C, args) emits
+    (this file's tiles and a8q4tile.py's). Every build takes two blocks' addresses; a one-block build
+    ignores the second three."""
     def codegen(context, builder, signature, args):
-        _tile_code(builder, path, R, C, args)
+        tile_code(builder, path, R, C, args)
         return context.get_dummy_value()
 
     @intrinsic
@@ -151,4 +153,4 @@ def _tile_code(builder, path, R, C, args):
 
 assert GEMM_COLS == 16 and KBLOCK % 4 == 0
 # tiles[path][R, C]: every path's builds (a path's are only called where isa.py selects it)
-tiles = {path: {(R, C): _make_tile(path, R, C) for R in ROWS[path] for C in BLOCKS[path]} for path in ROWS}
+tiles = {path: {(R, C): make_tile(_tile_code, path, R, C) for R in ROWS[path] for C in BLOCKS[path]} for path in ROWS}
