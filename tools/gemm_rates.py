@@ -10,7 +10,8 @@ gate/up 3,072 x 576, down 576 x 1,536; random weights, one of each), GOP/s by we
 
 Each number is the best of --repeat calls of the four products, on Numba's default thread count. The
 weights (3.5 MB as int8) stay in the caches, so one row measures the kernels' own speed, not memory's.
-Run it under tools/test_avx2.sh's environment to measure the AVX2 builds on an AVX-512 machine.
+`bash tools/test_avx2.sh --run .venv/bin/python tools/gemm_rates.py` measures the AVX2 builds on an AVX-512
+machine.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@
 # how the AVX2 paths get the whole suite's checks; on an AVX2 machine it is the plain suite.
 # The builds are cached apart from the host's (Numba keys its cache by the target CPU and features).
 # Usage: bash tools/test_avx2.sh [pytest args...]   (default: the CPU backend and engine tests)
+#        bash tools/test_avx2.sh --run COMMAND...     (any command in that environment, e.g. a benchmark)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -24,6 +25,10 @@ print(" ".join(t for t in m.__cpu_dispatch__ if m.__cpu_features__.get(t) and t 
 export NPY_DISABLE_CPU_FEATURES
 export OPENBLAS_CORETYPE=Haswell
 "$PY" -c "from rawinfer.backend.cpu import isa; assert isa.HOST == isa.AVX2, isa.HOST; print('CPU kernels built for', isa.HOST)"
+if [ "${1:-}" = "--run" ]; then
+  shift
+  exec "$@"
+fi
 if [ $# -eq 0 ]; then
   set -- tests/backend tests/engine/test_engine.py tests/engine/test_model_golden.py tests/engine/test_batch_invariance.py
 fi
