@@ -131,9 +131,10 @@ class Backend(ABC):
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return arena[offset:offset + n].view(dtype).reshape(shape)
 
-    def prepare_weight(self, w):
+    def prepare_weight(self, w, head: bool = False):
         """A quantized matrix (quant.Int8Weight, quant.Q4Weight) as this backend computes with it (called
-        once per matrix at load): the same object, or a copy carrying a repacked layout in `packed`."""
+        once per matrix at load; head: the LM head, outside the decoder layers): the same object, or a
+        copy carrying a repacked layout in `packed`."""
         return w
 
     @abstractmethod

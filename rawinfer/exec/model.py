@@ -63,7 +63,8 @@ class DecoderModel:
         repack = (lambda w: be.prepare_weight(w) if isinstance(w, (Int8Weight, Q4Weight)) else w)
         self.layers = [dataclasses.replace(L, **{k: repack(getattr(L, k)) for k in LayerWeights.MATRICES})
                        for L in self.layers]
-        self.lm_head = repack(self.lm_head)
+        if isinstance(self.lm_head, (Int8Weight, Q4Weight)):
+            self.lm_head = be.prepare_weight(self.lm_head, head=True)
         if self.fused_max_tokens:
             self.fused_plan = be.fused_plan(self.layers, self.pool.kv.k, self.pool.kv.v,
                                             gelu=self.cfg.hidden_act == "gelu_tanh")

@@ -193,3 +193,16 @@ def test_the_mode_is_for_int8_and_q4_models(tiny_llama_dir, tmp_path):
     from rawinfer import LLMEngine
     with pytest.raises(ValueError, match="--quant int8"):
         LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB", int8_activations=True, warmup=False)
+
+
+def test_the_lm_head_keeps_16_bit_activations_where_8_bit_ones_are_slower(tmp_path_factory):
+    """Every layer matrix is packed for a8gemm; the int8 LM head only where int8 weights gain from 8-bit
+    activations (VNNI), else for qgemm (AVX2, where a8tile.py runs at about half its speed)."""
+    from conftest import _convert_tiny
+    from rawinfer import LLMEngine
+    engine = LLMEngine(_convert_tiny(tmp_path_factory, "tiny-llama", quant="int8"), device="cpu",
+                       kv_cache_memory="8MiB", int8_activations=True, warmup=False)
+    model = engine.model
+    assert all(getattr(L, k).packed.dtype == np.uint8 for L in model.layers for k in ("qkv_proj", "o_proj"))
+    assert (model.lm_head.packed.dtype == np.uint8) == A.int8_gains()
+    assert engine.score([5, 9, 200, 31, 7]).shape[0] == 5 and np.isfinite(engine.score([5, 9, 200])).all()

@@ -60,9 +60,12 @@ class QuantizedProducts(Backend):
     """The int8 / q4 halves of CPUBackend.linear and linear_silu_mul. Reads the backend's int_gemm,
     int8_activations, one_attention, blas_on_numba_pool, max_threads and its integer GEMM buffers _qx, _qs, _qb, _a8."""
 
-    def prepare_weight(self, w):
+    def prepare_weight(self, w, head: bool = False):
         import dataclasses
-        if isinstance(w, Int8Weight) and self.int8_activations:
+        # 8-bit activations: every layer matrix on a8gemm (a step's fused decode call quantizes x one way
+        # for all of them); an int8 LM head only where that is faster than qgemm (VNNI), for a third of a
+        # batched decode step on AVX2 is the head's product
+        if isinstance(w, Int8Weight) and self.int8_activations and (cpu_a8gemm.int8_gains() or not head):
             if not cpu_a8gemm.supports(w.shape):
                 raise ValueError(f"int8_activations needs int8 matrices [N, K] with N % {cpu_a8gemm.BLOCK_COLS} == 0 "
                                  f"and K % {cpu_a8gemm.KBLOCK} == 0; this model has one of {w.shape}: leave the "
@@ -94,7 +97,7 @@ class QuantizedProducts(Backend):
                 shapes.linear_silu_mul(x, w.shape, out)
                 check_array("x", x, np.float32)
                 check_array("out", out)
-                if gemm and self.int8_activations:
+                if gemm and w.packed.dtype == np.uint8:         # packed for a8gemm
                     cpu_a8gemm.a8_matmul_silu(x, w.packed, w.scale, out, *self._a8_buffers(*x.shape))
                 elif gemm:
                     cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(*x.shape))
@@ -126,7 +129,7 @@ class QuantizedProducts(Backend):
 
     def _linear_int8(self, x, w: Int8Weight, out, scratch) -> None:
         T, Kd = x.shape[0], w.shape[1]
-        if self.int8_activations:                        # every row count: a row's bits never depend on its batch
+        if w.packed is not None and w.packed.dtype == np.uint8:     # a8gemm's layout: 8-bit activations
             cpu_a8gemm.a8_matmul(x, w.packed, w.scale, out, *self._a8_buffers(T, Kd))
             return
         if self._on_packed_gemm(x, w, scratch):
