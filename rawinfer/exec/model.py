@@ -60,11 +60,10 @@ class DecoderModel:
         """Called once the pool holds the weights: the backend may repack the int8 and q4 matrices for its
         GEMMs (Backend.prepare_weight); the pool's own copies stay what the other ops read."""
         be = self.backend
-        repack = (lambda w: be.prepare_weight(w) if isinstance(w, (Int8Weight, Q4Weight)) else w)
+        repack = (lambda w, head=False: be.prepare_weight(w, head) if isinstance(w, (Int8Weight, Q4Weight)) else w)
         self.layers = [dataclasses.replace(L, **{k: repack(getattr(L, k)) for k in LayerWeights.MATRICES})
                        for L in self.layers]
-        if isinstance(self.lm_head, (Int8Weight, Q4Weight)):
-            self.lm_head = be.prepare_weight(self.lm_head, head=True)
+        self.lm_head = repack(self.lm_head, head=True)
         if self.fused_max_tokens:
             self.fused_plan = be.fused_plan(self.layers, self.pool.kv.k, self.pool.kv.v,
                                             gelu=self.cfg.hidden_act == "gelu_tanh")

@@ -155,9 +155,9 @@ def test_q4_silu_epilogue_and_a_row_alone_or_in_any_batch():
 def test_q4_real_weights_match_a_float64_product():
     """A q4 weight against activations with outlier channels, as a model's: within 8-bit activations'
     rounding of the exact product of the same q4 weights (|error| <= sum_k |w_k| xs / 2 per block)."""
+    _, q, dm, wp = q4_operands(9, 64, 576)
     x = RNG.standard_normal((9, 576)).astype(np.float32)
     x[:, [7, 300]] *= 40
-    x, q, dm, wp = (x, *q4_operands(9, 64, 576)[1:])
     w = dm[..., 0].astype(np.float64).repeat(32, 1) * q + dm[..., 1].astype(np.float64).repeat(32, 1)
     _, xs = quantized_blocks(x)
     bound = np.abs(w).reshape(64, 18, 32).sum(-1) @ (xs.astype(np.float64).T / 2)          # [N, M]

@@ -108,8 +108,8 @@ class QuantizedProducts(Backend):
             shapes.linear_silu_mul(x, w.shape, out)
             check_array("x", x, np.float32)
             check_array("out", out)
-            if self.int8_activations:
-                cpu_a8gemm.a8_matmul_silu(x, w.packed, self._q4_parts(w)[1], out, *self._a8_buffers(*x.shape))
+            if self.int8_activations:                   # dm: unread by the q4 tiles (_linear_q4)
+                cpu_a8gemm.a8_matmul_silu(x, w.packed, w.dm.view(np.uint16), out, *self._a8_buffers(*x.shape))
             else:
                 cpu_q4gemm.q4_matmul_silu(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
             return
@@ -160,7 +160,9 @@ class QuantizedProducts(Backend):
 
     def _linear_q4(self, x, w: Q4Weight, out, scratch) -> None:
         if w.packed is not None and self.int8_activations:         # a8q4tile.py's layout, for every row count
-            cpu_a8gemm.a8_matmul(x, w.packed, self._q4_parts(w)[1], out, *self._a8_buffers(*x.shape))
+            # the tiles read d and m from the packed records; dm (checked at load) only fills a8gemm's
+            # column-scale argument with the type the fused decode passes, so both share one build
+            cpu_a8gemm.a8_matmul(x, w.packed, w.dm.view(np.uint16), out, *self._a8_buffers(*x.shape))
             return
         if w.packed is not None:
             cpu_q4gemm.q4_matmul(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
