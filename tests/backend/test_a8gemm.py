@@ -197,7 +197,8 @@ def test_the_mode_is_for_int8_and_q4_models(tiny_llama_dir, tmp_path):
 
 def test_the_lm_head_keeps_16_bit_activations_where_8_bit_ones_are_slower(tmp_path_factory):
     """Every layer matrix is packed for a8gemm; the int8 LM head only where int8 weights gain from 8-bit
-    activations (VNNI), else for qgemm (AVX2, where a8tile.py runs at about half its speed)."""
+    activations (vpdpbusd: AVX-512 VNNI or AVX-VNNI), else for qgemm (AVX2 without AVX-VNNI, where a8tile.py
+    runs at about half its speed)."""
     from conftest import _convert_tiny
     from rawinfer import LLMEngine
     engine = LLMEngine(_convert_tiny(tmp_path_factory, "tiny-llama", quant="int8"), device="cpu",
@@ -206,3 +207,32 @@ def test_the_lm_head_keeps_16_bit_activations_where_8_bit_ones_are_slower(tmp_pa
     assert all(getattr(L, k).packed.dtype == np.uint8 for L in model.layers for k in ("qkv_proj", "o_proj"))
     assert (model.lm_head.packed.dtype == np.uint8) == A.int8_gains()
     assert engine.score([5, 9, 200, 31, 7]).shape[0] == 5 and np.isfinite(engine.score([5, 9, 200])).all()
+
+
+@pytest.mark.skipif(isa.AVX2 not in PATHS, reason="no AVX2 path on this CPU")
+def test_the_avx2_tiles_multiply_with_avx_vnni_exactly_where_the_cpu_has_it():
+    """With AVX-VNNI (isa.avx_vnni()) both layouts' AVX2 tiles multiply with 256-bit vpdpbusd and nothing
+    else; without it int8 weights take vpmaddwd and q4 ones vpmaddubsw. (The other tests hold the bits to
+    NumPy's and the VNNI path's either way; this one holds that the builds take the instructions they say.)
+    Each tile compiled on its own, uncached, for its assembly."""
+    import numba as nb
+    from rawinfer.backend.cpu import a8tile
+    for layout, builds in (("int8", a8tile.tiles[isa.AVX2]), ("q4", Q.tiles[isa.AVX2])):
+        for tile in builds.values():
+            def call(a):
+                tile(a, a, a, a, a, a, a, a, a, a, a, a, a, a, a)
+            f = nb.njit(call)
+            f.compile("(int64,)")
+            asm = "".join(f.inspect_asm().values())
+            counts = {op: asm.count(op) for op in ("vpdpbusd", "vpmaddubsw", "vpmaddwd", "zmm")}
+            old = "vpmaddwd" if layout == "int8" else "vpmaddubsw"
+            if isa.avx_vnni():
+                assert counts["vpdpbusd"] > 0 and counts["vpmaddubsw"] == counts["vpmaddwd"] == 0, counts
+            else:
+                assert counts["vpdpbusd"] == 0 and counts[old] > 0, counts
+            assert counts["zmm"] == 0, counts          # an AVX2 build, whatever else the CPU has
+
+
+def test_avx_vnni_needs_avx2_fma_and_avxvnni():
+    assert isa.avx_vnni({"avx2", "fma", "avxvnni", "sse2"})
+    assert not isa.avx_vnni({"avx2", "fma"}) and not isa.avx_vnni({"avxvnni", "fma"})

@@ -20,8 +20,8 @@ Numbers:
 
 Each block's integer sum is exact, and every row is computed the same way whatever the number of
 rows, so a request's tokens do not depend on its batch. Paths (isa.py): AVX-512 VNNI (vpdpbusd on 6 x
-32 tiles) and AVX2 (int8: vpmaddwd on the same bytes, 2 x 16 tiles, slower; q4: vpmaddubsw, 3 x 16), the
-same bits on both (a8tile.py, a8q4tile.py). `available()` is False without AVX2; the engine then refuses
+32 tiles) and AVX2 (int8: vpmaddwd on the same bytes, 2 x 16 tiles, slower; q4: vpmaddubsw, 3 x 16; with
+AVX-VNNI both on 256-bit vpdpbusd, 3 x 16), the same bits on all (a8tile.py, a8q4tile.py). `available()` is False without AVX2; the engine then refuses
 the mode.
 """
 
@@ -178,35 +178,27 @@ def _vnni1_of(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf):
 
 
 def _avx2(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
-    """One block on AVX2: int8 rows two at a time (x rows 4 bytes apart in a quad row, scales 4 bytes
-    apart), q4 with the build that computes the fewest rows covering `rows`."""
+    """One block on AVX2: rows three at a time (x rows 4 bytes apart in a quad row, scales 4 bytes apart),
+    the last group with the build that computes the fewest rows covering it; int8 weights without
+    AVX-VNNI two at a time (their tile holds no more)."""
 
 
 @overload(_avx2, inline="always")
 def _avx2_of(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
-    if wq.ndim == 2:
-        t1, t2, t3 = (q4tile.tiles[isa.AVX2][R, 1] for R in (1, 2, 3))
+    step = 3 if wq.ndim == 2 or isa.avx_vnni() else 2
+    t1, t2, t3 = ((q4tile.tiles if wq.ndim == 2 else tiles)[isa.AVX2][R, 1] for R in (1, 2, step))
 
-        def q4(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
-            for r in range(0, rows, 3):
-                n = rows - r
-                xr, sr, cr, orow = xt + 4 * r, st + 4 * r, ct + 4 * r, o0 + 4 * r * ldo
-                if n > 2:
-                    t3(xr, kb, n, sr, cr, ldo, w0, s0, orow, 0, 0, 0, 0, 0, 0)
-                elif n > 1:
-                    t2(xr, kb, n, sr, cr, ldo, w0, s0, orow, 0, 0, 0, 0, 0, 0)
-                else:
-                    t1(xr, kb, n, sr, cr, ldo, w0, s0, orow, 0, 0, 0, 0, 0, 0)
-        return q4
-    y1, y2 = tiles[isa.AVX2][1, 1], tiles[isa.AVX2][2, 1]
-
-    def int8(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
-        for r in range(0, rows, 2):
-            if rows - r > 1:
-                y2(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0, 0, 0, 0)
+    def impl(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
+        for r in range(0, rows, step):
+            n = rows - r
+            xr, sr, cr, orow = xt + 4 * r, st + 4 * r, ct + 4 * r, o0 + 4 * r * ldo
+            if n > 2:
+                t3(xr, kb, n, sr, cr, ldo, w0, s0, orow, 0, 0, 0, 0, 0, 0)
+            elif n > 1:
+                t2(xr, kb, n, sr, cr, ldo, w0, s0, orow, 0, 0, 0, 0, 0, 0)
             else:
-                y1(xt + 4 * r, kb, rows - r, st + 4 * r, ct + 4 * r, ldo, w0, s0, o0 + 4 * r * ldo, 0, 0, 0, 0, 0, 0)
-    return int8
+                t1(xr, kb, n, sr, cr, ldo, w0, s0, orow, 0, 0, 0, 0, 0, 0)
+    return impl
 
 
 @nb.njit(inline="always")
@@ -350,6 +342,7 @@ def available() -> bool:
 
 
 def int8_gains() -> bool:
-    """Whether int8 weights run faster here on 8-bit activations than on qgemm's 16-bit ones: with VNNI's
-    vpdpbusd. AVX2's int8 tile (vpmaddwd on the same bytes) runs at about half qgemm's speed: docs/kernels.md."""
-    return PATH == isa.AVX512_VNNI
+    """Whether int8 weights run faster here on 8-bit activations than on qgemm's 16-bit ones: with vpdpbusd
+    (AVX-512 VNNI, or AVX-VNNI on the AVX2 path). AVX2's int8 tile without it (vpmaddwd on the same bytes)
+    runs at about half qgemm's speed: docs/kernels.md."""
+    return PATH == isa.AVX512_VNNI or (PATH == isa.AVX2 and isa.avx_vnni())

@@ -8,7 +8,9 @@ scale xs) the products need no +128 correction and stay small: a pair of them is
 nor overflow even when a whole block's 16 pair sums per lane are added in int16. One `vpmaddwd` against
 ones per block then widens them. That is one multiplying instruction per 32 products, where int8 weights
 on AVX2 take two (a8tile.py) and the q4 GEMM on 16-bit activations (q4tile.py) two as well. AVX-512 VNNI
-multiplies the same bytes with `vpdpbusd` (64 products, int32 lanes). Both sum exactly.
+multiplies the same bytes with `vpdpbusd` (64 products, int32 lanes), and so does the AVX2 build where the
+CPU has AVX-VNNI (isa.avx_vnni(): its 256-bit, VEX-encoded vpdpbusd adds the products into int32 lanes in
+the same instruction, so neither the int16 stage nor its vpaddw remain). All sum exactly.
 
     sum_k w[n, k] x[m, k] over block b  ~  xs[m, b] (d[n, b] s + m[n, b] sum_k xq[m, k]),  s = sum_k q[n, k] xq[m, k]
 
@@ -27,7 +29,8 @@ tell the two layouts apart by that.)
     tiles[path][R, C]   R rows of a 6-row x panel against C column blocks (separate addresses; the same
                         arguments as a8tile.py's tiles, whose column scales these ignore: d and m are in
                         the records). avx512_vnni: R = 1, 2, 4, 6, C = 1, 2, one zmm per (row, block).
-                        avx2: R = 1, 2, 3, C = 1, two ymm halves of 8 columns, int16 sums per block.
+                        avx2: R = 1, 2, 3, C = 1, two ymm halves of 8 columns, int16 sums per block
+                        (int32 sums on vpdpbusd with AVX-VNNI).
                         Per (row, vector) and k-block, in this order on both paths:
                             t = float(s) * xs;  acc = fma(t, d, acc);  acc = fma(m, xs * (xc * -1/128), acc)
                         and out = acc at the end, so both paths give the same bits.
@@ -91,12 +94,14 @@ def _tile_code(builder, path, R, C, args):
     pf0, pf1, pfn = args[12:15]
     vnni = path == isa.AVX512_VNNI
     L = 16 if vnni else 8
+    dots = vnni or isa.avx_vnni()                        # vpdpbusd: int32 sums, no int16 stage
     H = BLOCK_COLS // L                                  # vectors per (row, block)
     vi32, vf32, vhalf = ir.VectorType(I32, L), ir.VectorType(F32, L), ir.VectorType(I16, L)
     vi8, vi16 = ir.VectorType(I8, 4 * L), ir.VectorType(I16, 2 * L)
     fma = _fma(builder, vf32)
-    if vnni:
-        dot = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", (), ir.FunctionType(vi32, [vi32] * 3))
+    if dots:
+        dot = builder.module.declare_intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * L}", (),
+                                               ir.FunctionType(vi32, [vi32] * 3))
     else:
         ubsw = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (), ir.FunctionType(vi16, [vi8, vi8]))
         pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(vi32, [vi16, vi16]))
@@ -118,7 +123,7 @@ def _tile_code(builder, path, R, C, args):
             paced_prefetch(builder, kb, per, pfn, (pf0, pf1))
         row0 = builder.mul(kb, i64(GEMM_ROWS))           # this block's entry of row 0 in xs, xc
         quad0 = builder.mul(kb, i64(Q4_BLOCK // 4))
-        zero = ir.Constant(vi32 if vnni else vi16, [0] * (L if vnni else 2 * L))
+        zero = ir.Constant(vi32 if dots else vi16, [0] * (L if dots else 2 * L))
 
         def x_quad(j, r):                                # k quad j of the block, row r, broadcast
             xrow = builder.gep(xb, [builder.mul(builder.add(quad0, i64(j)), i64(GEMM_ROWS))])
@@ -136,7 +141,7 @@ def _tile_code(builder, path, R, C, args):
                 for r in range(R):
                     x = x_quad(2 * p + e, r)
                     for v in vs:
-                        if vnni:
+                        if dots:
                             sums[r, v] = builder.call(dot, [sums[r, v], w[v], x])
                         else:
                             prod = builder.call(ubsw, [builder.bitcast(w[v], vi8), builder.bitcast(x, vi8)])
@@ -150,7 +155,7 @@ def _tile_code(builder, path, R, C, args):
             xsv = splat(builder, xs, vf32)
             msum = splat(builder, builder.fmul(xs, builder.fmul(xc, ir.Constant(F32, -1.0 / 128))), vf32)
             for v, (d, m) in enumerate(scales):
-                s32 = sums[r, v] if vnni else builder.call(pmaddwd, [sums[r, v], ones])
+                s32 = sums[r, v] if dots else builder.call(pmaddwd, [sums[r, v], ones])
                 t = builder.fmul(builder.sitofp(s32, vf32), xsv)
                 new.append(builder.call(fma, [m, msum, builder.call(fma, [t, d, faccs[r * len(vecs) + v]])]))
         return new

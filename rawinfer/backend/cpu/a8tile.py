@@ -19,7 +19,9 @@ of the block's int8 x), which removes the +128 from the weights: sum (w + 128) x
         avx2           R = 1, 2; C = 1: two ymm halves of 8 columns per (row, block); the quad's u8
                        weights split by mask and shift into the int16 pairs (w0, w2) and (w1, w3),
                        the row's x into the matching pairs, two vpmaddwd per half (32 products)
-                       and two vpaddd; the float sums stay in registers, which bounds R at 2
+                       and two vpaddd; the float sums stay in registers, which bounds R at 2.
+                       Where the CPU has AVX-VNNI (isa.avx_vnni()): avx512_vnni's steps on ymm halves
+                       (its 256-bit vpdpbusd, 32 products), R = 1, 2, 3
 
 The integer block sums are exact on both paths and the float32 steps are the same fused
 multiply-adds in the same order, so both give the same bits. Every address is a raw int64 (see
@@ -39,7 +41,7 @@ from rawinfer.backend.cpu.llvm import F32, GEMM_COLS, GEMM_ROWS, I32, _fma, _ptr
 
 KBLOCK = 32                  # k per activation scale
 QUADS = KBLOCK // 4          # k quads per block (one int32 lane sums 4 products)
-ROWS = {isa.AVX512_VNNI: (1, 2, 4, GEMM_ROWS), isa.AVX2: (1, 2)}
+ROWS = {isa.AVX512_VNNI: (1, 2, 4, GEMM_ROWS), isa.AVX2: (1, 2, 3) if isa.avx_vnni() else (1, 2)}
 BLOCKS = {isa.AVX512_VNNI: (1, 2), isa.AVX2: (1,)}
 _LANES = {isa.AVX512_VNNI: 16, isa.AVX2: 8}
 # k quads ahead that the AVX-512 builds of one or two rows (decode) prefetch each block's weights, into
@@ -85,9 +87,11 @@ def _tile_code(builder, path, R, C, args):
     H = GEMM_COLS // lanes                               # vectors per (row, block)
     VI, VF = ir.VectorType(I32, lanes), ir.VectorType(F32, lanes)
     vnni = path == isa.AVX512_VNNI
-    if vnni:
+    dots = vnni or isa.avx_vnni()
+    if dots:
         # declared with LLVM's original int32 operand types, as vnni.py's vpdpwssd
-        dot = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", (), ir.FunctionType(VI, [VI] * 3))
+        dot = builder.module.declare_intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", (),
+                                               ir.FunctionType(VI, [VI] * 3))
     else:
         V16I16 = ir.VectorType(ir.IntType(16), 16)
         pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
@@ -111,7 +115,7 @@ def _tile_code(builder, path, R, C, args):
             kq = builder.add(builder.mul(kb, i64(QUADS)), i64(qd))
             xrow = builder.gep(xb, [builder.mul(kq, i64(GEMM_ROWS))])
             xq = [builder.load(builder.gep(xrow, [i64(r)]), align=4) for r in range(R)]
-            if vnni:
+            if dots:
                 xv = [splat(builder, q, VI) for q in xq]
             else:
                 xv = [[builder.bitcast(splat(builder, p, VI), V16I16) for p in _bytes_as_pairs(builder, q)]
@@ -121,13 +125,13 @@ def _tile_code(builder, path, R, C, args):
                     prefetch_line(builder, builder.gep(wbs[c], [builder.add(kq, i64(PREFETCH_AHEAD))]), locality=2)
                 for h in range(H):
                     wv = builder.load(builder.gep(wbs[c], [builder.add(builder.mul(kq, i64(H)), i64(h))]), align=4)
-                    if not vnni:
+                    if not dots:
                         w02 = builder.bitcast(builder.and_(wv, low_bytes), V16I16)
                         w13 = builder.bitcast(builder.and_(builder.lshr(wv, ir.Constant(VI, [8] * lanes)),
                                                            low_bytes), V16I16)
                     for r in range(R):
                         j = (r * C + c) * H + h
-                        if vnni:
+                        if dots:
                             accs[j] = builder.call(dot, [accs[j], wv, xv[r]])
                         else:
                             both = builder.add(builder.call(pmaddwd, [w02, xv[r][0]]),

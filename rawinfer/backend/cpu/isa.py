@@ -8,7 +8,9 @@ build by that target (CPU name and features), code built with AVX-512 is never l
 without it.
 
     avx512_vnni   AVX-512 F/BW with VNNI: the integer GEMM on 512-bit vectors and vpdpwssd (vnni.py)
-    avx2          AVX2 + FMA: the integer GEMM on vpmaddwd, the q4 kernels, the AVX2 attention (llvm.py)
+    avx2          AVX2 + FMA: the integer GEMM on vpmaddwd, the q4 kernels, the AVX2 attention (llvm.py);
+                  where the CPU also has AVX-VNNI (avx_vnni(): 256-bit vpdpbusd without AVX-512, as Intel's
+                  cores from Alder Lake on), the 8-bit-activation tiles multiply with it
     portable      anything else: plain Numba loops, generic vector IR (the int8 and q4 GEMMs' AVX2 drivers,
                   q4's matrix-vector kernel), row-invariant dot products (rows.py)
 """
@@ -48,6 +50,12 @@ def select(features: set[str]) -> str:
 
 FEATURES = frozenset(target_features())
 HOST = select(FEATURES)
+
+
+def avx_vnni(features: frozenset[str] | set[str] = FEATURES) -> bool:
+    """Whether the AVX2 path may use AVX-VNNI's 256-bit vpdpbusd (VEX-encoded; Intel CPUs from Alder Lake
+    on and others without AVX-512 have it) in place of vpmaddubsw / vpmaddwd with vpadd."""
+    return {"avx2", "fma", "avxvnni"} <= features
 
 
 def supports(isa: str, features: frozenset[str] | set[str] = FEATURES) -> bool:
