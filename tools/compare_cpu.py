@@ -132,11 +132,13 @@ def user_env() -> dict:
     return env
 
 
-def blas_kernel() -> str:
-    """The OpenBLAS kernel the measured processes run (asked in a process with their environment)."""
-    code = "import numpy; from rawinfer.backend.cpu import blas; print(blas.describe())"
+def blas_kernel() -> tuple[str, str]:
+    """The OpenBLAS kernel the measured processes run and the path of rawinfer's CPU kernels there (asked in
+    a process with their environment)."""
+    code = "import numpy; from rawinfer.backend.cpu import blas, isa; print(blas.describe()); print(isa.describe())"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=user_env())
-    return r.stdout.strip() or "unknown"
+    lines = r.stdout.strip().splitlines()
+    return (lines[0], lines[1]) if len(lines) == 2 else ("unknown", "unknown")
 
 
 def run_script(python: str, script: str, *args: str, timeout: float = 1800) -> float | None:
@@ -200,8 +202,8 @@ def main() -> int:
             convert(args.gguf, models[quant], quant=quant.removesuffix("a8"), progress=False)
     th = str(args.threads)
     prompt = RAW_PROMPT if prompt_mode == "raw" else PROMPT
-    blas_info = blas_kernel()
-    print(f"BLAS of the measured processes: {blas_info}", file=sys.stderr)
+    blas_info, kernels = blas_kernel()
+    print(f"BLAS of the measured processes: {blas_info}; rawinfer's CPU kernels: {kernels}", file=sys.stderr)
     have_llama = has_module(args.peer_python, "llama_cpp")
     have_hf = has_module(args.peer_python, "torch", "transformers", "gguf")
     rows = []
@@ -249,7 +251,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "rounds": args.rounds,
-                       "blas": blas_info, "rows": rows}, f, indent=1)
+                       "blas": blas_info, "cpu_kernels": kernels, "rows": rows}, f, indent=1)
     return 0
 
 

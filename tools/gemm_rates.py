@@ -70,7 +70,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     W = weights(rng)
     kinds = KINDS if a8gemm.available() else KINDS[:2]
-    print(f"CPU path: {isa.HOST}; GOP/s of SmolLM2's four layer products")
+    print(f"CPU path: {isa.describe()}; GOP/s of SmolLM2's four layer products")
     print(f"{'rows':>5} " + " ".join(f"{k:>7}" for k in kinds))
     for M in (int(r) for r in args.rows.split(",")):
         print(f"{M:5d} " + " ".join(f"{rate(k, W, M, args.repeat, rng):7.1f}" for k in kinds))

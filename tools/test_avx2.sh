@@ -33,7 +33,7 @@ NPY_DISABLE_CPU_FEATURES="$("$PY" -c 'import numpy._core._multiarray_umath as m
 print(" ".join(t for t in m.__cpu_dispatch__ if m.__cpu_features__.get(t) and t not in ("X86_V2", "X86_V3")))')"
 export NPY_DISABLE_CPU_FEATURES
 export OPENBLAS_CORETYPE=Haswell
-"$PY" -c "from rawinfer.backend.cpu import isa; assert isa.HOST == isa.AVX2, isa.HOST; print('CPU kernels built for', isa.HOST, '+ AVX-VNNI' if isa.avx_vnni() else '')"
+"$PY" -c "from rawinfer.backend.cpu import isa; assert isa.HOST == isa.AVX2, isa.HOST; print('CPU kernels built for', isa.describe())"
 if [ "${1:-}" = "--run" ]; then
   shift
   exec "$@"

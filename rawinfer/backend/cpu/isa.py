@@ -58,6 +58,11 @@ def avx_vnni(features: frozenset[str] | set[str] = FEATURES) -> bool:
     return {"avx2", "fma", "avxvnni"} <= features
 
 
+def describe() -> str:
+    """The CPU kernels' path in words, for benchmark reports: "avx512_vnni", "avx2 + AVX-VNNI", "avx2", ..."""
+    return HOST + (" + AVX-VNNI" if HOST == AVX2 and avx_vnni() else "")
+
+
 def supports(isa: str, features: frozenset[str] | set[str] = FEATURES) -> bool:
     """Whether code written for `isa` runs on a CPU with `features` (default: Numba's target)."""
     return isa == PORTABLE or _NEEDS[isa] <= features

@@ -204,8 +204,8 @@ def _report(engine, prompt_len: int, batches: list[int], context: int, workload,
         ceil = measure_ceilings(cupy, cupy.cuda.runtime.deviceSynchronize, copy_mib=1024, gemm_n=8192)
     else:
         ceil = measure_ceilings(linear=be.linear)    # the GEMM path the engine itself runs
-        from rawinfer.backend.cpu import blas
-        ceil["blas"] = blas.describe()
+        from rawinfer.backend.cpu import blas, isa
+        ceil["blas"], ceil["cpu_kernels"] = blas.describe(), isa.describe()
     compute_peak = ceil["gemm_GFLOPs"]
     if cfg.quant in ("int8", "q4") and be.name == "cpu":   # its matrices run on the quantized GEMM instead
         rate = measure_quant_gemm(be, cfg.quant)
@@ -257,7 +257,7 @@ def print_report(r: dict) -> None:
     print(f"ceilings: copy {c['copy_GBps']:.1f} GB/s, float32 GEMM {c['gemm_GFLOPs']:.1f} GFLOP/s{int8} "
           f"(ridge {r['ridge_flops_per_byte']:.1f} FLOP/byte)")
     if c.get("blas"):
-        print(f"BLAS: {c['blas']}")
+        print(f"BLAS: {c['blas']}; rawinfer's CPU kernels: {c.get('cpu_kernels', 'unknown')}")
     print(f"{'phase':8} {'batch':>5} {'tokens/s':>10} {'GFLOP/s':>9} {'% peak':>7} {'GB/s':>7} {'% peak':>7} "
           f"{'FLOP/B':>7}  bound")
     for p in r["phases"]:
