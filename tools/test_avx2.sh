@@ -5,8 +5,8 @@
 # AVX-512 (NPY_DISABLE_CPU_FEATURES) and OpenBLAS runs its Haswell kernel. On an AVX-512 machine this is
 # how the AVX2 paths get the whole suite's checks; on an AVX2 machine it is the plain suite.
 # The builds are cached apart from the host's (Numba keys its cache by the target CPU and features).
-# Usage: bash tools/test_avx2.sh [--avx-vnni] [pytest args...]   (default: the CPU backend and engine tests)
-#        bash tools/test_avx2.sh [--avx-vnni] --run COMMAND...     (any command there, e.g. a benchmark)
+# Usage: bash tools/test_avx2.sh [--avx-vnni] [pytest args...]  (default: the CPU backend and engine tests)
+#        bash tools/test_avx2.sh [--avx-vnni] --run COMMAND...    (any command there, e.g. a benchmark)
 # --avx-vnni adds AVX-VNNI (256-bit vpdpbusd without AVX-512, as Intel's cores from Alder Lake on have) to
 # the target, where this CPU has it: the 8-bit-activation GEMM's tiles then multiply with it (isa.py).
 set -euo pipefail
@@ -33,7 +33,9 @@ NPY_DISABLE_CPU_FEATURES="$("$PY" -c 'import numpy._core._multiarray_umath as m
 print(" ".join(t for t in m.__cpu_dispatch__ if m.__cpu_features__.get(t) and t not in ("X86_V2", "X86_V3")))')"
 export NPY_DISABLE_CPU_FEATURES
 export OPENBLAS_CORETYPE=Haswell
-"$PY" -c "from rawinfer.backend.cpu import isa; assert isa.HOST == isa.AVX2, isa.HOST; print('CPU kernels built for', isa.describe())"
+"$PY" -c "from rawinfer.backend.cpu import isa
+assert isa.HOST == isa.AVX2, isa.HOST
+print('CPU kernels built for', isa.describe())"
 if [ "${1:-}" = "--run" ]; then
   shift
   exec "$@"

@@ -21,8 +21,8 @@ Numbers:
 Each block's integer sum is exact, and every row is computed the same way whatever the number of
 rows, so a request's tokens do not depend on its batch. Paths (isa.py): AVX-512 VNNI (vpdpbusd on 6 x
 32 tiles) and AVX2 (int8: vpmaddwd on the same bytes, 2 x 16 tiles, slower; q4: vpmaddubsw, 3 x 16; with
-AVX-VNNI both on 256-bit vpdpbusd, 3 x 16), the same bits on all (a8tile.py, a8q4tile.py). `available()` is False without AVX2; the engine then refuses
-the mode.
+AVX-VNNI both on 256-bit vpdpbusd, 3 x 16), the same bits on all (a8tile.py, a8q4tile.py). `available()`
+is False without AVX2; the engine then refuses the mode.
 """
 
 from __future__ import annotations
