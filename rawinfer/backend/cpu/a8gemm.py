@@ -33,7 +33,7 @@ from numba.extending import overload
 
 from rawinfer.backend.cpu import a8q4tile as q4tile
 from rawinfer.backend.cpu import isa
-from rawinfer.backend.cpu.a8tile import KBLOCK, QUADS, tiles
+from rawinfer.backend.cpu.a8tile import KBLOCK, QUADS, ROWS, tiles
 from rawinfer.backend.cpu.kernels import Kernel
 from rawinfer.backend.cpu.llvm import GEMM_COLS as BLOCK_COLS
 from rawinfer.backend.cpu.llvm import GEMM_ROWS as PANEL_ROWS
@@ -178,15 +178,16 @@ def _vnni1_of(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0, w1, s1, o1, pf):
 
 
 def _avx2(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
-    """One block on AVX2: rows three at a time (x rows 4 bytes apart in a quad row, scales 4 bytes apart),
-    the last group with the build that computes the fewest rows covering it; int8 weights without
-    AVX-VNNI two at a time (their tile holds no more)."""
+    """One block on AVX2: rows as many at a time as the layout's widest AVX2 tile computes (3; int8 weights
+    without AVX-VNNI 2: a8tile.ROWS), x rows 4 bytes apart in a quad row, scales 4 bytes apart; the last
+    group with the build that computes the fewest rows covering it."""
 
 
 @overload(_avx2, inline="always")
 def _avx2_of(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
-    step = 3 if wq.ndim == 2 or isa.avx_vnni() else 2
-    t1, t2, t3 = ((q4tile.tiles if wq.ndim == 2 else tiles)[isa.AVX2][R, 1] for R in (1, 2, step))
+    builds, rows_built = (q4tile.tiles, q4tile.ROWS) if wq.ndim == 2 else (tiles, ROWS)
+    step = rows_built[isa.AVX2][-1]                      # the layout's widest AVX2 tile: 3 rows, or 2
+    t1, t2, t3 = (builds[isa.AVX2][R, 1] for R in (1, 2, step))
 
     def impl(wq, rows, xt, kb, st, ct, ldo, w0, s0, o0):
         for r in range(0, rows, step):

@@ -63,8 +63,8 @@ class QuantizedProducts(Backend):
     def prepare_weight(self, w, head: bool = False):
         import dataclasses
         # 8-bit activations: every layer matrix on a8gemm (a step's fused decode call quantizes x one way
-        # for all of them); an int8 LM head only where that is faster than qgemm (VNNI), for a third of a
-        # batched decode step on AVX2 is the head's product
+        # for all of them); an int8 LM head only where that is faster than qgemm (a8gemm.int8_gains():
+        # vpdpbusd), for a third of a batched decode step on AVX2 without it is the head's product
         if isinstance(w, Int8Weight) and self.int8_activations and (cpu_a8gemm.int8_gains() or not head):
             if not cpu_a8gemm.supports(w.shape):
                 raise ValueError(f"int8_activations needs int8 matrices [N, K] with N % {cpu_a8gemm.BLOCK_COLS} == 0 "
