@@ -178,6 +178,11 @@ def test_quantized_activations_are_within_half_a_step_per_block():
     back = vals * np.repeat(scale, 32, axis=1)
     assert (np.abs(back - x) <= np.repeat(scale, 32, axis=1) / 2 * (1 + 1e-5)).all()
     assert (corr == -128 * vals.reshape(M, K // 32, 32).sum(-1)).all()
+    # for q4 weights the same slot holds xs * sum xq in float32 (what a8q4tile.py's tiles scale the minima by)
+    xq4, xs4, xm = A.quantized_x(x, np.empty(nx, np.int8), np.empty(ns, np.float32), np.empty(ns, np.float32))
+    assert np.array_equal(xq4, xq) and np.array_equal(xs4, xs) and xm.dtype == np.float32
+    xm = xm.reshape(-1, K // 32, 6).transpose(0, 2, 1).reshape(-1, K // 32)[:M]
+    assert np.array_equal(xm, scale * vals.reshape(M, K // 32, 32).sum(-1))
 
 
 def test_shapes_the_layout_cannot_hold_are_refused():

@@ -16,6 +16,7 @@ Numbers:
        xs[m, b] = max |x[m, block b]| / 127, packed in panels of 6 rows, k in quads:
                                                      xq[ceil(M/6), K/4, 6, 4]  int8 (padding rows 0)
        with the block sums' correction               xc[ceil(M/6), K/32, 6]  int32 = -128 * sum xq
+       (for q4 weights float32 xs * sum xq instead: what a8q4tile.py's tiles multiply the blocks' minima by)
     out[m, n] = sw[n] * fold_b(acc = fma(float(xc[m, b] + sum_{k in b} xq[m, k] wq[n, k]), xs[m, b], acc))
 
 Each block's integer sum is exact, and every row is computed the same way whatever the number of
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba import types
 from numba.extending import overload
 
 from rawinfer.backend.cpu import a8q4tile as q4tile
@@ -65,15 +67,39 @@ def x_buffer_sizes(M: int, K: int) -> tuple[int, int]:
 
 
 # ---- the quantizer ------------------------------------------------------------------------------------
+def _correction(xc, scale, total):
+    """What the quantizer stores beside a block's scale for the tiles that read xc: -128 * sum xq (int32)
+    for int8 weights, xs * sum xq (float32) for q4 ones."""
+
+
+@overload(_correction)
+def _correction_of(xc, scale, total):
+    if xc.dtype == types.float32:
+        return lambda xc, scale, total: scale * np.float32(total)
+    return lambda xc, scale, total: -128 * total
+
+
+def _corrections(cbuf, wq):
+    """The int32 correction buffer as the tiles of wq's layout read it: itself (int8, 4-d), float32 (q4)."""
+
+
+@overload(_corrections)
+def _corrections_of(cbuf, wq):
+    if wq.ndim == 2:
+        return lambda cbuf, wq: cbuf.view(np.float32)
+    return lambda cbuf, wq: cbuf
+
+
 @nb.njit(cache=True, inline="always")
 def _quantize_row(x, r, xpanel, xs, xc, q):
     # x[K] float32 (contiguous) -> row r of an int8 panel [K/4, 6, 4] (as int32 quads [K/4 * 6]) and of
-    # the panel's scales and corrections [K/32, 6]; q: int8 scratch [KBLOCK]
+    # the panel's scales and corrections [K/32, 6] (_correction); q: int8 scratch [KBLOCK]
     quads = q.view(np.int32)
     for b in range(x.shape[0] // KBLOCK):
         k0 = b * KBLOCK
         amax = abs_max(np.int64(x.ctypes.data) + k0 * 4, KBLOCK)
         total = 0
+        scale = np.float32(0.0)
         if amax > np.float32(0.0):         # else (zeros, or all NaN) a zero block
             inv = np.float32(127.0) / amax
             for k in range(KBLOCK):
@@ -82,11 +108,11 @@ def _quantize_row(x, r, xpanel, xs, xc, q):
                 v = v if v > np.float32(-127.0) else np.float32(-127.0)
                 q[k] = np.int8(np.int32(v))
                 total += np.int32(v)
-            xs[b * PANEL_ROWS + r] = amax / np.float32(127.0)
+            scale = amax / np.float32(127.0)
         else:
             q[:] = 0
-            xs[b * PANEL_ROWS + r] = np.float32(0.0)
-        xc[b * PANEL_ROWS + r] = -128 * total
+        xs[b * PANEL_ROWS + r] = scale
+        xc[b * PANEL_ROWS + r] = _correction(xc, scale, total)
         for j in range(QUADS):
             xpanel[(b * QUADS + j) * PANEL_ROWS + r] = quads[j]
 
@@ -116,7 +142,8 @@ _quantize_parallel, _quantize_serial = quantize_rows.parallel, quantize_rows.ser
 
 @nb.njit(cache=True)
 def quantized_x(x, xbuf, sbuf, cbuf):
-    """x [M, K] quantized into views of the three buffers: (xq [panels, K/4 * 6] int32, xs, xc)."""
+    """x [M, K] quantized into views of the three buffers: (xq [panels, K/4 * 6] int32, xs, xc); xc holds
+    what _correction stores for its dtype (int32: int8 weights; float32: q4)."""
     M, K = x.shape
     panels = (M + PANEL_ROWS - 1) // PANEL_ROWS
     xq = xbuf[:panels * PANEL_ROWS * K].view(np.int32).reshape(panels, K // 4 * PANEL_ROWS)
@@ -305,28 +332,28 @@ def gemm_silu_avx2(xq, xs, xc, wq, sw, out, M):
 def a8_matmul_vnni(x, wq, sw, out, xbuf, sbuf, cbuf):
     """out[M, N] = x[M, K] @ (q * sw[:, None])^T for a weight packed by pack_weights; the buffers (int8,
     float32, int32) of at least x_buffer_sizes(M, K) elements are reused across calls."""
-    xq, xs, xc = quantized_x(x, xbuf, sbuf, cbuf)
+    xq, xs, xc = quantized_x(x, xbuf, sbuf, _corrections(cbuf, wq))
     gemm_vnni(xq, xs, xc, wq, sw, out, x.shape[0])
 
 
 @nb.njit(cache=True)
 def a8_matmul_silu_vnni(x, wq, sw, out, xbuf, sbuf, cbuf):
     """out[M, F] = silu(x @ Wg^T) * (x @ Wu^T) for a gate_up weight [Wg; Wu] packed by pack_weights."""
-    xq, xs, xc = quantized_x(x, xbuf, sbuf, cbuf)
+    xq, xs, xc = quantized_x(x, xbuf, sbuf, _corrections(cbuf, wq))
     gemm_silu_vnni(xq, xs, xc, wq, sw, out, x.shape[0])
 
 
 @nb.njit(cache=True)
 def a8_matmul_avx2(x, wq, sw, out, xbuf, sbuf, cbuf):
     """a8_matmul_vnni on AVX2: the same bits."""
-    xq, xs, xc = quantized_x(x, xbuf, sbuf, cbuf)
+    xq, xs, xc = quantized_x(x, xbuf, sbuf, _corrections(cbuf, wq))
     gemm_avx2(xq, xs, xc, wq, sw, out, x.shape[0])
 
 
 @nb.njit(cache=True)
 def a8_matmul_silu_avx2(x, wq, sw, out, xbuf, sbuf, cbuf):
     """a8_matmul_silu_vnni on AVX2: the same bits."""
-    xq, xs, xc = quantized_x(x, xbuf, sbuf, cbuf)
+    xq, xs, xc = quantized_x(x, xbuf, sbuf, _corrections(cbuf, wq))
     gemm_silu_avx2(xq, xs, xc, wq, sw, out, x.shape[0])
 
 

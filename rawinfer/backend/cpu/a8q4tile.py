@@ -14,7 +14,8 @@ the same instruction, so neither the int16 stage nor its vpaddw remain). All sum
 
     sum_k w[n, k] x[m, k] over block b  ~  xs[m, b] (d[n, b] s + m[n, b] sum_k xq[m, k]),  s = sum_k q[n, k] xq[m, k]
 
-The block sum of xq comes from a8gemm's correction xc = -128 sum xq, exactly: sum xq = xc / -128.
+For q4 weights a8gemm's quantizer stores xs * sum_k xq per row and block (in the slot where int8 weights
+take their integer correction), so the minimum's term costs the tiles one load per row and block.
 
 Layout (pack_q4): blocks of 16 output columns; per column block one row of records, one per k-block of 32:
 
@@ -32,7 +33,7 @@ tell the two layouts apart by that.)
                         avx2: R = 1, 2, 3, C = 1, two ymm halves of 8 columns, int16 sums per block
                         (int32 sums on vpdpbusd with AVX-VNNI).
                         Per (row, vector) and k-block, in this order on both paths:
-                            t = float(s) * xs;  acc = fma(t, d, acc);  acc = fma(m, xs * (xc * -1/128), acc)
+                            t = float(s) * xs;  acc = fma(t, d, acc);  acc = fma(m, xs * sum xq, acc)
                         and out = acc at the end, so both paths give the same bits.
 """
 
@@ -85,7 +86,7 @@ def pack_q4(q: np.ndarray, dm: np.ndarray) -> np.ndarray:
 
 def _tile_code(builder, path, R, C, args):
     """out_c[r, 0:16] for r < min(rows, R), c < C (module docstring). xp -> int8 panel [kblocks * 8, 6, 4];
-    xsp -> float32 [kblocks, 6] scales; xcp -> int32 [kblocks, 6] corrections; ldo: the row stride of every
+    xsp -> float32 [kblocks, 6] scales; xcp -> float32 [kblocks, 6] xs * sum xq; ldo: the row stride of every
     out_c (floats); per block c: wp_c -> its records [kblocks, RECORD], op_c -> float32 out_c (swp_c unused).
     Last, pf0, pf1, pfn: the AVX-512 builds of more than 2 rows prefetch pfn lines from each of pf0 and pf1
     into L2 (the driver's next weight blocks), spread evenly over the k-blocks."""
@@ -108,7 +109,7 @@ def _tile_code(builder, path, R, C, args):
         ones = ir.Constant(vi16, [1] * (2 * L))
     nibble = ir.Constant(vi32, [0x0F0F0F0F] * L)
     four = ir.Constant(vi32, [4] * L)
-    xb, xsb, xcb = _ptr(builder, xp, I32), _ptr(builder, xsp, F32), _ptr(builder, xcp, I32)
+    xb, xsb, xmb = _ptr(builder, xp, I32), _ptr(builder, xsp, F32), _ptr(builder, xcp, F32)
     wbs = [_ptr(builder, w, I8) for w, _ in blocks]
     vecs = [(c, h) for c in range(C) for h in range(H)]
     per = lines_per_step(builder, pfn, kblocks)
@@ -121,7 +122,7 @@ def _tile_code(builder, path, R, C, args):
                     prefetch_line(builder, builder.gep(r0, [i64(PREFETCH_AHEAD * RECORD + line)]), locality=2)
         elif vnni:
             paced_prefetch(builder, kb, per, pfn, (pf0, pf1))
-        row0 = builder.mul(kb, i64(GEMM_ROWS))           # this block's entry of row 0 in xs, xc
+        row0 = builder.mul(kb, i64(GEMM_ROWS))           # this block's entry of row 0 in xs and xs * sum xq
         quad0 = builder.mul(kb, i64(Q4_BLOCK // 4))
         zero = ir.Constant(vi32 if dots else vi16, [0] * (L if dots else 2 * L))
 
@@ -150,10 +151,8 @@ def _tile_code(builder, path, R, C, args):
                    for at in (D_AT, M_AT)] for c, h in vecs]
         new = []
         for r in range(R):
-            xs = builder.load(builder.gep(xsb, [builder.add(row0, i64(r))]), align=4)
-            xc = builder.sitofp(builder.load(builder.gep(xcb, [builder.add(row0, i64(r))]), align=4), F32)
-            xsv = splat(builder, xs, vf32)
-            msum = splat(builder, builder.fmul(xs, builder.fmul(xc, ir.Constant(F32, -1.0 / 128))), vf32)
+            xsv = splat(builder, builder.load(builder.gep(xsb, [builder.add(row0, i64(r))]), align=4), vf32)
+            msum = splat(builder, builder.load(builder.gep(xmb, [builder.add(row0, i64(r))]), align=4), vf32)
             for v, (d, m) in enumerate(scales):
                 s32 = sums[r, v] if dots else builder.call(pmaddwd, [sums[r, v], ones])
                 t = builder.fmul(builder.sitofp(s32, vf32), xsv)
