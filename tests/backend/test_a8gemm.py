@@ -89,6 +89,20 @@ def test_every_path_matches_numpy_and_each_other(M, N, K):
     assert (outs[0][2] == 0).all() if M > 2 else True
 
 
+def test_extreme_bytes_sum_exactly():
+    """Weights at -128 and 127 against activations at -127 and 127 (every x in a block of equal magnitude):
+    the largest products each path's integer steps meet (AVX2's sign trick takes |-128| as 128 unsigned and
+    its int16 pairs reach 2 x 128 x 127), exact on every path."""
+    M, N, K = 7, 32, 128
+    x = (np.where(RNG.random((M, K)) < 0.5, -1.0, 1.0) * RNG.uniform(0.5, 2, (M, 1))).astype(np.float32)
+    q = np.where(RNG.random((N, K)) < 0.5, -128, 127).astype(np.int8)
+    q[0], q[1] = -128, 127
+    sw = RNG.uniform(0.001, 0.01, N).astype(np.float32)
+    want = reference(x, q, sw)
+    for path in PATHS:
+        assert np.array_equal(run(path, x, A.pack_weights(q), sw), want), path
+
+
 @pytest.mark.parametrize("M,N,K", [(1, 32, 32), (7, 64, 96), (13, 96, 576)])
 def test_silu_epilogue_is_silu_of_gate_times_up(M, N, K):
     x, q, sw = operands(M, N, K)
@@ -203,7 +217,7 @@ def test_the_mode_is_for_int8_and_q4_models(tiny_llama_dir, tmp_path):
 def test_the_lm_head_keeps_16_bit_activations_where_8_bit_ones_are_slower(tmp_path_factory):
     """Every layer matrix is packed for a8gemm; the int8 LM head only where int8 weights gain from 8-bit
     activations (vpdpbusd: AVX-512 VNNI or AVX-VNNI), else for qgemm (AVX2 without AVX-VNNI, where a8tile.py
-    runs at about half its speed)."""
+    runs slower than qgemm)."""
     from conftest import _convert_tiny
     from rawinfer import LLMEngine
     engine = LLMEngine(_convert_tiny(tmp_path_factory, "tiny-llama", quant="int8"), device="cpu",
@@ -217,8 +231,9 @@ def test_the_lm_head_keeps_16_bit_activations_where_8_bit_ones_are_slower(tmp_pa
 @pytest.mark.skipif(isa.AVX2 not in PATHS, reason="no AVX2 path on this CPU")
 def test_the_avx2_tiles_multiply_with_avx_vnni_exactly_where_the_cpu_has_it():
     """With AVX-VNNI (isa.avx_vnni()) both layouts' AVX2 tiles multiply with 256-bit vpdpbusd and nothing
-    else; without it int8 weights take vpmaddwd and q4 ones vpmaddubsw. (The other tests hold the bits to
-    NumPy's and the VNNI path's either way; this one holds that the builds take the instructions they say.)
+    else; without it both take vpmaddubsw (int8 weights by the sign trick: vpsignb). (The other tests hold
+    the bits to NumPy's and the VNNI path's either way; this one holds that the builds take the
+    instructions they say.)
     Each tile compiled on its own, uncached, for its assembly."""
     import numba as nb
     from rawinfer.backend.cpu import a8tile
@@ -229,12 +244,12 @@ def test_the_avx2_tiles_multiply_with_avx_vnni_exactly_where_the_cpu_has_it():
             f = nb.njit(call)
             f.compile("(int64,)")
             asm = "".join(f.inspect_asm().values())
-            counts = {op: asm.count(op) for op in ("vpdpbusd", "vpmaddubsw", "vpmaddwd", "zmm")}
-            old = "vpmaddwd" if layout == "int8" else "vpmaddubsw"
+            counts = {op: asm.count(op) for op in ("vpdpbusd", "vpmaddubsw", "vpmaddwd", "vpsignb", "zmm")}
             if isa.avx_vnni():
                 assert counts["vpdpbusd"] > 0 and counts["vpmaddubsw"] == counts["vpmaddwd"] == 0, counts
             else:
-                assert counts["vpdpbusd"] == 0 and counts[old] > 0, counts
+                assert counts["vpdpbusd"] == 0 and counts["vpmaddubsw"] > 0, counts
+                assert (counts["vpsignb"] > 0) == (layout == "int8"), counts
             assert counts["zmm"] == 0, counts          # an AVX2 build, whatever else the CPU has
 
 

@@ -21,7 +21,7 @@ Numbers:
 
 Each block's integer sum is exact, and every row is computed the same way whatever the number of
 rows, so a request's tokens do not depend on its batch. Paths (isa.py): AVX-512 VNNI (vpdpbusd on 6 x
-32 tiles) and AVX2 (int8: vpmaddwd on the same bytes, 2 x 16 tiles, slower; q4: vpmaddubsw, 3 x 16; with
+32 tiles) and AVX2 (int8: vpmaddubsw by the sign trick, 2 x 16 tiles, slower; q4: vpmaddubsw, 3 x 16; with
 AVX-VNNI both on 256-bit vpdpbusd, 3 x 16), the same bits on all (a8tile.py, a8q4tile.py). `available()`
 is False without AVX2; the engine then refuses the mode.
 """
@@ -371,6 +371,6 @@ def available() -> bool:
 
 def int8_gains() -> bool:
     """Whether int8 weights run faster here on 8-bit activations than on qgemm's 16-bit ones: with vpdpbusd
-    (AVX-512 VNNI, or AVX-VNNI on the AVX2 path). AVX2's int8 tile without it (vpmaddwd on the same bytes)
-    runs at about half qgemm's speed: docs/kernels.md."""
+    (AVX-512 VNNI, or AVX-VNNI on the AVX2 path). AVX2's int8 tile without it (vpsignb, vpmaddubsw and a
+    widening vpmaddwd per 32 products) runs slower than qgemm: docs/kernels.md."""
     return PATH == isa.AVX512_VNNI or (PATH == isa.AVX2 and isa.avx_vnni())

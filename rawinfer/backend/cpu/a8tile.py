@@ -8,18 +8,22 @@ of the block's int8 x), which removes the +128 from the weights: sum (w + 128) x
 
     tiles[isa][R, C]   R rows of a panel against C weight blocks (given by separate addresses; every
                        build takes two blocks' addresses, of which a one-block build reads the first). Per
-                       block of KBLOCK k: the int32 sums start at the rows' corrections, gather the
-                       block's 8 k quads exactly, then fold into float32 sums as
+                       block of KBLOCK k: the int32 sums start at the rows' corrections (0 on AVX2
+                       without AVX-VNNI, which sums w x itself), gather the block's 8 k quads exactly,
+                       then fold into float32 sums as
                        acc = fma(float(block sum), row block scale, acc); at the end
                        out = acc * column scale.
         avx512_vnni    R = 1, 2, 4, 6; C = 1, 2: one zmm of 16 int32 per (row, block); per k quad and
                        block one 64-byte weight load, per row one broadcast int32 (4 x) and one
                        vpdpbusd (64 products: 4 u8 x s8 per int32 lane, added in); R <= 2
                        prefetches the weights PREFETCH_AHEAD quads on into L2
-        avx2           R = 1, 2; C = 1: two ymm halves of 8 columns per (row, block); the quad's u8
-                       weights split by mask and shift into the int16 pairs (w0, w2) and (w1, w3),
-                       the row's x into the matching pairs, two vpmaddwd per half (32 products)
-                       and two vpaddd; the float sums stay in registers, which bounds R at 2.
+        avx2           R = 1, 2; C = 1: two ymm halves of 8 columns per (row, block); the quad's
+                       weights made signed again (xor 0x80) and their magnitudes |w| (vpsignb w, w:
+                       -128 comes out as 128 unsigned), then per row the broadcast x given w's signs
+                       (vpsignb), vpmaddubsw |w| x sign(w) x into int16 pairs (at most 2 x 128 x 127:
+                       no saturation), vpmaddwd against ones into int32 and vpaddd: llama.cpp's sign
+                       trick, 32 products per half. Sums, float sums and both halves' w and |w| fill
+                       the 16 ymm at R = 2 (3 rows spill and run slower).
                        Where the CPU has AVX-VNNI (isa.avx_vnni()): avx512_vnni's steps on ymm halves
                        (its 256-bit vpdpbusd, 32 products), R = 1, 2, 3
 
@@ -63,16 +67,6 @@ def make_tile(tile_code, path: str, R: int, C: int):
     return a8_tile
 
 
-def _bytes_as_pairs(builder, q):
-    """An int32 of 4 int8 x (x0 lowest) -> the int32s holding the int16 pairs (x0, x2) and (x1, x3)."""
-    def byte(shift_left):            # sign-extended byte, as an int32
-        return builder.ashr(builder.shl(q, ir.Constant(I32, shift_left)), ir.Constant(I32, 24))
-
-    def pair(lo, hi):
-        return builder.or_(builder.and_(lo, ir.Constant(I32, 0xFFFF)), builder.shl(hi, ir.Constant(I32, 16)))
-    return pair(byte(24), byte(8)), pair(byte(16), byte(0))
-
-
 def _tile_code(builder, path, R, C, args):
     """out_c[r, 0:16] = sw_c[0:16] * sum over blocks b of xs[b, r] * (x panel row r . w block c over
     block b) for r < min(rows, R), c < C. xp -> int8 panel [kblocks * 8, 6, 4]; xsp -> float32 [kblocks,
@@ -93,10 +87,13 @@ def _tile_code(builder, path, R, C, args):
         dot = builder.module.declare_intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", (),
                                                ir.FunctionType(VI, [VI] * 3))
     else:
-        V16I16 = ir.VectorType(ir.IntType(16), 16)
+        V16I16, V32I8 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(8), 32)
         pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
                                                    ir.FunctionType(VI, [V16I16, V16I16]))
-        low_bytes = ir.Constant(VI, [0x00FF00FF] * lanes)
+        ubsw = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
+                                                ir.FunctionType(V16I16, [V32I8, V32I8]))
+        psign = builder.module.declare_intrinsic("llvm.x86.avx2.psign.b", (), ir.FunctionType(V32I8, [V32I8] * 2))
+        bias, ones = ir.Constant(VI, [0x80808080] * lanes), ir.Constant(V16I16, [1] * 16)
     fma = _fma(builder, VF)
     xb, xsb, xcb = _ptr(builder, xp, I32), _ptr(builder, xsp, F32), _ptr(builder, xcp, I32)
     wbs = [_ptr(builder, w, VI) for w, _, _ in blocks]
@@ -108,35 +105,31 @@ def _tile_code(builder, path, R, C, args):
             paced_prefetch(builder, kb, per, pfn, (pf0, pf1))
         row0 = builder.mul(kb, i64(GEMM_ROWS))           # this block's entry of row 0 in xs, xc
         accs = []
-        for r in range(R):
-            start = splat(builder, builder.load(builder.gep(xcb, [builder.add(row0, i64(r))]), align=4), VI)
+        for r in range(R):                               # AVX2 without vpdpbusd sums w x itself: from 0
+            start = splat(builder, builder.load(builder.gep(xcb, [builder.add(row0, i64(r))]), align=4), VI) \
+                if dots else ir.Constant(VI, [0] * lanes)
             accs += [start] * (C * H)
         for qd in range(QUADS):
             kq = builder.add(builder.mul(kb, i64(QUADS)), i64(qd))
             xrow = builder.gep(xb, [builder.mul(kq, i64(GEMM_ROWS))])
             xq = [builder.load(builder.gep(xrow, [i64(r)]), align=4) for r in range(R)]
-            if dots:
-                xv = [splat(builder, q, VI) for q in xq]
-            else:
-                xv = [[builder.bitcast(splat(builder, p, VI), V16I16) for p in _bytes_as_pairs(builder, q)]
-                      for q in xq]
+            xv = [splat(builder, q, VI) for q in xq]
             for c in range(C):
                 if vnni and R <= 2:                      # past the end: a hint, never a fault
                     prefetch_line(builder, builder.gep(wbs[c], [builder.add(kq, i64(PREFETCH_AHEAD))]), locality=2)
                 for h in range(H):
                     wv = builder.load(builder.gep(wbs[c], [builder.add(builder.mul(kq, i64(H)), i64(h))]), align=4)
-                    if not dots:
-                        w02 = builder.bitcast(builder.and_(wv, low_bytes), V16I16)
-                        w13 = builder.bitcast(builder.and_(builder.lshr(wv, ir.Constant(VI, [8] * lanes)),
-                                                           low_bytes), V16I16)
+                    if not dots:                 # the signed weights w and |w| (-128 -> 128 as unsigned)
+                        ws = builder.bitcast(builder.xor(wv, bias), V32I8)
+                        wa = builder.call(psign, [ws, ws])
                     for r in range(R):
                         j = (r * C + c) * H + h
                         if dots:
                             accs[j] = builder.call(dot, [accs[j], wv, xv[r]])
-                        else:
-                            both = builder.add(builder.call(pmaddwd, [w02, xv[r][0]]),
-                                               builder.call(pmaddwd, [w13, xv[r][1]]))
-                            accs[j] = builder.add(accs[j], both)
+                        else:                            # |w| x sign(w) x: pairs <= 2 x 128 x 127, no saturation
+                            sx = builder.call(psign, [builder.bitcast(xv[r], V32I8), ws])
+                            pairs = builder.call(ubsw, [wa, sx])
+                            accs[j] = builder.add(accs[j], builder.call(pmaddwd, [pairs, ones]))
         new = []
         for r in range(R):
             s = splat(builder, builder.load(builder.gep(xsb, [builder.add(row0, i64(r))]), align=4), VF)
