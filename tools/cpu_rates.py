@@ -5,8 +5,11 @@
 Each kernel is a register-only loop of 12 independent dependency chains (no memory traffic),
 JIT-compiled from LLVM IR with llvmlite for this CPU and timed on one thread (best of 5):
 
-    fma    12 x vfmadd231ps ymm (8 float32 lanes)   at 2 per cycle: the core's clock = rate / 2
-    madd   12 x vpmaddwd ymm (16 int16 pairs)       the integer multiply pipes
+    fma       12 x vfmadd231ps ymm (8 float32 lanes)   at 2 per cycle: the core's clock = rate / 2
+    madd      12 x vpmaddwd ymm (16 int16 pairs)       the integer multiply pipes
+    ubsw      12 x vpmaddubsw ymm (32 byte pairs)      the 8-bit tiles' multiply (a8q4tile.py, a8tile.py)
+    ubsw+add  12 x (vpmaddubsw, then vpaddw into the chain): the AVX2 q4 tile's inner pair, whose adds
+              share the vector pipes with the multiplies (rate = pairs per second)
 
 On the 2-core Zen 3 of docs/benchmarks.md both measure 6.3-6.4 G/s: 2 per cycle at ~3.2 GHz. The
 integer GEMM tile (rawinfer/backend/cpu/llvm.py: int_gemm_tiles) adds a vpaddd per vpmaddwd plus sign extensions and
@@ -29,7 +32,7 @@ def kernel_ir(kind: str) -> str:
         setup = "  %m = bitcast <8 x i32> %mi to <8 x float>"
         body = [f"  %b{j} = call <8 x float> @llvm.fma.v8f32(<8 x float> %a{j}, <8 x float> %m, <8 x float> %m)"
                 for j in range(CHAINS)]
-    else:
+    elif kind == "madd":
         ty, el = "<8 x i32>", "i32"
         decl = "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)"
         setup = "  %m = bitcast <8 x i32> %mi to <16 x i16>"
@@ -37,6 +40,17 @@ def kernel_ir(kind: str) -> str:
         for j in range(CHAINS):
             body += [f"  %c{j} = bitcast <8 x i32> %a{j} to <16 x i16>",
                      f"  %b{j} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %c{j}, <16 x i16> %m)"]
+    else:                                             # ubsw, ubsw+add: the product depends on the chain
+        ty, el = "<16 x i16>", "i16"
+        decl = "declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)"
+        setup = "  %m = bitcast <8 x i32> %mi to <32 x i8>"
+        body = []
+        for j in range(CHAINS):
+            out = f"%p{j}" if kind == "ubsw+add" else f"%b{j}"
+            body += [f"  %c{j} = bitcast <16 x i16> %a{j} to <32 x i8>",
+                     f"  {out} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %c{j}, <32 x i8> %m)"]
+            if kind == "ubsw+add":
+                body.append(f"  %b{j} = add <16 x i16> %p{j}, %a{j}")
     phis = [f"  %a{j} = phi {ty} [ zeroinitializer, %entry ], [ %b{j}, %loop ]" for j in range(CHAINS)]
     lanes = [f"  %r{j} = extractelement {ty} %b{j}, i32 0" for j in range(CHAINS)]
     add = "fadd" if kind == "fma" else "add"
@@ -62,7 +76,9 @@ def main() -> None:
     keep = []                                         # engines must outlive the calls into their code
     operand = (ctypes.c_int32 * 8)(*([1] * 8))
     iters = 20_000_000
-    for kind, what in (("fma", "vfmadd ymm"), ("madd", "vpmaddwd ymm")):
+    kinds = (("fma", "vfmadd ymm"), ("madd", "vpmaddwd ymm"), ("ubsw", "vpmaddubsw ymm"),
+             ("ubsw+add", "vpmaddubsw + vpaddw ymm pairs"))
+    for kind, what in kinds:
         mod = llvm.parse_assembly(kernel_ir(kind))
         mod.verify()
         tm = llvm.Target.from_default_triple().create_target_machine(      # one per engine: it owns it
@@ -70,7 +86,7 @@ def main() -> None:
         ee = llvm.create_mcjit_compiler(mod, tm)
         ee.finalize_object()
         keep.append(ee)
-        ret = ctypes.c_float if kind == "fma" else ctypes.c_int32
+        ret = {"fma": ctypes.c_float, "madd": ctypes.c_int32}.get(kind, ctypes.c_int16)
         fn = ctypes.CFUNCTYPE(ret, ctypes.c_int64, ctypes.c_void_p)(ee.get_function_address("k"))
         fn(1000, ctypes.addressof(operand))
         best = min(_timed(fn, iters, operand) for _ in range(5))
