@@ -55,6 +55,28 @@ def test_short_blips_do_not_flap_and_unreadable_machines_keep_every_thread():
     assert read_machine_busy_seconds() is None or read_machine_busy_seconds() > 0
 
 
+def test_a_thread_goes_after_one_short_interval_and_comes_back_after_a_calm_half_second():
+    """The defaults: a request of a hundred decode steps can end within half a second, so a busy core
+    costs the thread at the first 0.1 s reading; it comes back only after 0.5 s of readings that all
+    allow it, so a single quiet reading between busy ones does not make the pool flap."""
+    m = FakeMachine()
+    g = ThreadGovernor(2, cores=2, machine=lambda: m.machine_busy, process=lambda: m.own, clock=lambda: m.t)
+    m.advance(0.05, own_cores=1.33, other_cores=0.67)
+    assert g.update() == 2                          # within the first interval: no reading yet
+    m.advance(0.06, own_cores=1.33, other_cores=0.67)
+    assert g.update() == 1
+    for other in (1.0, 0.1, 1.0, 0.0, 0.2, 0.9):    # calm readings broken by busy ones: stay narrow
+        m.advance(0.1, own_cores=1.0, other_cores=other)
+        assert g.update() == 1
+    for _ in range(4):                              # 0.4 s of calm: not yet
+        m.advance(0.1, own_cores=1.0, other_cores=0.05)
+        assert g.update() == 1
+    m.advance(0.1, own_cores=1.0, other_cores=0.05)
+    assert g.update() == 2
+    m.advance(0.1, own_cores=1.0, other_cores=1.0)  # and the next busy reading takes it again
+    assert g.update() == 1
+
+
 def test_reset_gives_every_thread_back_and_forgets_the_load_seen_so_far():
     """The warm-up's compile helper is this engine's own process at work: once the warm-up is done the
     governor starts over (every thread, readings from now on), else the first requests after a cold

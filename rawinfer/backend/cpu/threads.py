@@ -7,8 +7,14 @@ busy core can make two threads many times slower than one. Numba's pool can be n
 regions (numba.set_num_threads), which is what `ThreadGovernor` decides: every `interval_s` it reads
 how much CPU time the whole machine used (/proc/stat) and how much this process used
 (time.process_time), and counts the difference as the cores other processes took. A thread is given
-up when others took more than `busy` of a core on average, and taken back when they took less than
-`idle` (the gap keeps it from flapping). Where /proc/stat cannot be read it keeps every thread.
+up as soon as one interval shows others took more than `busy` of a core, and taken back once they took
+less than `idle` in every interval for `widen_after_s` (the gap between the thresholds, and the wait,
+keep it from flapping). The asymmetry follows the costs: a thread too many beside a busy process makes
+every region wait for a time slice, a thread too few costs one core's share. The interval is short, as
+a whole short request (a hundred decode steps) can end within half a second, and each of its steps
+with a busy core beside two threads is several times slower; /proc/stat counts in clock ticks (a
+hundredth of a second), so a reading over two cores and 0.1 s is good to about 0.2 of a core. Where /proc/stat cannot be read it
+keeps every thread.
 """
 
 from __future__ import annotations
@@ -55,15 +61,17 @@ def available_cores() -> int:
 class ThreadGovernor:
     """Chooses the thread count of the next parallel regions from other processes' use of the cores."""
 
-    def __init__(self, max_threads: int, cores: int | None = None, interval_s: float = 0.5, busy: float = 0.6,
-                 idle: float = 0.3, machine: Callable[[], float | None] = read_machine_busy_seconds,
+    def __init__(self, max_threads: int, cores: int | None = None, interval_s: float = 0.1, busy: float = 0.6,
+                 idle: float = 0.3, widen_after_s: float = 0.5,
+                 machine: Callable[[], float | None] = read_machine_busy_seconds,
                  process: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic):
         self.max_threads = max(1, max_threads)
         self.cores = cores or available_cores()
-        self.interval_s, self.busy, self.idle = interval_s, busy, idle
+        self.interval_s, self.busy, self.idle, self.widen_after_s = interval_s, busy, idle, widen_after_s
         self._machine, self._process, self._clock = machine, process, clock
         self.threads = self.max_threads
         self.others = 0.0                     # cores other processes took over the last interval
+        self._calm_since: float | None = None  # start of the run of intervals that would allow a thread more
         self._last = self._sample()
 
     def _sample(self) -> tuple[float, float, float] | None:
@@ -72,7 +80,7 @@ class ThreadGovernor:
 
     def reset(self) -> int:
         """Every thread again, and the other processes' use counted from now on; returns the count."""
-        self.threads, self.others, self._last = self.max_threads, 0.0, self._sample()
+        self.threads, self.others, self._calm_since, self._last = self.max_threads, 0.0, None, self._sample()
         return self.threads
 
     def update(self) -> int:
@@ -87,8 +95,13 @@ class ThreadGovernor:
         self.others = min(max(others, 0.0), float(self.cores))
         self._last = now
         free = self.cores - self.others
+        if free > self.threads + 1 - self.idle and self.threads < self.max_threads:
+            if self._calm_since is None:
+                self._calm_since = now[0] - wall
+            if now[0] - self._calm_since >= self.widen_after_s:
+                self.threads, self._calm_since = self.threads + 1, None
+            return self.threads
+        self._calm_since = None
         if free < self.threads - self.busy:
             self.threads = max(1, min(self.threads - 1, int(free + self.busy)))
-        elif free > self.threads + 1 - self.idle:
-            self.threads = min(self.max_threads, self.threads + 1)
         return self.threads
