@@ -3,13 +3,15 @@
     .venv/bin/python tools/stress_greedy.py --model weights/smollm2-135m-instruct-q4 --runs 20 --busy 2
     .venv/bin/python tools/stress_greedy.py --fresh 10 --busy 1     # each run in a fresh process
     .venv/bin/python tools/stress_greedy.py --int8-activations      # on 8-bit activations (a8gemm.py)
+    .venv/bin/python tools/stress_greedy.py --prefix-caching --batch-invariant   # prefix hits, same tokens
 
 --runs N generations in this process (one engine), --fresh N more, each in a new process (the first
 calls of a process: kernel cache loads, buffer growth). --busy K starts K busy-loop processes for the
 whole experiment, so that the Numba workers share the cores (they are always stopped at the end).
 Prefix caching is off unless --prefix-caching: a run that finds the prompt's blocks cached computes
 only its tail, with other kernels, and may round differently from a full prefill. Every run is
-compared with the first; the exit status is 1 when any differs.
+compared with the first; the exit status is 1 when any differs. --batch-invariant takes every query
+through one attention kernel, so that prefix hits give the full prefill's tokens too.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ def _generate(llm, prompt: str, max_tokens: int) -> list[int]:
     return list(out[0].token_ids)
 
 
-def _engine(model: str, raw: bool, prompt: str, prefix_caching: bool, a8: bool):
+def _engine(model: str, raw: bool, prompt: str, prefix_caching: bool, a8: bool, invariant: bool):
     from rawinfer import LLM
     from rawinfer.engine.tokenizer import chat_messages, has_chat_template, render_chat
-    llm = LLM(model, enable_prefix_caching=prefix_caching, int8_activations=a8)
+    llm = LLM(model, enable_prefix_caching=prefix_caching, int8_activations=a8, batch_invariant=invariant)
     if not raw and has_chat_template(llm.tokenizer):          # as `rawinfer generate` renders it
         prompt = render_chat(llm.tokenizer, chat_messages(prompt, None))
     return llm, prompt
@@ -49,7 +51,8 @@ def _engine(model: str, raw: bool, prompt: str, prefix_caching: bool, a8: bool):
 
 def _one_run(args) -> int:
     """--child: one engine, --runs generations, one JSON line per run on stdout."""
-    llm, prompt = _engine(args.model, args.raw, args.prompt, args.prefix_caching, args.int8_activations)
+    llm, prompt = _engine(args.model, args.raw, args.prompt, args.prefix_caching, args.int8_activations,
+                          args.batch_invariant)
     for _ in range(args.runs):
         print(json.dumps(_generate(llm, prompt, args.max_tokens)), flush=True)
     return 0
@@ -59,7 +62,8 @@ def _child_runs(args) -> list[list[int]]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--runs", "1", "--model", args.model,
            "--max-tokens", str(args.max_tokens), "--prompt", args.prompt] + (["--raw"] if args.raw else []) + \
         (["--prefix-caching"] if args.prefix_caching else []) + \
-        (["--int8-activations"] if args.int8_activations else [])
+        (["--int8-activations"] if args.int8_activations else []) + \
+        (["--batch-invariant"] if args.batch_invariant else [])
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     if r.returncode:
         print(r.stderr[-2000:], file=sys.stderr)
@@ -78,6 +82,7 @@ def main() -> int:
     p.add_argument("--fresh", type=int, default=0, help="generations, each in a fresh process")
     p.add_argument("--busy", type=int, default=0, help="busy-loop processes during the experiment")
     p.add_argument("--int8-activations", action="store_true", help="8-bit activations (int8 and q4 models)")
+    p.add_argument("--batch-invariant", action="store_true", help="one attention kernel for every query")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -90,7 +95,8 @@ def main() -> int:
         for s in spinners:
             s.start()
         if args.runs:
-            llm, prompt = _engine(args.model, args.raw, args.prompt, args.prefix_caching, args.int8_activations)
+            llm, prompt = _engine(args.model, args.raw, args.prompt, args.prefix_caching, args.int8_activations,
+                                  args.batch_invariant)
             for i in range(args.runs):
                 runs.append((f"in-process {i}", _generate(llm, prompt, args.max_tokens)))
         for i in range(args.fresh):
