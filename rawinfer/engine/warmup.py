@@ -39,14 +39,9 @@ def warm_up(engine) -> float:
     t0 = time.monotonic()
     log.info("warming up: compiling (or loading from the kernel cache) what this model and configuration run")
     prompt, ok = _prompts(engine), (lambda n, k=1: _fits(engine, n, k))
-    # wave 1: a short prefill, then one sequence decoding, then two: its second sample is forked and
-    # copies their shared partial block on write. wave 2: a long and a middling prefill beside decoding
-    # sequences, then a decode batch past the matrix-vector kernels' limit.
-    waves = [[(prompt(3), 2)], [(prompt(LONG_PROMPT), 1), (prompt(MID_PROMPT), 1)] +
-             [(prompt(5), 1) for _ in range(BATCH - 1)]]
     helper = _helper_for(engine)
     try:
-        for w, wave in enumerate(waves):
+        for w, wave in enumerate(_waves(prompt)):
             if w == 1 and helper is not None:
                 helper.finish()                     # its builds in the cache before the wave that runs them
             first = helper is not None and w == 0
@@ -65,6 +60,30 @@ def warm_up(engine) -> float:
     seconds = time.monotonic() - t0
     log.info("warm-up done in %.1f s", seconds)
     return seconds
+
+
+def warm_thread(engine) -> float:
+    """The warm-up's requests once more, on the calling thread, once warm_up has run on another; returns the
+    seconds taken. A thread's first steps pay costs of their own, which the warm-up on the constructing
+    thread did not take away: OpenMP starts a team of workers for each thread that opens parallel regions,
+    and each new thread gets its own malloc arena and OpenBLAS buffers, first touched in those steps.
+    A server steps its engine on a thread of its own (frontends/server/worker.py), whose first request
+    would pay them. Nothing compiles here: the kernels are in memory by now."""
+    t0 = time.monotonic()
+    prompt, ok = _prompts(engine), (lambda n, k=1: _fits(engine, n, k))
+    for w, wave in enumerate(_waves(prompt)):
+        _run_wave(engine, w, wave, ok)
+    engine.reset_state()
+    engine.backend.after_warm_up()
+    return time.monotonic() - t0
+
+
+def _waves(prompt) -> list:
+    """wave 1: a short prefill, then one sequence decoding, then two: its second sample is forked and
+    copies their shared partial block on write. wave 2: a long and a middling prefill beside decoding
+    sequences, then a decode batch past the matrix-vector kernels' limit."""
+    return [[(prompt(3), 2)], [(prompt(LONG_PROMPT), 1), (prompt(MID_PROMPT), 1)] +
+            [(prompt(5), 1) for _ in range(BATCH - 1)]]
 
 
 def _run_wave(engine, w: int, wave: list, ok, max_tokens: int = 4, after_first_step=None) -> None:

@@ -61,6 +61,27 @@ def test_warm_up_leaves_nothing_behind(tiny_llama_dir):
     assert outs[0] == outs[1]
 
 
+def test_warm_thread_on_another_thread_compiles_nothing_and_leaves_nothing_behind(tiny_llama_dir):
+    """A server's engine thread repeats the warm-up's requests (warmup.warm_thread) before it serves: on
+    that thread nothing compiles, and afterwards the engine is as the warm-up left it."""
+    import threading
+
+    from rawinfer.engine.warmup import warm_thread
+    engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=64)
+    before = compiled()
+    took = []
+    t = threading.Thread(target=lambda: took.append(warm_thread(engine)))
+    t.start()
+    t.join(120)
+    assert len(took) == 1 and took[0] > 0
+    assert compiled() == before
+    stats = engine.stats()
+    assert stats["steps"] == 0 and stats["tokens_generated"] == 0 and stats["requests_finished"] == 0
+    bm = engine.block_manager
+    assert bm.num_cached_blocks == 0 and bm.free_block_ids() == list(range(bm.num_blocks))
+    assert engine._seed_counter == 0 and engine.num_requests == 0
+
+
 def test_warm_up_fits_tiny_engines(tiny_llama_dir):
     """An engine whose pool, context or budget is too small for some warm-up requests still starts."""
     engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="64KiB", max_num_batched_tokens=8,

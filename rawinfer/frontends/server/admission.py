@@ -70,7 +70,20 @@ class Admission:
     def start(self) -> None:
         self.thread.start()
 
+    def _warm(self) -> None:
+        """Compile the chat template (tokenizer.py compiles it on first use) and take the tokenizer's first
+        call, so that neither is in the first request's TTFT. A template that refuses this conversation
+        is left to refuse the first real one, with its message."""
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if not has_chat_template(tokenizer):
+            return
+        try:
+            tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": "Hello"}]))
+        except Exception as e:
+            log.debug("chat template not warmed: %s", e)
+
     def _run(self) -> None:
+        self._warm()
         while True:
             item = self.queue.get()
             if isinstance(item, Stop):

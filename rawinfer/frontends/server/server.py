@@ -78,6 +78,8 @@ class Server(ClientFront):
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake.reader, zmq.POLLIN)
         self._worker.start()
+        while not self._worker.ready.wait(0.05) and not self._stopping:     # its first steps, before any ping
+            pass
         self._admission.start()
         log.info("serving on %s (protocol v%d%s)", self.endpoint, P.PROTOCOL_VERSION,
                  ", CurveZMQ" if self.cfg.curve_secret_key_file else "")

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 
+from rawinfer.engine.warmup import warm_thread
 from rawinfer.frontends.server import protocol as P
 from rawinfer.frontends.server.handoff import Admit, Cancel, Outbound, Outgoing, Stop
 from rawinfer.frontends.server.inflight import Inflight
@@ -34,6 +35,7 @@ class EngineWorker:
         self.inbox: queue.Queue = queue.Queue()
         self._requests: dict[str, Inflight] = {}           # engine request id -> state
         self.snapshot: dict = engine.stats()               # replaced whole, read by the I/O thread
+        self.ready = threading.Event()                     # set once this thread has taken its first steps
         self.thread = threading.Thread(target=self._run, name="rawinfer-engine", daemon=True)
 
     def start(self) -> None:
@@ -42,6 +44,11 @@ class EngineWorker:
     # ---- the loop ------------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            # the warm-up ran on the thread that built the engine; this one's first steps would pay its own
+            # first-use costs (warmup.warm_thread) in the first request's TTFT: before the server answers
+            if getattr(getattr(self.engine, "config", None), "warmup", False):
+                log.debug("engine thread warmed up in %.2f s", warm_thread(self.engine))
+            self.ready.set()
             while True:
                 items = self._take()
                 out: list[Outgoing] = []
@@ -64,6 +71,8 @@ class EngineWorker:
         except BaseException:         # the I/O thread must still hear that nothing more will come
             log.exception("the engine thread failed")
             raise
+        finally:
+            self.ready.set()
 
     def _take(self) -> list:
         """Block for the first item while the engine is idle; then everything waiting, up to a bound."""
