@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,10 +44,18 @@ def main() -> int:
         fast["loop"] = "uvloop"
     except ImportError:
         pass
-    config = uvicorn.Config(create_app(cfg), fd=settings["fd"], log_level=settings.get("log_level", "warning"),
+    config = uvicorn.Config(create_app(cfg), log_level=settings.get("log_level", "warning"),
                             access_log=False, timeout_graceful_shutdown=3, lifespan="on", **fast)
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[inherited_socket(settings["fd"])])
     return 0
+
+
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening socket at descriptor fd, as the TCP socket it is. Not uvicorn's Config(fd=...): that
+    wraps the descriptor as an AF_UNIX socket, so the event loop treats each connection as a Unix one and
+    leaves Nagle's algorithm on; on a kept-alive connection each streamed response's second write then
+    waited for the client's delayed ACK (Linux's delayed-ACK timer) in every request after a connection's first."""
+    return socket.socket(fileno=fd)          # family, type and protocol read from the descriptor
 
 
 if __name__ == "__main__":
