@@ -13,8 +13,8 @@ keep it from flapping). The asymmetry follows the costs: a thread too many besid
 every region wait for a time slice, a thread too few costs one core's share. The interval is short, as
 a whole short request (a hundred decode steps) can end within half a second, and each of its steps
 with a busy core beside two threads is several times slower; /proc/stat counts in clock ticks (a
-hundredth of a second), so a reading over two cores and 0.1 s is good to about 0.2 of a core. Where /proc/stat cannot be read it
-keeps every thread.
+hundredth of a second), so a reading over two cores and 0.1 s is good to about 0.2 of a core. Where
+/proc/stat cannot be read it keeps every thread.
 """
 
 from __future__ import annotations
