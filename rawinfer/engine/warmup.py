@@ -50,13 +50,7 @@ def warm_up(engine) -> float:
     finally:
         if helper is not None:
             helper.close()
-    # teacher forcing (every row's logits): a prefill chunk within the step's token budget, then three
-    # decode steps, so that every chunk fits max_num_batched_tokens however small it is
-    head = min(5, engine.config.max_num_batched_tokens)
-    if ok(head + 3):
-        engine.score(prompt(head + 3), [head, 1, 1, 1])
-    engine.reset_state()
-    engine.backend.after_warm_up()
+    _score_and_reset(engine, prompt, ok)
     seconds = time.monotonic() - t0
     log.info("warm-up done in %.1f s", seconds)
     return seconds
@@ -73,9 +67,19 @@ def warm_thread(engine) -> float:
     prompt, ok = _prompts(engine), (lambda n, k=1: _fits(engine, n, k))
     for w, wave in enumerate(_waves(prompt)):
         _run_wave(engine, w, wave, ok)
+    _score_and_reset(engine, prompt, ok)
+    return time.monotonic() - t0
+
+
+def _score_and_reset(engine, prompt, ok) -> None:
+    """The warm-up's last request, then nothing of it left. Teacher forcing (every row's logits): a prefill
+    chunk within the step's token budget, then three decode steps, so that every chunk fits
+    max_num_batched_tokens however small it is."""
+    head = min(5, engine.config.max_num_batched_tokens)
+    if ok(head + 3):
+        engine.score(prompt(head + 3), [head, 1, 1, 1])
     engine.reset_state()
     engine.backend.after_warm_up()
-    return time.monotonic() - t0
 
 
 def _waves(prompt) -> list:

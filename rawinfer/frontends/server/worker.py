@@ -46,7 +46,7 @@ class EngineWorker:
         try:
             # the warm-up ran on the thread that built the engine; this one's first steps would pay its own
             # first-use costs (warmup.warm_thread) in the first request's TTFT: before the server answers
-            if getattr(getattr(self.engine, "config", None), "warmup", False):
+            if self.engine.config.warmup:
                 log.debug("engine thread warmed up in %.2f s", warm_thread(self.engine))
             self.ready.set()
             while True:
