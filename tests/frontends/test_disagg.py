@@ -374,3 +374,37 @@ def test_a_prefill_step_longer_than_a_few_heartbeats_still_transfers(engines):
         del pa.step
         conn.close()
     assert_no_leak(colo, pa, decode)
+
+
+def test_a_prefill_instance_on_a_thread_of_its_own_warms_that_thread_first(engines, monkeypatch):
+    """A Ray prefill actor serves on a thread other than the one that built its engine: run(warm=True) repeats
+    the warm-up's requests on that thread before it takes a message, and leaves nothing of them behind."""
+    import threading
+
+    from rawinfer.frontends.disagg import prefill
+    colo, pa, _, decode = engines
+    for e in engines:
+        e.reset_state()
+    seen, real = [], prefill.warm_thread
+
+    def recording(engine):
+        seen.append(threading.current_thread().name)
+        return real(engine)
+    monkeypatch.setattr(prefill, "warm_thread", recording)
+    monkeypatch.setattr(pa.config, "warmup", True)
+    server = PrefillServer(pa, PrefillConfig(bind="tcp://127.0.0.1:*"))
+    thread = threading.Thread(target=server.run, kwargs={"warm": True}, name="prefill-actor", daemon=True)
+    thread.start()
+    conn = DecodeConnector(decode, DecodeConfig(prefill=[server.endpoint], **FAST))
+    try:
+        pump([], conn, until=lambda: len(conn.peers_up()) == 1)
+        assert seen == ["prefill-actor"]
+        prompts = [list(range(40 + i, 100 + i)) for i in range(3)]
+        out, failed = generate([], conn, reqs(prompts, "w"))
+        assert not failed and conn.counters["remote"] == 3
+        assert out == colocated(colo, reqs(prompts, "w"))
+    finally:
+        server.stop()
+        thread.join(10)
+        conn.close()
+    assert_no_leak(colo, pa, decode)

@@ -154,7 +154,8 @@ class PrefillActor:
                                                           max_queued=options["prefill_max_queued"],
                                                           insecure=bool(options.get("insecure")),
                                                           curve_secret_key_file=options.get("curve_secret_key")))
-        self.thread = threading.Thread(target=self.server.run, name="rawinfer-prefill", daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"warm": True}, name="rawinfer-prefill",
+                                       daemon=True)
         self.thread.start()
         self.facts = {"pid": os.getpid(), "node": bind_host}
 

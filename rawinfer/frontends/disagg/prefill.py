@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import zmq
 
 from rawinfer.engine.kv_transfer import Fingerprint
+from rawinfer.engine.warmup import warm_thread
 from rawinfer.frontends.disagg import wire
 from rawinfer.frontends.server.security import SecurityError, is_loopback_endpoint, load_secret_key
 
@@ -70,8 +71,13 @@ class PrefillServer:
         self._stop = False
 
     # ---- the loop ------------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self, warm: bool = False) -> None:
+        """Serve until stop(). warm: the calling thread is not the one that built the engine (a Ray actor's
+        serving thread); it repeats the warm-up's requests first (warmup.warm_thread), so that the first
+        prompt does not pay this thread's first-use costs."""
         try:
+            if warm and self.engine.config.warmup:
+                log.debug("prefill thread warmed up in %.2f s", warm_thread(self.engine))
             while not self._stop:
                 self.run_once()
         finally:
