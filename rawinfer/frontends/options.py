@@ -13,11 +13,14 @@ of every subcommand's parser).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 from rawinfer.config import DEFAULT_MODEL, EngineConfig, parse_size
 from rawinfer.sampling import SamplingParams
+
+log = logging.getLogger("rawinfer")
 
 # Exit statuses of the `rawinfer` command (main.py; listed in `rawinfer --help`).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -246,6 +249,25 @@ def read_prompt(args) -> str:
     if not text.strip():
         raise CLIError("the prompt on stdin is empty")
     return text
+
+
+def check_system_flag(args) -> None:
+    """--system goes into the chat template, which --raw and --token-ids skip: refused before the model loads."""
+    flag = "--raw" if args.raw else "--token-ids" if args.token_ids else None
+    if args.system is not None and flag:
+        raise CLIError(f"--system goes into the chat template, which {flag} skips: write the system text into "
+                       f"the prompt instead, or leave out {flag}")
+
+
+def plain_text_prompt(args, model: str) -> None:
+    """A prompt for a model without a chat template (a base model) goes to it as plain text, as with --raw:
+    said once, so that a user who expected the template knows; --system then has nowhere to go."""
+    if args.system is not None:
+        raise CLIError(f"--system needs a chat template and {model} has none (a base model): write the system "
+                       "text into the prompt instead")
+    if not args.raw:
+        log.info("%s has no chat template (a base model): the prompt goes to it as plain text, as with --raw",
+                 model)
 
 
 def is_quiet(args) -> bool:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cli_util import ROOT, rawinfer, user_cache  # noqa: E402
+from cli_util import ROOT, make_chat_model, rawinfer, user_cache  # noqa: E402
 
 
 
@@ -46,11 +46,31 @@ def test_generate_raw_with_seed_is_reproducible(smollm2_dir):
     assert json.loads(a.stdout)["finish_reason"] == "length"
 
 
+def test_a_model_without_a_chat_template_takes_the_prompt_as_plain_text(tmp_path):
+    """A base model (a tokenizer, no chat template): generate says the prompt goes in as plain text, and
+    refuses --system, which would have nowhere to go, instead of dropping it."""
+    model = make_chat_model(str(tmp_path / "base"))
+    os.remove(os.path.join(model, "chat_template.jinja"))
+    common = ("--model", model, "--device", "cpu", "--kv-cache-memory", "4MiB", "--json", "--max-tokens", "3",
+              "--ignore-eos")
+    cache = user_cache(tmp_path)
+    r = rawinfer("generate", "hello there", *common, RAWINFER_CACHE=cache)
+    assert r.returncode == 0, r.stderr
+    assert "has no chat template" in r.stderr and "plain text" in r.stderr
+    raw = rawinfer("generate", "hello there", "--raw", *common, RAWINFER_CACHE=cache)
+    assert json.loads(raw.stdout)["prompt_token_ids"] == json.loads(r.stdout)["prompt_token_ids"]
+    assert "has no chat template" not in raw.stderr
+    r = rawinfer("generate", "hello there", "--system", "Be brief.", *common, RAWINFER_CACHE=cache)
+    assert r.returncode == 2 and "--system needs a chat template" in r.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("args,words", [
     (["generate", "hi", "--model", "/nonexistent/model"], ["does not exist", "rawinfer convert"]),
     (["generate", "hi", "--temperature", "-1"], ["--temperature", "greedy"]),
     (["generate", "hi", "--kv-cache-memory", "lots"], ["--kv-cache-memory", "2GiB"]),
     (["convert", "/nonexistent/src", "/tmp/rawinfer-never-written"], ["does not exist"]),
+    (["generate", "hi", "--raw", "--system", "Be brief."], ["--system", "--raw skips"]),
+    (["client", "1,2", "--token-ids", "--system", "Be brief."], ["--system", "--token-ids skips"]),
 ])
 def test_bad_arguments_give_one_clear_error(args, words):
     r = rawinfer(*args)

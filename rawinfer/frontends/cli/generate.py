@@ -8,8 +8,9 @@ import time
 
 from rawinfer.frontends.cli.models import open_engine
 from rawinfer.frontends.cli.stream import engine_events, print_stream
-from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args, is_quiet,
-                                        read_prompt, sampling_params_from_args)
+from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args,
+                                        check_system_flag, is_quiet, plain_text_prompt, read_prompt,
+                                        sampling_params_from_args)
 
 log = logging.getLogger("rawinfer")
 
@@ -40,6 +41,7 @@ def parse_token_ids(text: str) -> list[int]:
 def cmd_generate(args) -> int:
     from rawinfer.engine.tokenizer import chat_messages, has_chat_template, render_chat
     params = sampling_params_from_args(args)
+    check_system_flag(args)
     prompt = read_prompt(args)
     ids = parse_token_ids(prompt) if args.token_ids else None
     engine = open_engine(args)
@@ -50,6 +52,8 @@ def cmd_generate(args) -> int:
         prompt = ids
     elif not args.raw and has_chat_template(engine.tokenizer):   # rendered as the server renders `messages`
         prompt = render_chat(engine.tokenizer, chat_messages(prompt, args.system))
+    else:
+        plain_text_prompt(args, engine.model_dir)
     prompt_ids = engine.add_request("generate", prompt, params)
     t0 = time.monotonic()
     print_stream(engine_events(engine, prompt_ids), args.json, quiet=is_quiet(args),

@@ -11,8 +11,9 @@ from rawinfer.frontends.cli.models import open_engine
 from rawinfer.frontends.cli.serve_replicas import add_replica_args, check_replica_args, cmd_scale, run_replicas
 from rawinfer.frontends.cli.serve_roles import add_role_args, check_role_args, decode_connector, run_prefill_role
 from rawinfer.frontends.cli.stream import client_events, print_stream
-from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args, is_quiet,
-                                        positive_float, positive_int, read_prompt, sampling_params_from_args, size)
+from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args,
+                                        check_system_flag, is_quiet, plain_text_prompt, positive_float,
+                                        positive_int, read_prompt, sampling_params_from_args, size)
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
 log = logging.getLogger("rawinfer")
@@ -206,6 +207,7 @@ def cmd_client(args) -> int:
     from rawinfer.engine.tokenizer import chat_messages
     from rawinfer.frontends.server.client import Client
     params = sampling_params_from_args(args)
+    check_system_flag(args)
     prompt = read_prompt(args)
     ping_server(args.addr, args.server_key, args.client_key)
     with Client(args.addr, server_key=args.server_key, client_key_file=args.client_key,
@@ -217,6 +219,7 @@ def cmd_client(args) -> int:
             raise CLIError(f"the model served at {args.addr} has no tokenizer, so it cannot read text: give the "
                            "prompt as token ids with --token-ids")
         elif args.raw or not info.get("has_chat_template"):
+            plain_text_prompt(args, f"the model served at {args.addr}")
             request = {"prompt": prompt}
         else:                            # the server applies the template, as `rawinfer generate` would
             request = {"messages": chat_messages(prompt, args.system)}
