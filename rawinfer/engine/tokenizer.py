@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -29,6 +30,18 @@ from rawinfer.config import ModelConfig, ModelFormatError
 TOKENIZER_FILE = "tokenizer.json"
 REPLACEMENT_CHAR = "\ufffd"   # what a lossy UTF-8 decode yields for bytes that do not (yet) form a character
 CONTEXT_TOKENS = 5            # prompt tokens decoded ahead of the output (keeps a first output token's space)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells each byte as one printable character: the printable Latin-1 bytes as
+    themselves, the other 68 (controls, space, soft hyphen) as U+0100 onwards, in byte order."""
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    moved = (b for b in range(256) if b not in kept)
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()      # character of a byte-level vocabulary entry -> the byte it spells
 
 
 class NoTokenizerError(ModelFormatError):
@@ -47,6 +60,8 @@ class Tokenizer:
         self.config = config
         self.path = path
         self._template: jinja2.Template | None = None   # compiled on first use
+        self._spelling: str | None = None               # how vocabulary entries spell bytes (token_bytes)
+        self._added: set[int] = set()
 
     @classmethod
     def from_dir(cls, model_dir: str, config: ModelConfig) -> "Tokenizer":
@@ -82,6 +97,27 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary entry of one id (as stored, e.g. 'Ġthe' or '<|im_end|>'); None if out of range."""
         return self._hf.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, read from its vocabulary entry, so that consecutive tokens' bytes
+        join into the text (OpenAI's logprobs `bytes`, and each token's text). Decoding a token alone would
+        give U+FFFD for one that holds part of a character (a byte-level BPE piece, a byte fallback such as
+        <0xE2>) and, where the decoder strips a leading space (Llama 2's), drop the space of a word's first
+        piece. Added tokens, and vocabularies of neither kind, are decoded."""
+        piece = self._hf.id_to_token(int(token_id))
+        if self._spelling is None:           # the decoder says how the entries spell bytes and spaces
+            decoder = repr(self._hf.decoder)
+            self._spelling = "byte_level" if "ByteLevel" in decoder else "metaspace" if "\u2581" in decoder else ""
+            self._added = set(self._hf.get_added_tokens_decoder())
+        if piece is None or int(token_id) in self._added:
+            return self.decode([token_id]).encode()
+        if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            return bytes([int(m.group(1), 16)])
+        if self._spelling == "byte_level" and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if self._spelling == "metaspace":
+            return piece.replace("\u2581", " ").encode()
+        return self.decode([token_id]).encode()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text -> ids. With add_special_tokens, BOS is prepended when the config asks for it, never twice."""

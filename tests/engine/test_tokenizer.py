@@ -484,3 +484,36 @@ def test_no_stop_strings_pass_through():
 def test_bad_stop_strings():
     with pytest.raises(ValueError, match="non-empty strings"):
         StopChecker(["ok", ""])
+
+
+# ---- each token's own bytes ---------------------------------------------------------------------------------
+
+def test_the_byte_level_alphabet_is_gpt2s():
+    from rawinfer.engine.tokenizer import _BYTE_LEVEL
+    assert _BYTE_LEVEL == {c: b for b, c in bytes_to_unicode().items()}
+    assert set(_BYTE_LEVEL) == set(pre_tokenizers.ByteLevel.alphabet())
+
+
+def test_token_bytes_join_into_the_text_byte_level(bl):
+    """Characters split across byte tokens at random places: each token alone decodes to U+FFFD or part of
+    the text, but their bytes join into exactly the text's UTF-8 (what OpenAI's logprobs `bytes` promise)."""
+    rng = random.Random(3)
+    byte_id = {b: bl._hf.token_to_id(c) for b, c in bytes_to_unicode().items()}
+    partial = 0
+    for _ in range(100):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 12)))
+        ids = mixed_tokenization(bl, text, byte_id, rng)
+        assert b"".join(bl.token_bytes(i) for i in ids) == text.encode()
+        partial += sum(FFFD in bl.decode([i]) for i in ids)
+    assert partial > 100                              # the case that needs the vocabulary entries
+    special = bl._hf.token_to_id("</s>")
+    assert bl.token_bytes(special) == b"</s>"
+
+
+def test_token_bytes_keep_sentencepiece_spaces_and_byte_fallback(sp):
+    """Llama-2-style: '▁' marks a word's space (which decoding a token alone strips), <0xXX> one byte."""
+    for text in ["hello there 日本語 🙂é", "the capital\nof France", " the sky"]:
+        ids = sp.encode(text, add_special_tokens=False)
+        assert b"".join(sp.token_bytes(i) for i in ids) == (text if text.startswith(" ") else " " + text).encode()
+    assert sp.token_bytes(sp._hf.token_to_id("<0xE2>")) == b"\xe2"
+    assert sp.token_bytes(sp._hf.token_to_id("<s>")) == b"<s>"

@@ -188,12 +188,31 @@ def test_chat_logprobs_through_the_openai_package(http_server):
                                        top_logprobs=3, messages=[{"role": "user", "content": QUESTION}])
     content = r.choices[0].logprobs.content
     assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert b"".join(bytes(t.bytes) for t in content).decode() == r.choices[0].message.content
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob for t in content)
     stream = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=5,
                                             logprobs=True, messages=[{"role": "user", "content": QUESTION}],
                                             stream=True)
     streamed = [t for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+
+def test_logprob_bytes_of_tokens_that_split_a_character_join_into_it(smollm2_dir):
+    """SmolLM2 spells a CJK character or an emoji over several byte-level tokens; alone each decodes to
+    U+FFFD, and the `bytes` of the chat entries (top alternatives too) are the token's own bytes."""
+    from rawinfer.config import ModelConfig
+    from rawinfer.engine.tokenizer import Tokenizer
+    from rawinfer.frontends.http.logprobs import TokenTexts, chat_content
+    from rawinfer.frontends.server import protocol as P
+    text = "Tokyo is 東京 🙂."
+    ids = Tokenizer.from_dir(smollm2_dir, ModelConfig.from_dir(smollm2_dir)).encode(text, add_special_tokens=False)
+    texts = TokenTexts(smollm2_dir)
+    record = P.Logprobs(token_ids=ids, logprobs=[-0.5] * len(ids), ranks=[1] * len(ids),
+                        top_token_ids=[[t] for t in ids], top_logprobs=[[-0.5]] * len(ids))
+    entries = chat_content(texts, record)
+    assert any(e["token"] == "\ufffd" for e in entries)
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == text
+    assert [e["top_logprobs"][0]["bytes"] for e in entries] == [e["bytes"] for e in entries]
 
 
 def test_logit_bias_and_penalties_reach_the_sampler(http_server):

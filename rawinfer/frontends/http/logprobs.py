@@ -11,11 +11,13 @@ from rawinfer.frontends.server import protocol as P
 
 
 class TokenTexts:
-    """Each token id's text, decoded alone (cached)."""
+    """Each token id's bytes and text (cached): the text is the bytes read as UTF-8, U+FFFD for a token that
+    holds part of a character."""
 
     def __init__(self, model_path: str | None):
         self._tok = None
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
         if model_path:
             try:
                 from rawinfer.config import ModelConfig
@@ -27,10 +29,18 @@ class TokenTexts:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids) if self._tok is not None else "".join(self(t) for t in ids)
 
+    def bytes_of(self, token_id: int) -> bytes:
+        """The token's own bytes: those of a token holding part of a character join with its neighbours'."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._tok.token_bytes(token_id) if self._tok is not None else f"token_id:{token_id}".encode()
+            self._bytes[token_id] = raw
+        return raw
+
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._tok.decode([token_id]) if self._tok is not None else f"token_id:{token_id}"
+            text = self.bytes_of(token_id).decode("utf-8", errors="replace")
             self._cache[token_id] = text
         return text
 
@@ -85,8 +95,7 @@ def merge(a: dict | None, b: dict) -> dict:
 def chat_content(texts: TokenTexts, record: P.Logprobs) -> list[dict]:
     """Chat's logprobs `content` entries of a record's tokens."""
     def entry(tid: int, lp: float) -> dict:
-        t = texts(tid)
-        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"token": texts(tid), "logprob": lp, "bytes": list(texts.bytes_of(tid))}
     return [{**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in zip(top_ids, top_lps)]}
             for tid, lp, top_ids, top_lps in zip(record.token_ids, record.logprobs, record.top_token_ids,
                                                  record.top_logprobs)]
