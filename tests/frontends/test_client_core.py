@@ -166,3 +166,45 @@ def test_completion_collects_the_finals_in_index_order():
     done = Completion.from_messages(msgs)
     assert [f.index for f in done.outputs] == [0, 1]
     assert (done.request_id, done.prompt_token_ids, done.finish_reason) == ("r", [1, 2], "stop")
+
+
+def test_the_async_client_routes_a_burst_and_times_out_on_silence():
+    """The AsyncClient over a hand-driven ROUTER: a burst of messages for many streams at once (read after one
+    await, the rest straight from the socket) reaches each stream in order; a server that then says nothing
+    makes the waiting stream raise ServerTimeout after timeout_s."""
+    import asyncio
+    import time
+
+    import zmq
+    import zmq.asyncio
+
+    from rawinfer.frontends.server.client import AsyncClient
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        async with AsyncClient(f"tcp://127.0.0.1:{port}", timeout_s=0.5, context=ctx) as client:
+            n = 40
+            streams = [client.generate([1, 2], params={"max_tokens": 3}, request_id=f"r{i}") for i in range(n)]
+            firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+            ident = None
+            for _ in range(n):
+                ident, data = await router.recv_multipart()
+                assert P.decode_request(data).request_id.startswith("r")
+            for step in range(3):                  # three steps' messages, sent all at once
+                for i in range(n):
+                    await router.send_multipart([ident, chunk(f"r{i}", ids=(step,))])
+            got = [[(await f).token_ids] for f in firsts]
+            for i, s in enumerate(streams):
+                got[i] += [(await s.__anext__()).token_ids for _ in range(2)]
+            assert got == [[[0], [1], [2]]] * n
+            t0 = time.monotonic()
+            with pytest.raises(ServerTimeout):
+                await streams[0].__anext__()
+            assert 0.4 < time.monotonic() - t0 < 3.0
+            for s in streams:
+                await s.aclose()
+        router.close(0)
+        ctx.term()
+    asyncio.run(main())

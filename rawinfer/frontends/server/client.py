@@ -203,7 +203,7 @@ class AsyncClient:
         self.addr, self.timeout_s = addr, timeout_s
         self.sock = _open_socket(context or zmq.asyncio.Context.instance(), addr, server_key, client_key_file)
         self.core = ClientCore(addr, timeout_s)
-        self._wakers: dict[tuple[str, str], asyncio.Event] = {}   # core destination -> its waiter's event
+        self._wakers: dict[tuple[str, str], asyncio.Future] = {}  # core destination -> its waiter's future
         self._reader: asyncio.Task | None = None
 
     async def __aenter__(self) -> "AsyncClient":
@@ -285,8 +285,9 @@ class AsyncClient:
 
     async def _wait(self, where: tuple[str, str], ready: Callable[[], bool]) -> None:
         """Wait until ready(), woken by the reader when it files a message under `where`; ServerTimeout
-        once the server has been silent for timeout_s."""
-        event = self._wakers.setdefault(where, asyncio.Event())
+        once the server has been silent for timeout_s. Each wait is one future and one timer (not
+        wait_for, which makes a task per wait: a streamed token is one wait)."""
+        loop = asyncio.get_running_loop()
         started, grace = time.monotonic(), True
         while not ready():
             if self._reader is not None and self._reader.done() and not self._reader.cancelled():
@@ -300,18 +301,37 @@ class AsyncClient:
                 # NOTE: one more short wait: if the event loop was starved, the reader task has yet to take
                 # what arrived meanwhile, and the server was not silent.
                 grace, left = False, 0.2
-            event.clear()               # ready() was false just now, with no await in between
+            waiter = self._wakers[where] = loop.create_future()     # ready() was false just now, no await since
+            timer = loop.call_later(min(left, 1.0), _wake, waiter)
             try:
-                await asyncio.wait_for(event.wait(), min(left, 1.0))
-            except asyncio.TimeoutError:
-                pass
+                await waiter
+            finally:
+                timer.cancel()
 
     def _start_reader(self) -> None:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     async def _read_loop(self) -> None:
+        # after each awaited message, what else has arrived is read at once through a shadow of the socket
+        # (the same socket, not awaited): a server step sends a message for each of its requests together
+        now = zmq.Socket.shadow(self.sock.underlying)
         while True:
-            where = self.core.receive(await self.sock.recv(), time.monotonic())
-            if where is not None and where in self._wakers:
-                self._wakers[where].set()
+            self._route(await self.sock.recv())
+            while True:
+                try:
+                    data = now.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._route(data)
+
+    def _route(self, data: bytes) -> None:
+        where = self.core.receive(data, time.monotonic())
+        waiter = self._wakers.get(where) if where is not None else None
+        if waiter is not None:
+            _wake(waiter)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

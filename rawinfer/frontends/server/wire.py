@@ -6,6 +6,7 @@ The names keep their leading underscore: they are protocol.py's vocabulary, not 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import MISSING, field, fields
 from typing import Any, Callable
@@ -128,21 +129,29 @@ def _lists(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return each
 
 
+@functools.cache
+def _fields(cls: type) -> tuple[dict[str, Callable[[Any], Any]], tuple[str, ...]]:
+    """A message class's field checks by name, and its required fields (read once per class: every message
+    a client receives is built here)."""
+    specs = fields(cls)
+    return ({f.name: f.metadata["check"] for f in specs},
+            tuple(f.name for f in specs if f.default is MISSING and f.default_factory is MISSING))
+
+
 def _build(cls: type, body: dict, where: str) -> Any:
     """Check every field of `body` against `cls` and construct it; ValueError names the offending key."""
-    specs = {f.name: f for f in fields(cls)}
-    unknown = [k for k in body if k not in specs]
+    checks, required = _fields(cls)
+    unknown = [k for k in body if k not in checks]
     if unknown:
         raise ValueError(f"{where} has unknown field(s) {', '.join(_short(k) for k in unknown[:5])}; "
-                         f"known: {', '.join(specs) or 'none'}")
-    missing = [n for n, f in specs.items()
-               if n not in body and f.default is MISSING and f.default_factory is MISSING]
+                         f"known: {', '.join(checks) or 'none'}")
+    missing = [n for n in required if n not in body]
     if missing:
         raise ValueError(f"{where} lacks the required field(s) {', '.join(missing)}")
     values = {}
     for name, value in body.items():
         try:
-            values[name] = specs[name].metadata["check"](value)
+            values[name] = checks[name](value)
         except ValueError as e:
             raise ValueError(f"field {name!r} of {where} {e}") from None
     try:
