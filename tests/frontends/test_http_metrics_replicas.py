@@ -143,3 +143,14 @@ def test_a_single_engine_renders_without_any_replica_label():
     assert samples[("rawinfer:request_success_total", (("finished_reason", "stop"),))] == 3
     assert samples[("rawinfer:time_to_first_token_seconds_bucket", (("le", "0.1"),))] == 4
     assert samples[("rawinfer:requests_received_total", ())] == 3
+
+
+def test_the_http_benchmark_reads_its_gauges_from_the_page():
+    """`bench serve --backend openai` scans /metrics for three gauges: behind a router the replicas' requests
+    add up and their KV usage is averaged; a single engine's page gives its own values."""
+    from rawinfer.frontends.bench.http_load import _gauges
+    assert _gauges(render(ROUTER_STATS, MODEL).decode()) == {
+        "rawinfer:num_requests_running": 4, "rawinfer:num_requests_waiting": 0, "rawinfer:kv_cache_usage_perc": 0.2}
+    single = {**ROUTER_STATS, "replica_metrics": None, "metrics": R1}
+    assert _gauges(render(single, MODEL).decode()) == {
+        "rawinfer:num_requests_running": 3, "rawinfer:num_requests_waiting": 0, "rawinfer:kv_cache_usage_perc": 0.3}

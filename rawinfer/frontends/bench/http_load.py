@@ -16,6 +16,9 @@ import time
 import httpx
 
 
+_timeout = getattr(asyncio, "timeout", None)
+
+
 def headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -27,51 +30,136 @@ async def model_card(client: httpx.AsyncClient) -> dict:
     return r.json()["data"][0]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, rec, prompt: list[int], delay: float, t0: float,
-                      bar) -> None:
+async def one_request(base_url: httpx.URL, api_key: str | None, model: str, rec, prompt: list[int], delay: float,
+                      t0: float, bar, timeout: float) -> None:
     await asyncio.sleep(max(0.0, t0 + delay - time.monotonic()))
     rec.sent = time.monotonic() - t0
     body = {"model": model, "prompt": [int(t) for t in prompt], "max_tokens": rec.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    post = StreamedPost(base_url, "/v1/completions", headers(api_key), timeout)
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-            else:
-                await _read(r, rec, t0)
-    except httpx.HTTPError as e:
+        status = await post.send(body)
+        if status != 200:
+            rec.error = f"HTTP {status}: {b''.join([b async for b in post.body()]).decode(errors='replace')[:200]}"
+        else:
+            await _read(post, rec, t0)
+    except (OSError, EOFError, ValueError, asyncio.TimeoutError) as e:
         rec.error = f"{type(e).__name__}: {e}"
+    finally:
+        post.close()
     if rec.finished is None:
         rec.finished = time.monotonic() - t0
     bar.update(1)
 
 
-async def _read(r: httpx.Response, rec, t0: float) -> None:
-    async for line in r.aiter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
+class StreamedPost:
+    """One streamed POST on a connection of its own (HTTP/1.1, `Connection: close`), its response body read
+    as it arrives with the chunked transfer coding undone. The load generator shares the machine with the
+    server it measures: httpx reads each event through h11 and several decoding layers in Python, which cost
+    the server a share of the cores it did not cost over ZeroMQ; this reads a whole socket buffer at once.
+    Each read waits at most `timeout` seconds."""
+
+    def __init__(self, base: httpx.URL, path: str, headers: dict, timeout: float):
+        self.base, self.path, self.headers, self.timeout = base, path, headers, timeout
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self._chunked, self._left, self._buf = False, None, b""
+
+    async def send(self, body: dict) -> int:
+        """Connect, send `body` as JSON, read the response's head; returns its status."""
+        tls = self.base.scheme == "https"
+        self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(
+            self.base.host, self.base.port or (443 if tls else 80), ssl=tls or None), min(self.timeout, 10.0))
+        payload = json.dumps(body).encode()
+        target = self.base.raw_path.rstrip(b"/") + self.path.encode()
+        head = [b"POST " + target + b" HTTP/1.1", b"Host: " + self.base.netloc, b"Content-Type: application/json",
+                b"Content-Length: %d" % len(payload), b"Connection: close",
+                *(f"{k}: {v}".encode("latin-1") for k, v in self.headers.items())]
+        self.writer.write(b"\r\n".join(head) + b"\r\n\r\n" + payload)
+        status, *lines = (await self._within(self.reader.readuntil(b"\r\n\r\n"))).decode("latin-1").split("\r\n")
+        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines if line)}
+        self._chunked = "chunked" in fields.get("transfer-encoding", "").lower()
+        self._left = None if self._chunked or "content-length" not in fields else int(fields["content-length"])
+        return int(status.split()[1])
+
+    async def body(self):
+        """The body's bytes as they arrive (the chunks' data, without their framing)."""
+        while True:
+            if self._left == 0:
+                return
+            data = await self._within(self.reader.read(1 << 16))
+            if not data:
+                if self._chunked or self._left:
+                    raise EOFError("the server closed the connection inside the response body")
+                return
+            if not self._chunked:
+                self._left = None if self._left is None else self._left - len(data)
+                yield data
+                continue
+            self._buf += data
+            out = []
+            while (end := self._buf.find(b"\r\n")) >= 0:
+                size = int(self._buf[:end].split(b";")[0], 16)
+                if size == 0:
+                    self._left = 0
+                    break
+                if len(self._buf) < end + 2 + size + 2:
+                    break
+                out.append(self._buf[end + 2:end + 2 + size])
+                self._buf = self._buf[end + 2 + size + 2:]
+            if out:
+                yield b"".join(out)
+
+    async def _within(self, awaitable):
+        if _timeout is None:                          # Python 3.10
+            return await asyncio.wait_for(awaitable, self.timeout)
+        async with _timeout(self.timeout):            # no task per read, as wait_for makes one
+            return await awaitable
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def _read(post: StreamedPost, rec, t0: float) -> None:
+    pending = b""
+    async for data in post.body():
         now = time.monotonic() - t0
-        msg = json.loads(line[6:])
-        if "error" in msg:
-            rec.error = msg["error"].get("message", "error")
-            continue
-        for c in msg.get("choices") or ():
-            if c.get("text"):
-                rec.token_times.append(now)
-                rec.message_times.append(now)
-            if c.get("finish_reason"):
-                rec.finished, rec.finish_reason = now, c["finish_reason"]
-        if msg.get("usage"):
-            rec.output_tokens = msg["usage"]["completion_tokens"]
+        events = (pending + data).split(b"\n\n")
+        pending = events.pop()
+        for ev in events:
+            if ev.startswith(b"data: ") and ev != b"data: [DONE]":
+                _event(json.loads(ev[6:]), rec, now)
+
+
+def _event(msg: dict, rec, now: float) -> None:
+    if "error" in msg:
+        rec.error = msg["error"].get("message", "error")
+        return
+    for c in msg.get("choices") or ():
+        if c.get("text"):
+            rec.token_times.append(now)
+            rec.message_times.append(now)
+        if c.get("finish_reason"):
+            rec.finished, rec.finish_reason = now, c["finish_reason"]
+    if msg.get("usage"):
+        rec.output_tokens = msg["usage"]["completion_tokens"]
+
+
+GAUGES = ("rawinfer:kv_cache_usage_perc", "rawinfer:num_requests_running", "rawinfer:num_requests_waiting")
 
 
 def _gauges(text: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = s.value
-    return out
+    """The figure's three gauges from a /metrics page: the requests added up over the samples (one per
+    replica behind a router), the KV usage their mean. Read line by line rather than through a Prometheus
+    parser, which spends more of the shared cores on the whole page's histograms than the load does."""
+    values: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        if line.startswith(GAUGES):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in GAUGES:
+                values.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
+    return {name: (sum(v) / len(v) if name == GAUGES[0] else sum(v)) for name, v in values.items()}
 
 
 async def poll_metrics(client: httpx.AsyncClient, t0: float, interval: float, samples: list[dict],

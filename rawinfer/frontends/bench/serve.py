@@ -204,8 +204,9 @@ async def run_http_load(args, progress: bool = False) -> dict:
         poller = asyncio.create_task(http_load.poll_metrics(client, t0, args.stats_interval, samples, stop))
         with tqdm(total=len(records), desc="requests", unit="req", leave=False,
                   disable=None if progress else True) as bar:
-            await asyncio.gather(*(http_load.one_request(client, card["id"], r, p, d, t0, bar)
-                                   for r, p, d in zip(records, wl.prompts, delays)))
+            sends = (http_load.one_request(client.base_url, args.api_key, card["id"], r, p, d, t0, bar, args.timeout)
+                     for r, p, d in zip(records, wl.prompts, delays))
+            await asyncio.gather(*sends)
         duration = time.monotonic() - t0
         stop.set()
         await poller
