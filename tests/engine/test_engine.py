@@ -272,3 +272,24 @@ def test_metrics_and_stats(tiny_llama_dir):
     for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_hit_rate",
                 "num_preemptions", "recent_tokens_per_s"):
         assert key in s
+
+
+def test_chat_renders_the_template_as_the_server_does(smollm2_engine, tiny_llama_dir):
+    """LLM.chat: one conversation or several, each rendered with the model's chat template (the server's
+    rendering of `messages`); a model without a template, or no conversation at all, is one clear error."""
+    from rawinfer.engine.tokenizer import ChatTemplateError, render_chat
+    llm = LLM.from_engine(smollm2_engine)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    france = [{"role": "user", "content": "What is the capital of France?"}]
+    germany = [{"role": "system", "content": "Answer in one word."},
+               {"role": "user", "content": "What is the capital of Germany?"}]
+    one = llm.chat(france, params, use_tqdm=False)
+    assert len(one) == 1 and "Paris" in one[0].text
+    both = llm.chat([france, germany], params, use_tqdm=False)
+    assert both[0].token_ids == one[0].token_ids
+    rendered = llm.generate(render_chat(llm.tokenizer, germany), params, use_tqdm=False)
+    assert both[1].token_ids == rendered[0].token_ids and both[1].prompt_token_ids == rendered[0].prompt_token_ids
+    with pytest.raises(ValueError, match="non-empty list"):
+        llm.chat([], params)
+    with pytest.raises(ChatTemplateError):
+        make_llm(tiny_llama_dir).chat(france, params)
