@@ -43,7 +43,7 @@ async def one_request(base_url: httpx.URL, api_key: str | None, model: str, rec,
             rec.error = f"HTTP {status}: {b''.join([b async for b in post.body()]).decode(errors='replace')[:200]}"
         else:
             await _read(post, rec, t0)
-    except (OSError, EOFError, ValueError, asyncio.TimeoutError) as e:
+    except (OSError, EOFError, ValueError, IndexError, asyncio.LimitOverrunError, asyncio.TimeoutError) as e:
         rec.error = f"{type(e).__name__}: {e}"
     finally:
         post.close()
@@ -122,14 +122,16 @@ class StreamedPost:
 
 
 async def _read(post: StreamedPost, rec, t0: float) -> None:
+    """Each event's `data:` lines, as they arrive (events end with a blank line, lines in LF or CRLF)."""
     pending = b""
     async for data in post.body():
         now = time.monotonic() - t0
-        events = (pending + data).split(b"\n\n")
+        events = (pending + data).replace(b"\r\n", b"\n").split(b"\n\n")
         pending = events.pop()
         for ev in events:
-            if ev.startswith(b"data: ") and ev != b"data: [DONE]":
-                _event(json.loads(ev[6:]), rec, now)
+            for line in ev.split(b"\n"):
+                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                    _event(json.loads(line[5:]), rec, now)
 
 
 def _event(msg: dict, rec, now: float) -> None:
