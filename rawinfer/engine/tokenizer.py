@@ -178,13 +178,28 @@ def has_chat_template(tokenizer: Tokenizer | None) -> bool:
     return tokenizer is not None and bool(tokenizer.config.chat_template)
 
 
-def render_chat(tokenizer: Tokenizer | None, messages: list[dict[str, Any]]) -> str:
-    """The prompt text of a chat, with the generation prompt appended: the one place a chat becomes
-    text (the CLI, the server). ChatTemplateError (a ValueError) when the model has no template."""
+def render_chat(tokenizer: Tokenizer | None, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
+    """The prompt text of a chat, by default with the generation prompt appended: the one place a chat
+    becomes text (the CLI, the server). continue_final_message (vLLM's option): the last message is the
+    assistant's beginning, left open for the model to continue; the text ends with that message's content
+    (whatever the template closes it with is cut). ChatTemplateError (a ValueError) when the model has no
+    template, or when the options do not fit the chat."""
     if not has_chat_template(tokenizer):
         raise ChatTemplateError("this model has no chat template; send the prompt as text or token ids instead "
                                 "of messages")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if not continue_final_message:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    if add_generation_prompt:
+        raise ChatTemplateError("cannot both add a generation prompt and continue the final message: set "
+                                "add_generation_prompt to false to continue it")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    end = text.rfind(last.get("content") or "\0") if last.get("role") == "assistant" else -1
+    if end < 0:
+        raise ChatTemplateError("continue_final_message needs the chat to end with an assistant message with some "
+                                "content, which the template writes out as it is")
+    return text[:end + len(last["content"])]
 
 
 def _check_messages(messages: Any) -> None:

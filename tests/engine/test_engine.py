@@ -289,6 +289,9 @@ def test_chat_renders_the_template_as_the_server_does(smollm2_engine, tiny_llama
     assert both[0].token_ids == one[0].token_ids
     rendered = llm.generate(render_chat(llm.tokenizer, germany), params, use_tqdm=False)
     assert both[1].token_ids == rendered[0].token_ids and both[1].prompt_token_ids == rendered[0].prompt_token_ids
+    begun = france + [{"role": "assistant", "content": "The capital of France is"}]
+    cont = llm.chat(begun, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert cont[0].text.startswith(" Paris")
     with pytest.raises(ValueError, match="non-empty list"):
         llm.chat([], params)
     with pytest.raises(ChatTemplateError):

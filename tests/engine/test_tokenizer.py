@@ -517,3 +517,24 @@ def test_token_bytes_keep_sentencepiece_spaces_and_byte_fallback(sp):
         assert b"".join(sp.token_bytes(i) for i in ids) == (text if text.startswith(" ") else " " + text).encode()
     assert sp.token_bytes(sp._hf.token_to_id("<0xE2>")) == b"\xe2"
     assert sp.token_bytes(sp._hf.token_to_id("<s>")) == b"<s>"
+
+
+def test_render_chat_continues_the_final_message(bl, bl_dir):
+    """continue_final_message (vLLM's): the text ends with the assistant message's content, the template's
+    closing of it cut; without the generation prompt the chat ends closed. Options that do not fit the
+    chat are one ChatTemplateError each."""
+    from rawinfer.engine.tokenizer import render_chat
+    chat = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "It is"}]
+    closed = render_chat(bl, chat, add_generation_prompt=False)
+    assert closed.endswith("<|im_start|>assistant\nIt is<|im_end|>\n")
+    assert render_chat(bl, chat, add_generation_prompt=False, continue_final_message=True) == \
+        closed[:-len("<|im_end|>\n")]
+    assert render_chat(bl, chat).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ChatTemplateError, match="add_generation_prompt to false"):
+        render_chat(bl, chat, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="end with an assistant message"):
+        render_chat(bl, chat[:1], add_generation_prompt=False, continue_final_message=True)
+    hides = Tokenizer.from_dir(str(bl_dir), make_config(chat_template="{% for m in messages %}[{{ m.role }}]"
+                                                                       "{% endfor %}"))
+    with pytest.raises(ChatTemplateError, match="writes out as it is"):
+        render_chat(hides, chat, add_generation_prompt=False, continue_final_message=True)

@@ -236,6 +236,28 @@ def test_tokenize_and_detokenize_round_trip(http_server):
     assert post(http_server, "/detokenize", {"tokens": [10 ** 7]}).status_code == 400
 
 
+def test_chat_continues_the_final_assistant_message(http_server):
+    """vLLM's continue_final_message: the answer continues the assistant's beginning instead of starting a new
+    turn; /tokenize with the same options counts the prompt the chat is charged; options that cannot apply are
+    a 400 naming the field."""
+    chat = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    r = post(http_server, "/v1/chat/completions", {"messages": chat, "max_tokens": 3, "temperature": 0, **options})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"].startswith(" Paris")
+    counted = post(http_server, "/tokenize", {"messages": chat, **options}).json()["count"]
+    assert body["usage"]["prompt_tokens"] == counted
+    closed = post(http_server, "/tokenize", {"messages": chat, "add_generation_prompt": False}).json()["count"]
+    opened = post(http_server, "/tokenize", {"messages": chat}).json()["count"]
+    assert counted < closed < opened                      # without <|im_end|>, then without the new header
+    for bad in ({"continue_final_message": True},
+                {"add_generation_prompt": False, "continue_final_message": True, "messages": chat[:1]}):
+        r = post(http_server, "/v1/chat/completions", {"messages": chat, "max_tokens": 3, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def test_bench_serve_drives_the_http_api(http_server, tmp_path):
     out = tmp_path / "serve.json"
     r = rawinfer("bench", "serve", "--backend", "openai", "--base-url", http_server.base_url, "--api-key", API_KEY,

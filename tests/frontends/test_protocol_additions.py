@@ -98,3 +98,24 @@ def test_make_generate_carries_the_new_sampling_parameters():
     msg = make_generate([1, 2], params=SamplingParams(logprobs=2, logit_bias={7: 1.5}, frequency_penalty=0.2))
     assert msg.params["logit_bias"] == {"7": 1.5} and msg.params["logprobs"] == 2
     assert SamplingParams.from_dict(msg.params).logit_bias == {7: 1.5}
+
+
+CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello,"}]
+
+
+def test_chat_options_travel_with_messages_only():
+    """`chat_options` (how the server renders `messages`): round-trips, leaves the wire when unset, and is
+    refused by name without messages, with an unknown key, or asking for both renderings at once."""
+    for cls, kw in ((P.Generate, {"request_id": "r"}), (P.Tokenize, {})):
+        msg = cls(messages=CHAT, chat_options={"add_generation_prompt": False, "continue_final_message": True}, **kw)
+        assert P.decode_request(P.encode(msg)) == msg
+        assert "chat_options" not in msgpack.unpackb(P.encode(cls(messages=CHAT, **kw)))
+        with pytest.raises(ValueError, match="go with 'messages'"):
+            cls(prompt="x", chat_options={"add_generation_prompt": False}, **kw)
+    for bad, words in (({"add_generation_prompt": 1}, "to booleans"), ({"tools": True}, "to booleans"),
+                       ({"add_generation_prompt": True, "continue_final_message": True}, "set add_generation")):
+        body = {"v": 1, "type": "generate", "request_id": "r", "messages": CHAT, "chat_options": bad}
+        with pytest.raises(P.ProtocolError, match=words):
+            P.decode_request(msgpack.packb(body))
+    assert make_generate(messages=CHAT, chat_options={"continue_final_message": True,
+                                                      "add_generation_prompt": False}).chat_options is not None

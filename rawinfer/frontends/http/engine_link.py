@@ -55,10 +55,12 @@ class EngineLink:
         return self._texts
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       add_special_tokens: bool = True, prompt_param: str = "prompt") -> list[int]:
+                       add_special_tokens: bool = True, prompt_param: str = "prompt",
+                       chat_options: dict | None = None) -> list[int]:
         try:
             return await self._control(lambda: self.client.tokenize(prompt, messages=messages,
-                                                                    add_special_tokens=add_special_tokens))
+                                                                    add_special_tokens=add_special_tokens,
+                                                                    chat_options=chat_options))
         except RequestError as e:
             raise from_engine(e.code, e.message, prompt_param) from None
         except ValueError as e:           # over the engine's message size limit, or a message it would refuse

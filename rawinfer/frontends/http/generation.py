@@ -63,7 +63,8 @@ async def prepare(link: EngineLink, job: Job) -> None:
     leaves after its prompt (OpenAI's default); an echo gets each prompt's token ids (text prompts are then
     sent as those ids, so the echoed tokens are the ones computed) and each prompt's text."""
     if job.chat and "max_tokens" not in job.params:
-        ids = await link.tokenize(messages=job.prompts[0]["messages"], prompt_param="messages")
+        ids = await link.tokenize(messages=job.prompts[0]["messages"], prompt_param="messages",
+                                  chat_options=job.prompts[0].get("chat_options"))
         info = await link.info()
         room = info.get("max_model_len") or 0
         blocks, bs = info.get("kv_blocks_total"), info.get("block_size")

@@ -151,8 +151,28 @@ def chat_job(req: ChatCompletionRequest, model: str) -> Job:
     count = (req.top_logprobs or 0) if req.logprobs else None
     _logprobs(params, count, False, known, "top_logprobs" if req.top_logprobs else "logprobs")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    return Job(chat=True, prompts=[{"messages": messages}], params=params, n=params["n"], echo=None,
+    prompt = {"messages": messages}
+    options = chat_options(req)
+    if options is not None:
+        prompt["chat_options"] = options
+    return Job(chat=True, prompts=[prompt], params=params, n=params["n"], echo=None,
                logprobs=count, **_common(req, model, "chatcmpl"))
+
+
+def chat_options(req) -> dict | None:
+    """How the engine renders the request's messages, when not the default (the generation prompt added):
+    vLLM's add_generation_prompt and continue_final_message, checked here so that a 400 names the field."""
+    add = req.add_generation_prompt is not False
+    cont = bool(req.continue_final_message)
+    if add and cont:
+        raise invalid("continue_final_message", "'continue_final_message' continues the last message instead of "
+                      "starting a new one: send it with \"add_generation_prompt\": false")
+    if cont and (not req.messages or req.messages[-1].role != "assistant"):
+        raise invalid("continue_final_message", "'continue_final_message' needs the last message to be the "
+                      "assistant's beginning (role \"assistant\")")
+    if add and not cont:
+        return None
+    return {"add_generation_prompt": add, "continue_final_message": cont}
 
 
 def check_model(requested: str | None, served: str) -> None:

@@ -75,6 +75,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None          # log-probabilities of the generated tokens
     top_logprobs: int | None = None       # with logprobs: this many alternatives per token
+    # vLLM's: the template's generation prompt (default true), or the last (assistant) message continued
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class TokenizeRequest(_Body):
@@ -82,6 +85,7 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class DetokenizeRequest(_Body):

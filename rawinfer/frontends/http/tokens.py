@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from rawinfer.frontends.http.engine_link import EngineLink
 from rawinfer.frontends.http.errors import invalid
+from rawinfer.frontends.http.params import chat_options
 from rawinfer.frontends.http.schemas import DetokenizeRequest, TokenizeRequest
 
 
@@ -13,11 +14,8 @@ async def tokenize(link: EngineLink, body: TokenizeRequest) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise invalid("prompt", "give exactly one of 'prompt' and 'messages'")
     if body.messages is not None:
-        if body.add_generation_prompt is False:
-            raise invalid("add_generation_prompt", "chats are rendered as a generate request renders them, with "
-                          "the generation prompt; leave 'add_generation_prompt' out")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = await link.tokenize(messages=messages, prompt_param="messages")
+        ids = await link.tokenize(messages=messages, prompt_param="messages", chat_options=chat_options(body))
     else:
         ids = await link.tokenize(body.prompt)
     return {"count": len(ids), "max_model_len": (await link.info()).get("max_model_len"), "tokens": ids}

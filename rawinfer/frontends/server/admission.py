@@ -110,7 +110,8 @@ class Admission:
         """Render and tokenise (ValueError naming the problem: a template that refuses the chat, a token id
         outside the vocabulary, a prompt longer than the context)."""
         msg = p.msg
-        prompt = render_chat(self.engine.tokenizer, msg.messages) if msg.messages is not None else msg.prompt
+        prompt = (render_chat(self.engine.tokenizer, msg.messages, **(msg.chat_options or {}))
+                  if msg.messages is not None else msg.prompt)
         if isinstance(prompt, str) and len(prompt) > self.limits.max_chars:
             raise ValueError(f"the rendered chat has {len(prompt)} characters, more than the "
                              f"{self.limits.max_chars} that could fit the context; shorten it")
@@ -133,7 +134,7 @@ class Admission:
                     raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
                 return P.DetokenizeReply(tok.decode(msg.token_ids, msg.skip_special_tokens), msg.tag)
             if msg.messages is not None:
-                ids = tok.encode(render_chat(tok, msg.messages))      # as a generate's chat is encoded
+                ids = tok.encode(render_chat(tok, msg.messages, **(msg.chat_options or {})))  # as a generate's
             else:
                 ids = tok.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)
             return P.TokenizeReply(ids, self.engine.max_model_len, msg.tag)

@@ -102,11 +102,12 @@ class Client:
     # ---- requests ------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                  params: SamplingParams | dict | None = None, stream: bool = True, request_id: str | None = None,
-                 priority: int = 0) -> Iterator[P.Chunk | P.Final]:
+                 priority: int = 0, chat_options: dict | None = None) -> Iterator[P.Chunk | P.Final]:
         """Send a request now; the returned iterator yields its chunks and then one Final per sample.
-        Raises ValueError, before sending, for a message over the server's size limit, and RequestError if
-        the server refuses it."""
-        msg = make_generate(prompt, messages, params, stream, request_id, priority, validate=False)
+        chat_options: how the server renders `messages` ({"add_generation_prompt": bool,
+        "continue_final_message": bool}). Raises ValueError, before sending, for a message over the server's
+        size limit, and RequestError if the server refuses it."""
+        msg = make_generate(prompt, messages, params, stream, request_id, priority, False, chat_options)
         size = len(P.encode(msg))
         if self.core.needs_limit(size):
             self.core.learn_limit(self.model_info())
@@ -160,9 +161,10 @@ class Client:
         return self._call(P.ModelInfo).info
 
     def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                 add_special_tokens: bool = True) -> list[int]:
+                 add_special_tokens: bool = True, chat_options: dict | None = None) -> list[int]:
         """Token ids of a text, or of a chat as a generate would render it; RequestError if refused."""
-        return self._call(P.Tokenize, prompt=prompt, messages=messages, add_special_tokens=add_special_tokens).token_ids
+        return self._call(P.Tokenize, prompt=prompt, messages=messages, add_special_tokens=add_special_tokens,
+                          chat_options=chat_options).token_ids
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._call(P.Detokenize, token_ids=[int(t) for t in token_ids],
@@ -220,9 +222,10 @@ class AsyncClient:
 
     async def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                        params: SamplingParams | dict | None = None, stream: bool = True,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[P.Chunk | P.Final]:
+                       request_id: str | None = None, priority: int = 0,
+                       chat_options: dict | None = None) -> AsyncIterator[P.Chunk | P.Final]:
         """Yields the request's chunks and then one Final per sample; RequestError if it is refused."""
-        msg = make_generate(prompt, messages, params, stream, request_id, priority, validate=False)
+        msg = make_generate(prompt, messages, params, stream, request_id, priority, False, chat_options)
         rid = msg.request_id
         size = len(P.encode(msg))
         if self.core.needs_limit(size):
@@ -261,9 +264,9 @@ class AsyncClient:
         return (await self._call(P.ModelInfo)).info
 
     async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                       add_special_tokens: bool = True) -> list[int]:
-        return (await self._call(P.Tokenize, prompt=prompt, messages=messages,
-                                 add_special_tokens=add_special_tokens)).token_ids
+                       add_special_tokens: bool = True, chat_options: dict | None = None) -> list[int]:
+        return (await self._call(P.Tokenize, prompt=prompt, messages=messages, add_special_tokens=add_special_tokens,
+                                 chat_options=chat_options)).token_ids
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return (await self._call(P.Detokenize, token_ids=[int(t) for t in token_ids],

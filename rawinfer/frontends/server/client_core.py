@@ -78,14 +78,16 @@ class Completion:
 
 def make_generate(prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                   params: SamplingParams | dict | None = None, stream: bool = True, request_id: str | None = None,
-                  priority: int = 0, validate: bool = True) -> P.Generate:
+                  priority: int = 0, validate: bool = True, chat_options: dict | None = None) -> P.Generate:
     """Build a generate message and (with validate) check it as the server would; the request id defaults
-    to a random one. Raises ValueError naming the bad field."""
+    to a random one. chat_options: how the server renders `messages` (PROTOCOL.md). Raises ValueError naming
+    the bad field."""
     if isinstance(params, SamplingParams):
         params = params.to_dict()
     if prompt is not None and not isinstance(prompt, str):
         prompt = [int(t) for t in prompt]         # tuples, NumPy arrays
-    msg = P.Generate(request_id or uuid.uuid4().hex, prompt, messages, dict(params or {}), stream, priority)
+    msg = P.Generate(request_id or uuid.uuid4().hex, prompt, messages, dict(params or {}), stream, priority,
+                     chat_options)
     return validate_generate(msg) if validate else msg
 
 

@@ -21,7 +21,7 @@ import msgpack
 
 from rawinfer.config import is_int
 from rawinfer.frontends.server.wire import (FINISH_REASONS, MAX_ID_CHARS, MAX_TOKEN_ID, _bool, _build,  # noqa: F401 (re-exported)
-                                           _chat, _count, _counts, _f, _finish_reason, _floats, _id, _int,
+                                           _chat, _chat_options, _count, _counts, _f, _finish_reason, _floats, _id, _int,
                                            _lists, _map, _nested, _optional, _prompt, _seconds, _short, _str,
                                            _token_ids)
 
@@ -103,10 +103,14 @@ class Generate:
     params: dict[str, Any] = _f(_map, factory=dict)  # SamplingParams fields; absent ones take their defaults
     stream: bool = _f(_bool, True)
     priority: int = _f(_int, 0)                      # lower runs earlier among waiting requests
+    # how `messages` are rendered: {"add_generation_prompt": bool, "continue_final_message": bool}
+    chat_options: dict[str, bool] | None = _f(_optional(_chat_options), None, omit_none=True)
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
+        if self.chat_options is not None and self.messages is None:
+            raise ValueError("'chat_options' go with 'messages'")
 
 
 @dataclass
@@ -141,10 +145,13 @@ class Tokenize:
     messages: list[dict[str, str]] | None = _f(_optional(_chat), None)
     add_special_tokens: bool = _f(_bool, True)       # the tokenizer's own additions (BOS) to a text
     tag: str | None = _f(_optional(_id), None)
+    chat_options: dict[str, bool] | None = _f(_optional(_chat_options), None, omit_none=True)   # as Generate's
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
+        if self.chat_options is not None and self.messages is None:
+            raise ValueError("'chat_options' go with 'messages'")
 
 
 @dataclass
