@@ -113,7 +113,8 @@ def test_chat_options_travel_with_messages_only():
         with pytest.raises(ValueError, match="go with 'messages'"):
             cls(prompt="x", chat_options={"add_generation_prompt": False}, **kw)
     for bad, words in (({"add_generation_prompt": 1}, "to booleans"), ({"tools": True}, "to booleans"),
-                       ({"add_generation_prompt": True, "continue_final_message": True}, "set add_generation")):
+                       ({"add_generation_prompt": True, "continue_final_message": True}, "set add_generation"),
+                       ({"continue_final_message": True}, "set add_generation")):
         body = {"v": 1, "type": "generate", "request_id": "r", "messages": CHAT, "chat_options": bad}
         with pytest.raises(P.ProtocolError, match=words):
             P.decode_request(msgpack.packb(body))

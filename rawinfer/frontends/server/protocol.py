@@ -21,8 +21,8 @@ import msgpack
 
 from rawinfer.config import is_int
 from rawinfer.frontends.server.wire import (FINISH_REASONS, MAX_ID_CHARS, MAX_TOKEN_ID, _bool, _build,  # noqa: F401 (re-exported)
-                                           _chat, _chat_options, _count, _counts, _f, _finish_reason, _floats, _id, _int,
-                                           _lists, _map, _nested, _optional, _prompt, _seconds, _short, _str,
+                                           _chat, _chat_options, _count, _counts, _f, _finish_reason, _floats, _id,
+                                           _int, _lists, _map, _nested, _optional, _prompt, _seconds, _short, _str,
                                            _token_ids)
 
 PROTOCOL_VERSION = 1

@@ -89,7 +89,7 @@ CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message")
 def _chat_options(v: Any) -> dict[str, bool]:
     if not isinstance(v, dict) or not all(k in CHAT_OPTIONS and isinstance(x, bool) for k, x in v.items()):
         raise ValueError(f"must be a map of {' and '.join(CHAT_OPTIONS)} to booleans")
-    if v.get("add_generation_prompt") and v.get("continue_final_message"):
+    if v.get("continue_final_message") and v.get("add_generation_prompt", True):   # its default is true
         raise ValueError("cannot both add a generation prompt and continue the final message: set "
                          "add_generation_prompt to false to continue it")
     return v
