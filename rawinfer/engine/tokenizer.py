@@ -178,22 +178,31 @@ def has_chat_template(tokenizer: Tokenizer | None) -> bool:
     return tokenizer is not None and bool(tokenizer.config.chat_template)
 
 
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                               "pad_token")
+
+
 def render_chat(tokenizer: Tokenizer | None, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> str:
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text of a chat, by default with the generation prompt appended: the one place a chat
     becomes text (the CLI, the server). continue_final_message (vLLM's option): the last message is the
     assistant's beginning, left open for the model to continue; the text ends with that message's content
-    (whatever the template closes it with is cut). ChatTemplateError (a ValueError) when the model has no
-    template, or when the options do not fit the chat."""
+    (whatever the template closes it with is cut). template_kwargs: more variables for the template (vLLM's
+    chat_template_kwargs, e.g. Qwen3's enable_thinking). ChatTemplateError (a ValueError) when the model has
+    no template, or when the options do not fit the chat."""
     if not has_chat_template(tokenizer):
         raise ChatTemplateError("this model has no chat template; send the prompt as text or token ids instead "
                                 "of messages")
+    extra = dict(template_kwargs or {})
+    taken = [k for k in extra if k in RESERVED_TEMPLATE_VARIABLES]
+    if taken:
+        raise ChatTemplateError(f"the template variable {taken[0]!r} is set by the server, not by template kwargs")
     if not continue_final_message:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     if add_generation_prompt:
         raise ChatTemplateError("cannot both add a generation prompt and continue the final message: set "
                                 "add_generation_prompt to false to continue it")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra)
     last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
     end = text.rfind(last.get("content") or "\0") if last.get("role") == "assistant" else -1
     if end < 0:

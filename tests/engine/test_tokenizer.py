@@ -538,3 +538,17 @@ def test_render_chat_continues_the_final_message(bl, bl_dir):
                                                                        "{% endfor %}"))
     with pytest.raises(ChatTemplateError, match="writes out as it is"):
         render_chat(hides, chat, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_render_chat_passes_template_kwargs(bl_dir):
+    """chat_template_kwargs (vLLM's): more variables for the template, such as Qwen3's enable_thinking; the
+    variables the server sets itself cannot be replaced."""
+    from rawinfer.engine.tokenizer import render_chat
+    tpl = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+           "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    tok = Tokenizer.from_dir(str(bl_dir), make_config(chat_template=tpl))
+    chat = [{"role": "user", "content": "hi"}]
+    assert render_chat(tok, chat) == "hi"
+    assert render_chat(tok, chat, template_kwargs={"enable_thinking": False}) == "hi<think></think>"
+    with pytest.raises(ChatTemplateError, match="'messages' is set by the server"):
+        render_chat(tok, chat, template_kwargs={"messages": []})

@@ -252,6 +252,11 @@ def test_chat_continues_the_final_assistant_message(http_server):
     closed = post(http_server, "/tokenize", {"messages": chat, "add_generation_prompt": False}).json()["count"]
     opened = post(http_server, "/tokenize", {"messages": chat}).json()["count"]
     assert counted < closed < opened                      # without <|im_end|>, then without the new header
+    plain = post(http_server, "/tokenize", {"messages": chat}).json()["tokens"]
+    kw = {"messages": chat, "chat_template_kwargs": {"enable_thinking": False}}   # a variable SmolLM2's ignores
+    assert post(http_server, "/tokenize", kw).json()["tokens"] == plain
+    r = post(http_server, "/v1/chat/completions", {**kw, "max_tokens": 1, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
     for bad in ({"continue_final_message": True},
                 {"add_generation_prompt": False, "continue_final_message": True, "messages": chat[:1]}):
         r = post(http_server, "/v1/chat/completions", {"messages": chat, "max_tokens": 3, **bad})

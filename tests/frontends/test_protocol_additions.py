@@ -118,5 +118,10 @@ def test_chat_options_travel_with_messages_only():
         body = {"v": 1, "type": "generate", "request_id": "r", "messages": CHAT, "chat_options": bad}
         with pytest.raises(P.ProtocolError, match=words):
             P.decode_request(msgpack.packb(body))
+    kw = {"v": 1, "type": "tokenize", "messages": CHAT, "chat_options": {"template_kwargs": {"enable_thinking": False}}}
+    assert P.decode_request(msgpack.packb(kw)).chat_options == {"template_kwargs": {"enable_thinking": False}}
+    kw["chat_options"] = {"template_kwargs": [1]}
+    with pytest.raises(P.ProtocolError, match="string keys"):
+        P.decode_request(msgpack.packb(kw))
     assert make_generate(messages=CHAT, chat_options={"continue_final_message": True,
                                                       "add_generation_prompt": False}).chat_options is not None

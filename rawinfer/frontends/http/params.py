@@ -160,8 +160,9 @@ def chat_job(req: ChatCompletionRequest, model: str) -> Job:
 
 
 def chat_options(req) -> dict | None:
-    """How the engine renders the request's messages, when not the default (the generation prompt added):
-    vLLM's add_generation_prompt and continue_final_message, checked here so that a 400 names the field."""
+    """How the engine renders the request's messages, when not the default (the generation prompt added, no
+    more template variables): vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs,
+    checked here so that a 400 names the field."""
     add = req.add_generation_prompt is not False
     cont = bool(req.continue_final_message)
     if add and cont:
@@ -170,9 +171,16 @@ def chat_options(req) -> dict | None:
     if cont and (not req.messages or req.messages[-1].role != "assistant"):
         raise invalid("continue_final_message", "'continue_final_message' needs the last message to be the "
                       "assistant's beginning (role \"assistant\")")
-    if add and not cont:
+    kwargs = req.chat_template_kwargs or {}
+    from rawinfer.engine.tokenizer import RESERVED_TEMPLATE_VARIABLES     # not at import: jinja2, tokenizers
+    taken = [k for k in kwargs if k in RESERVED_TEMPLATE_VARIABLES]
+    if taken:
+        raise invalid("chat_template_kwargs", f"'chat_template_kwargs' may not set {taken[0]!r}: the server sets it "
+                      "from the request")
+    if add and not cont and not kwargs:
         return None
-    return {"add_generation_prompt": add, "continue_final_message": cont}
+    options = {"add_generation_prompt": add, "continue_final_message": cont}
+    return {**options, "template_kwargs": dict(kwargs)} if kwargs else options
 
 
 def check_model(requested: str | None, served: str) -> None:

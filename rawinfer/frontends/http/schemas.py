@@ -8,7 +8,7 @@ field and the engine's rule.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -75,9 +75,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None          # log-probabilities of the generated tokens
     top_logprobs: int | None = None       # with logprobs: this many alternatives per token
-    # vLLM's: the template's generation prompt (default true), or the last (assistant) message continued
+    # vLLM's: the template's generation prompt (default true), or the last (assistant) message continued;
+    # more variables for the template (e.g. Qwen3's enable_thinking)
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):
@@ -86,6 +88,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

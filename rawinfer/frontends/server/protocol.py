@@ -103,8 +103,8 @@ class Generate:
     params: dict[str, Any] = _f(_map, factory=dict)  # SamplingParams fields; absent ones take their defaults
     stream: bool = _f(_bool, True)
     priority: int = _f(_int, 0)                      # lower runs earlier among waiting requests
-    # how `messages` are rendered: {"add_generation_prompt": bool, "continue_final_message": bool}
-    chat_options: dict[str, bool] | None = _f(_optional(_chat_options), None, omit_none=True)
+    # how `messages` are rendered: add_generation_prompt, continue_final_message (bools), template_kwargs (a map)
+    chat_options: dict[str, Any] | None = _f(_optional(_chat_options), None, omit_none=True)
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):
@@ -145,7 +145,7 @@ class Tokenize:
     messages: list[dict[str, str]] | None = _f(_optional(_chat), None)
     add_special_tokens: bool = _f(_bool, True)       # the tokenizer's own additions (BOS) to a text
     tag: str | None = _f(_optional(_id), None)
-    chat_options: dict[str, bool] | None = _f(_optional(_chat_options), None, omit_none=True)   # as Generate's
+    chat_options: dict[str, Any] | None = _f(_optional(_chat_options), None, omit_none=True)    # as Generate's
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):

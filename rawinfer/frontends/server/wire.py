@@ -86,9 +86,12 @@ def _chat(v: Any) -> list[dict[str, str]]:
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message")
 
 
-def _chat_options(v: Any) -> dict[str, bool]:
-    if not isinstance(v, dict) or not all(k in CHAT_OPTIONS and isinstance(x, bool) for k, x in v.items()):
-        raise ValueError(f"must be a map of {' and '.join(CHAT_OPTIONS)} to booleans")
+def _chat_options(v: Any) -> dict[str, Any]:
+    flags = {k: x for k, x in v.items() if k != "template_kwargs"} if isinstance(v, dict) else None
+    if flags is None or not all(k in CHAT_OPTIONS and isinstance(x, bool) for k, x in flags.items()):
+        raise ValueError(f"must be a map of {' and '.join(CHAT_OPTIONS)} to booleans, and template_kwargs to a map")
+    if "template_kwargs" in v:
+        _map(v["template_kwargs"])
     if v.get("continue_final_message") and v.get("add_generation_prompt", True):   # its default is true
         raise ValueError("cannot both add a generation prompt and continue the final message: set "
                          "add_generation_prompt to false to continue it")
