@@ -146,11 +146,24 @@ def test_a_single_engine_renders_without_any_replica_label():
 
 
 def test_the_http_benchmark_reads_its_gauges_from_the_page():
-    """`bench serve --backend openai` scans /metrics for three gauges: behind a router the replicas' requests
-    add up and their KV usage is averaged; a single engine's page gives its own values."""
+    """`bench serve --backend openai` scans /metrics for its series: behind a router the replicas' requests and
+    tokens add up and their KV usage is averaged; a single engine's page gives its own values."""
     from rawinfer.frontends.bench.http_load import _gauges
     assert _gauges(render(ROUTER_STATS, MODEL).decode()) == {
-        "rawinfer:num_requests_running": 4, "rawinfer:num_requests_waiting": 0, "rawinfer:kv_cache_usage_perc": 0.2}
+        "rawinfer:num_requests_running": 4, "rawinfer:num_requests_waiting": 0, "rawinfer:kv_cache_usage_perc": 0.2,
+        "rawinfer:generation_tokens_total": 700}
     single = {**ROUTER_STATS, "replica_metrics": None, "metrics": R1}
     assert _gauges(render(single, MODEL).decode()) == {
-        "rawinfer:num_requests_running": 3, "rawinfer:num_requests_waiting": 0, "rawinfer:kv_cache_usage_perc": 0.3}
+        "rawinfer:num_requests_running": 3, "rawinfer:num_requests_waiting": 0, "rawinfer:kv_cache_usage_perc": 0.3,
+        "rawinfer:generation_tokens_total": 500}
+
+
+def test_the_http_benchmark_takes_the_server_rate_from_the_token_counter():
+    """The figure's server line over HTTP: generated tokens (all replicas) per second between two polls."""
+    from rawinfer.frontends.bench.http_load import _gauges, metrics_sample
+    first = metrics_sample(_gauges(render(ROUTER_STATS, MODEL).decode()), 1.0, None)
+    assert first["server_tokens_per_s"] is None and first["tokens"] == 700 and first["running"] == 4
+    later = dict(R1, counters={**R1["counters"], "generation_tokens_total": 800})
+    text = render({**ROUTER_STATS, "replica_metrics": {"0": R0, "1": later}}, MODEL).decode()
+    assert metrics_sample(_gauges(text), 1.5, first)["server_tokens_per_s"] == 600.0      # (200 + 800 - 700) / 0.5
+    assert metrics_sample({}, 2.0, first)["server_tokens_per_s"] is None                 # a server without it

@@ -50,7 +50,8 @@ def draw(r: dict):
         a.yaxis.set_major_locator(MaxNLocator(integer=True))
 
     ax[1, 0].plot(tl["t"], tl["output_tokens_per_s"], drawstyle="steps-post", label="client (binned)")
-    ax[1, 0].plot(ts, [s["server_tokens_per_s"] or 0 for s in stats], label="server (recent)")
+    if any(s["server_tokens_per_s"] is not None for s in stats):      # not from a server that does not say
+        ax[1, 0].plot(ts, [s["server_tokens_per_s"] or 0 for s in stats], label="server (recent)")
     ax[1, 0].set(title="output tokens/s", xlabel="s since start", ylabel="tokens/s")
     ax[1, 0].legend(fontsize=8)
     kv = [100 * (s["kv_usage"] or 0) for s in stats]

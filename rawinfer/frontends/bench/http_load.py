@@ -148,13 +148,15 @@ def _event(msg: dict, rec, now: float) -> None:
         rec.output_tokens = msg["usage"]["completion_tokens"]
 
 
-GAUGES = ("rawinfer:kv_cache_usage_perc", "rawinfer:num_requests_running", "rawinfer:num_requests_waiting")
+GAUGES = ("rawinfer:kv_cache_usage_perc", "rawinfer:num_requests_running", "rawinfer:num_requests_waiting",
+          "rawinfer:generation_tokens_total")
 
 
 def _gauges(text: str) -> dict:
-    """The figure's three gauges from a /metrics page: the requests added up over the samples (one per
-    replica behind a router), the KV usage their mean. Read line by line rather than through a Prometheus
-    parser, which spends more of the shared cores on the whole page's histograms than the load does."""
+    """The figure's series from a /metrics page: the requests and generated tokens added up over the
+    samples (one per replica behind a router), the KV usage their mean. Read line by line rather than
+    through a Prometheus parser, which spends more of the shared cores on the whole page's histograms
+    than the load does."""
     values: dict[str, list[float]] = {}
     for line in text.splitlines():
         if line.startswith(GAUGES):
@@ -164,16 +166,24 @@ def _gauges(text: str) -> dict:
     return {name: (sum(v) / len(v) if name == GAUGES[0] else sum(v)) for name, v in values.items()}
 
 
+def metrics_sample(g: dict, t: float, previous: dict | None) -> dict:
+    """One point of the figure's server lines; the server's output rate from the generated-token counter's
+    growth since the previous point (None for the first, or for a server without the counter)."""
+    total, rate = g.get("rawinfer:generation_tokens_total"), None
+    if total is not None and previous is not None and previous["tokens"] is not None and t > previous["t"]:
+        rate = max(0.0, total - previous["tokens"]) / (t - previous["t"])
+    return {"t": t, "kv_usage": g.get("rawinfer:kv_cache_usage_perc"),
+            "running": g.get("rawinfer:num_requests_running"), "waiting": g.get("rawinfer:num_requests_waiting"),
+            "server_tokens_per_s": rate, "tokens": total}
+
+
 async def poll_metrics(client: httpx.AsyncClient, t0: float, interval: float, samples: list[dict],
                        stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
             r = await client.get("/metrics")
             if r.status_code == 200:
-                g = _gauges(r.text)
-                samples.append({"t": time.monotonic() - t0, "kv_usage": g.get("rawinfer:kv_cache_usage_perc"),
-                                "running": g.get("rawinfer:num_requests_running"),
-                                "waiting": g.get("rawinfer:num_requests_waiting"), "server_tokens_per_s": None})
+                samples.append(metrics_sample(_gauges(r.text), time.monotonic() - t0, samples[-1] if samples else None))
         except (httpx.HTTPError, ValueError):
             pass
         try:
