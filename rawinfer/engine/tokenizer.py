@@ -12,6 +12,7 @@ Three pieces, all reading the same `tokenizers` object:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -60,8 +61,6 @@ class Tokenizer:
         self.config = config
         self.path = path
         self._template: jinja2.Template | None = None   # compiled on first use
-        self._spelling: str | None = None               # how vocabulary entries spell bytes (token_bytes)
-        self._added: set[int] = set()
 
     @classmethod
     def from_dir(cls, model_dir: str, config: ModelConfig) -> "Tokenizer":
@@ -98,6 +97,18 @@ class Tokenizer:
         """The vocabulary entry of one id (as stored, e.g. 'Ġthe' or '<|im_end|>'); None if out of range."""
         return self._hf.id_to_token(token_id)
 
+    @functools.cached_property
+    def _spelling(self) -> str:
+        """How the vocabulary entries spell bytes and spaces, as the decoder says: "byte_level" (GPT-2's
+        alphabet), "metaspace" (SentencePiece's U+2581 for a space) or "" (neither)."""
+        decoder = repr(self._hf.decoder)
+        return "byte_level" if "ByteLevel" in decoder else "metaspace" if "\u2581" in decoder else ""
+
+    @functools.cached_property
+    def _added(self) -> set[int]:
+        """The ids of added tokens (special ones included), whose entries are plain text."""
+        return set(self._hf.get_added_tokens_decoder())
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, read from its vocabulary entry, so that consecutive tokens' bytes
         join into the text (OpenAI's logprobs `bytes`, and each token's text). Decoding a token alone would
@@ -105,10 +116,6 @@ class Tokenizer:
         <0xE2>) and, where the decoder strips a leading space (Llama 2's), drop the space of a word's first
         piece. Added tokens, and vocabularies of neither kind, are decoded."""
         piece = self._hf.id_to_token(int(token_id))
-        if self._spelling is None:           # the decoder says how the entries spell bytes and spaces
-            decoder = repr(self._hf.decoder)
-            self._spelling = "byte_level" if "ByteLevel" in decoder else "metaspace" if "\u2581" in decoder else ""
-            self._added = set(self._hf.get_added_tokens_decoder())
         if piece is None or int(token_id) in self._added:
             return self.decode([token_id]).encode()
         if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
@@ -203,7 +210,7 @@ def render_chat(tokenizer: Tokenizer | None, messages: list[dict[str, Any]], add
         raise ChatTemplateError("cannot both add a generation prompt and continue the final message: set "
                                 "add_generation_prompt to false to continue it")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra)
-    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    last = messages[-1] if messages else {}                 # a dict: apply_chat_template checked them
     end = text.rfind(last.get("content") or "\0") if last.get("role") == "assistant" else -1
     if end < 0:
         raise ChatTemplateError("continue_final_message needs the chat to end with an assistant message with some "

@@ -148,7 +148,8 @@ def _event(msg: dict, rec, now: float) -> None:
         rec.output_tokens = msg["usage"]["completion_tokens"]
 
 
-GAUGES = ("rawinfer:kv_cache_usage_perc", "rawinfer:num_requests_running", "rawinfer:num_requests_waiting",
+KV_USAGE = "rawinfer:kv_cache_usage_perc"          # a fraction per replica: averaged, where the rest add up
+GAUGES = (KV_USAGE, "rawinfer:num_requests_running", "rawinfer:num_requests_waiting",
           "rawinfer:generation_tokens_total")
 
 
@@ -163,7 +164,7 @@ def _gauges(text: str) -> dict:
             name = line.split("{", 1)[0].split(" ", 1)[0]
             if name in GAUGES:
                 values.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
-    return {name: (sum(v) / len(v) if name == GAUGES[0] else sum(v)) for name, v in values.items()}
+    return {name: (sum(v) / len(v) if name == KV_USAGE else sum(v)) for name, v in values.items()}
 
 
 def metrics_sample(g: dict, t: float, previous: dict | None) -> dict:
@@ -172,7 +173,7 @@ def metrics_sample(g: dict, t: float, previous: dict | None) -> dict:
     total, rate = g.get("rawinfer:generation_tokens_total"), None
     if total is not None and previous is not None and previous["tokens"] is not None and t > previous["t"]:
         rate = max(0.0, total - previous["tokens"]) / (t - previous["t"])
-    return {"t": t, "kv_usage": g.get("rawinfer:kv_cache_usage_perc"),
+    return {"t": t, "kv_usage": g.get(KV_USAGE),
             "running": g.get("rawinfer:num_requests_running"), "waiting": g.get("rawinfer:num_requests_waiting"),
             "server_tokens_per_s": rate, "tokens": total}
 

@@ -105,8 +105,8 @@ class Client:
                  priority: int = 0, chat_options: dict | None = None) -> Iterator[P.Chunk | P.Final]:
         """Send a request now; the returned iterator yields its chunks and then one Final per sample.
         chat_options: how the server renders `messages` ({"add_generation_prompt": bool,
-        "continue_final_message": bool}). Raises ValueError, before sending, for a message over the server's
-        size limit, and RequestError if the server refuses it."""
+        "continue_final_message": bool, "template_kwargs": {...}}; PROTOCOL.md). Raises ValueError, before
+        sending, for a message over the server's size limit, and RequestError if the server refuses it."""
         msg = make_generate(prompt, messages, params, stream, request_id, priority, False, chat_options)
         size = len(P.encode(msg))
         if self.core.needs_limit(size):
