@@ -26,7 +26,7 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
 
 
 @pytest.mark.parametrize("path,body,param,words", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "frobnicate": 1}, "frobnicate", "unknown field"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "frobnicate": 1, "top_k": -5}, "top_k", ">= 0"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature", "number"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n", "from 1 to 64"),
@@ -42,8 +42,11 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
      "max_completion_tokens", ">= 0"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages.0.extra",
-     "unknown field"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role",
+     "'developer'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "refusal": None}],
+                              "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage", "boolean"),
     ("/v1/chat/completions", {"messages": []}, "messages", "at least one"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs",
      "logprobs"),

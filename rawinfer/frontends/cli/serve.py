@@ -56,6 +56,9 @@ def add_parsers(sub) -> None:
                         "(default: $RAWINFER_API_KEY, else none)")
     h.add_argument("--api-workers", type=_workers, default=1, metavar="N",
                    help="HTTP worker processes, each one more client of the engine (default: 1)")
+    h.add_argument("--strict-api", action="store_true",
+                   help="refuse a request with a field this server does not know (400 unknown_parameter) "
+                        "(default: ignore it, named in a warning line of the log, as vLLM does)")
     add_engine_args(p)
     add_role_args(p)
     add_replica_args(p)
@@ -194,8 +197,9 @@ def _start_http(args):
     if args.insecure and not args.api_key and not _loopback(args.http_host):
         log.warning("serving HTTP on %s without an API key (--insecure): anyone who can reach it can use the "
                     "engine", args.http_host)
-    return Workers(sock, args.api_workers, connect_addr(args.bind), args.curve_secret_key, args.api_key,
-                   verbose=getattr(args, "verbose", False))
+    config = {"engine_addr": connect_addr(args.bind), "server_key": args.curve_secret_key, "api_key": args.api_key,
+              "strict_api": args.strict_api}
+    return Workers(sock, args.api_workers, config, verbose=getattr(args, "verbose", False))
 
 
 def _loopback(host: str) -> bool:

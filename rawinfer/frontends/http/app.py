@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,17 +19,19 @@ from starlette.responses import JSONResponse, Response
 from rawinfer.config import VERSION
 from rawinfer.frontends.http import metrics
 from rawinfer.frontends.http.engine_link import EngineLink
-from rawinfer.frontends.http.errors import APIError, from_validation
+from rawinfer.frontends.http.errors import APIError, from_validation, unknown_field
 from rawinfer.frontends.http.params import chat_job, check_model, completion_job
 from rawinfer.frontends.http.responses import ChunkStream, whole_response
 from rawinfer.frontends.http.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                             TokenizeRequest)
+                                             TokenizeRequest, unknown_fields)
 from rawinfer.frontends.http.sse import EventStream
 from rawinfer.frontends.http.tokens import detokenize, tokenize
 
 DISCONNECT_POLL_S = 0.25     # how often a non-streaming request checks that its client is still there
 
 OPEN_PATHS = ("/health", "/version")        # answered without the API key (load balancers, probes)
+
+log = logging.getLogger("rawinfer")
 
 
 @dataclass
@@ -38,6 +41,7 @@ class HTTPConfig:
     server_key: str | None = None           # the engine's Curve public key (or key file), when it uses CurveZMQ
     api_key: str | None = None              # required as `Authorization: Bearer KEY` when set
     timeout_s: float = 60.0                 # the engine silent this long during a request: 503
+    strict_api: bool = False                # refuse unknown request fields (default: ignore them, logged)
 
 
 class _ApiKey:
@@ -143,25 +147,40 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
         await stream.start()
         return _SSEResponse(EventStream(stream.events()))
 
+    def unknown(body, request: Request) -> None:
+        """The body's unknown fields: refused by name under --strict-api, else ignored and named once in
+        the log (vLLM's warning)."""
+        names = unknown_fields(body)
+        if not names:
+            return
+        if cfg.strict_api:
+            raise unknown_field(names[0])
+        log.warning("The following fields were present in the request but ignored: {%s} (%s %s)",
+                    ", ".join(map(repr, names)), request.method, request.url.path)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        unknown(body, request)
         name = await model_name()
         check_model(body.model, name)
         return await run(completion_job(body, name), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        unknown(body, request)
         name = await model_name()
         check_model(body.model, name)
         return await run(chat_job(body, name), request)
 
     @app.post("/tokenize")
-    async def tokenize_route(body: TokenizeRequest):
+    async def tokenize_route(body: TokenizeRequest, request: Request):
+        unknown(body, request)
         check_model(body.model, await model_name())
         return await tokenize(link(), body)
 
     @app.post("/detokenize")
-    async def detokenize_route(body: DetokenizeRequest):
+    async def detokenize_route(body: DetokenizeRequest, request: Request):
+        unknown(body, request)
         check_model(body.model, await model_name())
         return await detokenize(link(), body)
 

@@ -37,6 +37,12 @@ def unsupported(param: str, what: str | None = None) -> APIError:
                     param=param, code="unsupported_parameter")
 
 
+def unknown_field(name: str) -> APIError:
+    """400 for a field this server does not know (only under `rawinfer serve --strict-api`)."""
+    return APIError(400, f"unknown field {name!r}: this server does not know it; leave it out (this server "
+                    "refuses unknown fields: it runs with --strict-api)", param=name, code="unknown_parameter")
+
+
 # the protocol's error codes (PROTOCOL.md) -> HTTP status and OpenAI code
 _ENGINE = {
     ErrorCode.INVALID_PARAMS.value: (400, "invalid_value"),
@@ -83,16 +89,16 @@ def from_validation(errors: list[dict]) -> APIError:
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     if e.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON", code="invalid_json")
-    if e.get("type") == "extra_forbidden":
-        name = ".".join(loc)
-        return APIError(400, f"unknown field {name!r}: this server does not know it; leave it out",
-                        param=name, code="unknown_parameter")
     if not loc:                         # the body as a whole: missing, or JSON but not an object
         return APIError(400, "the request body must be a JSON object (content-type application/json)",
                         code="invalid_request")
     if e.get("type") == "missing":
         name = ".".join(loc)
         return APIError(400, f"the field {name!r} is required", param=name, code="missing_parameter")
+    if e.get("type") == "literal_error":          # a message's role, a content part's type
+        name = ".".join(loc)
+        got = repr(e.get("input"))[:40]
+        return invalid(name, f"{name!r} must be one of {e.get('ctx', {}).get('expected')} (got {got})")
     top = loc[0]
     if top in _SHAPES:
         return invalid(top, f"{top!r} must be {_SHAPES[top]}")

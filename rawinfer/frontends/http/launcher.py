@@ -77,11 +77,11 @@ def connect_addr(bind: str) -> str:
 class Workers:
     """The worker processes of one HTTP socket."""
 
-    def __init__(self, sock: socket.socket, count: int, engine_addr: str, server_key: str | None,
-                 api_key: str | None, verbose: bool = False):
+    def __init__(self, sock: socket.socket, count: int, config: dict, verbose: bool = False):
+        """config: the fields of the workers' HTTPConfig (app.py), as JSON."""
         self.sock, self.procs = sock, []
-        settings = {"fd": sock.fileno(), "engine_addr": engine_addr, "server_key": server_key, "api_key": api_key,
-                    "parent": os.getpid(), "log_level": "info" if verbose else "warning"}
+        settings = {"fd": sock.fileno(), "config": config, "parent": os.getpid(),
+                    "log_level": "info" if verbose else "warning"}
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         env = {**os.environ, ENV: json.dumps(settings),
                "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}

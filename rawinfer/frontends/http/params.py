@@ -150,7 +150,7 @@ def chat_job(req: ChatCompletionRequest, model: str) -> Job:
         raise invalid("top_logprobs", "'top_logprobs' needs \"logprobs\": true")
     count = (req.top_logprobs or 0) if req.logprobs else None
     _logprobs(params, count, False, known, "top_logprobs" if req.top_logprobs else "logprobs")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [m.wire() for m in req.messages]
     prompt = {"messages": messages}
     options = chat_options(req)
     if options is not None:

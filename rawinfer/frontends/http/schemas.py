@@ -1,9 +1,12 @@
 """The request bodies of the HTTP API as pydantic models: OpenAI's fields with OpenAI's meanings, the
-engine's own sampling fields beside them, and nothing else (an unknown field is refused by name).
+engine's own sampling fields beside them, and the fields a body carries that none of them knows
+(unknown_fields: ignored and logged, or refused under --strict-api).
 
 Types are strict (no "1" for 1); a field left out or sent as null takes the engine's default. Values
 are checked further where they become SamplingParams (params.py), so that the messages name OpenAI's
-field and the engine's rule.
+field and the engine's rule. Unknown fields are kept aside (pydantic's extra="allow") rather than
+refused, as vLLM does: real clients send extras (a serving benchmark sends
+`stream_options.continuous_usage_stats` with every stream, OpenAI's SDK echoes a message's `refusal`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,21 @@ from pydantic import BaseModel, ConfigDict
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """The dotted names of the fields no model knows, in `body` and in the models it holds (a list's
+    entries by index: "messages.0.refusal"), in the order they were sent."""
+    names = [prefix + k for k in body.model_extra or ()]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        if isinstance(value, BaseModel):
+            names += unknown_fields(value, f"{prefix}{name}.")
+        elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+            for i, item in enumerate(value):
+                names += unknown_fields(item, f"{prefix}{name}.{i}.")
+    return names
 
 
 class StreamOptions(_Body):
@@ -60,7 +77,7 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -68,6 +85,11 @@ class ChatMessage(_Body):
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def wire(self) -> dict:
+        """The message as the engine's chat template takes it: OpenAI's `developer` (the system message of
+        newer models) is the templates' `system`."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
 
 class ChatCompletionRequest(_Sampling):

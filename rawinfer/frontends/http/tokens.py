@@ -14,7 +14,7 @@ async def tokenize(link: EngineLink, body: TokenizeRequest) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise invalid("prompt", "give exactly one of 'prompt' and 'messages'")
     if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.wire() for m in body.messages]
         ids = await link.tokenize(messages=messages, prompt_param="messages", chat_options=chat_options(body))
     else:
         ids = await link.tokenize(body.prompt)

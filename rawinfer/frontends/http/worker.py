@@ -31,8 +31,7 @@ def main() -> int:
     from rawinfer.frontends.http.app import HTTPConfig, create_app
     settings = json.loads(os.environ.pop(ENV))
     threading.Thread(target=_follow_parent, args=(settings["parent"],), daemon=True).start()
-    cfg = HTTPConfig(engine_addr=settings["engine_addr"], server_key=settings.get("server_key"),
-                     api_key=settings.get("api_key"), timeout_s=settings.get("timeout_s", 60.0))
+    cfg = HTTPConfig(**settings["config"])
     fast = {}
     try:
         import httptools  # noqa: F401
