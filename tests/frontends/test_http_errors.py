@@ -32,6 +32,7 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n", "from 1 to 64"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", ">= 0"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "0 to 20"),
+    ("/v1/completions", {"prompt": "hi", "priority": 2**70}, "priority", "64 bits"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"+5": 1}}, "logit_bias", "token ids"),

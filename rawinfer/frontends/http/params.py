@@ -103,6 +103,8 @@ def _logprobs(job_params: dict, count: int | None, echo: bool, known: set[str], 
 def _common(req, model: str, kind: str) -> dict:
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options", "'stream_options' is only allowed with \"stream\": true")
+    if req.priority is not None and not -2**63 <= req.priority < 2**63:      # as the protocol carries it
+        raise invalid("priority", "'priority' must be an integer that fits in 64 bits (lower runs earlier)")
     return dict(id=f"{kind}-{uuid.uuid4().hex}", created=int(time.time()), model=model,
                 priority=req.priority or 0, stream=bool(req.stream),
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
