@@ -89,3 +89,41 @@ def test_strict_api_refuses_unknown_fields_by_name(strict_server):
         err = r.json()["error"]
         assert (err["param"], err["code"]) == (name, "unknown_parameter") and "--strict-api" in err["message"]
     assert post(strict_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers={}).status_code == 200
+
+
+def _per_choice_usage(events: list) -> dict[int, list[dict]]:
+    seen: dict[int, list[dict]] = {}
+    for e in events:
+        for c in e["choices"]:
+            seen.setdefault(c["index"], []).append(e["usage"])
+    return seen
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(http_server):
+    """vLLM's meaning: each chunk's usage is its choice's prompt and the tokens generated so far; with
+    include_usage the last chunk still carries the whole usage and no choices."""
+    prompts = ["The capital of France is", "One, two, three, four, five, six"]
+    body = {"prompt": prompts, "max_tokens": 5, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = sse_events(http_server, "/v1/completions", body)[:-1]
+    total = events[-1]
+    assert total["choices"] == [] and total["usage"]["completion_tokens"] == 10
+    lengths = [post(http_server, "/tokenize", {"prompt": p}).json()["count"] for p in prompts]
+    assert lengths[0] != lengths[1]
+    assert total["usage"]["prompt_tokens"] == sum(lengths)
+    for index, usages in _per_choice_usage(events[:-1]).items():
+        assert {u["prompt_tokens"] for u in usages} == {lengths[index]}
+        done = [u["completion_tokens"] for u in usages]
+        assert done == sorted(done) and done[-1] == 5 and done[0] >= 1, done
+        assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    echoed = sse_events(http_server, "/v1/completions", {**body, "echo": True, "n": 2})[:-2]
+    assert {u["prompt_tokens"] for us in _per_choice_usage(echoed).values() for u in us} == set(lengths)
+    # a chat, without include_usage: usage in every chunk (the opening one at 0 tokens), no usage chunk
+    body = {"messages": CHAT, "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}
+    events = sse_events(http_server, "/v1/chat/completions", body)[:-1]
+    assert all(len(e["choices"]) == 1 for e in events)
+    prompt = post(http_server, "/tokenize", {"messages": CHAT}).json()["count"]
+    usages = [e["usage"] for e in events]
+    assert {u["prompt_tokens"] for u in usages} == {prompt} and usages[-1]["completion_tokens"] == 4
+    assert [u["completion_tokens"] for u in usages] == sorted(u["completion_tokens"] for u in usages)

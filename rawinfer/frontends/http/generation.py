@@ -58,33 +58,51 @@ async def job_messages(link: EngineLink, job: Job, stream: bool) -> AsyncIterato
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _prompt_length(link: EngineLink, prompt: dict) -> int:
+    """How many tokens the engine will count for a generate message's prompt part."""
+    if "messages" in prompt:
+        return len(await link.tokenize(messages=prompt["messages"], prompt_param="messages",
+                                       chat_options=prompt.get("chat_options")))
+    if isinstance(prompt["prompt"], str):
+        return len(await link.tokenize(prompt["prompt"]))
+    return len(prompt["prompt"])
+
+
 async def prepare(link: EngineLink, job: Job) -> None:
     """What a job needs from the engine before it starts: a chat without max_tokens gets what the context
     leaves after its prompt (OpenAI's default); an echo gets each prompt's token ids (text prompts are then
-    sent as those ids, so the echoed tokens are the ones computed) and each prompt's text."""
+    sent as those ids, so the echoed tokens are the ones computed) and each prompt's text; a stream with
+    continuous usage each prompt's length, for the chunks before its final."""
+    if job.echo is not None:
+        await _echo(link, job)
+    if job.continuous_usage:
+        job.prompt_counts = [len(ids) for ids in job.prompt_ids] if job.prompt_ids is not None else \
+            [await _prompt_length(link, p) for p in job.prompts]
     if job.chat and "max_tokens" not in job.params:
-        ids = await link.tokenize(messages=job.prompts[0]["messages"], prompt_param="messages",
-                                  chat_options=job.prompts[0].get("chat_options"))
+        length = job.prompt_counts[0] if job.prompt_counts else await _prompt_length(link, job.prompts[0])
         info = await link.info()
         room = info.get("max_model_len") or 0
         blocks, bs = info.get("kv_blocks_total"), info.get("block_size")
         if is_int(blocks) and is_int(bs) and blocks > 0:     # nor more than the KV pool holds for n samples
             room = min(room, blocks // max(1, job.n) * bs)
-        job.params["max_tokens"] = max(1, room - len(ids))
-    if job.echo is not None:
-        job.prompt_ids = []
-        texts = await link.token_texts()
-        vocab = (await link.info()).get("vocab_size")
-        for i, p in enumerate(job.prompts):
-            ids = p["prompt"] if not isinstance(p["prompt"], str) else await link.tokenize(p["prompt"])
-            bad = [t for t in ids if is_int(vocab) and not 0 <= t < vocab]
-            if bad:                         # before decoding them for the echo
-                raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                               param="prompt", code="invalid_value")
-            job.prompt_ids.append(list(ids))
-            job.prompts[i] = {"prompt": list(ids)}
-            if job.echo[i] is None:
-                job.echo[i] = texts.decode(list(ids))
+        job.params["max_tokens"] = max(1, room - length)
+
+
+async def _echo(link: EngineLink, job: Job) -> None:
+    """Each prompt's token ids and text, for a completion that echoes its prompt."""
+    job.prompt_ids = []
+    texts = await link.token_texts()
+    vocab = (await link.info()).get("vocab_size")
+    for i, p in enumerate(job.prompts):
+        ids = p["prompt"] if not isinstance(p["prompt"], str) else await link.tokenize(p["prompt"])
+        bad = [t for t in ids if is_int(vocab) and not 0 <= t < vocab]
+        if bad:                         # before decoding them for the echo
+            raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                           param="prompt", code="invalid_value")
+        job.prompt_ids.append(list(ids))
+        job.prompts[i] = {"prompt": list(ids)}
+        if job.echo[i] is None:
+            job.echo[i] = texts.decode(list(ids))
 
 
 @dataclass
@@ -93,6 +111,7 @@ class Choice:
     text: str = ""
     finish: str | None = None
     started: bool = False
+    tokens: int = 0                     # generated so far
     logprobs: Any = None                # completions: a dict of parallel lists; chat: a list of entries
     builder: CompletionLogprobs | None = None
 
@@ -132,7 +151,9 @@ class Totals:
         if lp is not None and not job.chat:
             c.logprobs = merge(c.logprobs, lp)
         c.text += text
+        c.tokens += len(msg.token_ids)
         if isinstance(msg, P.Final):
+            c.tokens = msg.usage.completion_tokens
             c.finish = msg.finish_reason
             self.prompt_tokens[p] = msg.usage.prompt_tokens
             self.cached_tokens[p] = msg.usage.cached_prompt_tokens
@@ -140,6 +161,14 @@ class Totals:
             if msg.finish_reason == "error" and self.error is None:
                 self.error = msg.error or "the engine failed on this request"
         return text, lp
+
+    def choice_usage(self, index: int) -> dict:
+        """vLLM's continuous usage of one choice: its prompt and what it has generated so far."""
+        p = index // self.job.n
+        prompt = self.prompt_tokens.get(p, self.job.prompt_counts[p])
+        done = self.choices[index].tokens
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
     def usage(self) -> dict:
         prompt = sum(self.prompt_tokens.values())
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,

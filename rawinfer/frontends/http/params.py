@@ -39,10 +39,12 @@ class Job:
     n: int
     priority: int
     stream: bool
-    include_usage: bool
+    include_usage: bool              # a last chunk with the usage and no choices
+    continuous_usage: bool           # the usage so far in every chunk (vLLM's continuous_usage_stats)
     echo: list[str] | None           # completions with echo: each prompt's text (None for token ids until prepared)
     logprobs: int | None             # alternatives per token asked for (None: no logprobs)
     prompt_ids: list[list[int]] | None = None    # with echo, each prompt's token ids (generation.prepare)
+    prompt_counts: list[int] | None = None       # with continuous_usage, each prompt's length (prepare)
 
     @property
     def prompt_param(self) -> str:
@@ -105,9 +107,11 @@ def _common(req, model: str, kind: str) -> dict:
         raise invalid("stream_options", "'stream_options' is only allowed with \"stream\": true")
     if req.priority is not None and not -2**63 <= req.priority < 2**63:      # as the protocol carries it
         raise invalid("priority", "'priority' must be an integer that fits in 64 bits (lower runs earlier)")
+    options = req.stream_options
     return dict(id=f"{kind}-{uuid.uuid4().hex}", created=int(time.time()), model=model,
                 priority=req.priority or 0, stream=bool(req.stream),
-                include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                include_usage=bool(options and options.include_usage),
+                continuous_usage=bool(options and options.continuous_usage_stats))
 
 
 def completion_job(req: CompletionRequest, model: str) -> Job:

@@ -82,7 +82,9 @@ class ChunkStream:
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
         body = {**_head(job, True), "choices": [choice]}
-        if job.include_usage:
+        if job.continuous_usage:
+            body["usage"] = self.totals.choice_usage(index)
+        elif job.include_usage:
             body["usage"] = None
         return body
 

@@ -36,6 +36,7 @@ def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None      # vLLM's: the usage so far in every chunk
 
 
 class _Sampling(_Body):
