@@ -63,7 +63,8 @@ def test_a_chat_stream_adds_up_to_the_whole_answer_and_ends_with_usage(http_serv
     chunks, usage = events[:-2], events[-2]
     assert usage["choices"] == [] and usage["usage"] == whole["usage"]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}     # OpenAI's and vLLM's opening
+    assert "role" not in chunks[1]["choices"][0]["delta"] and chunks[1]["choices"][0]["delta"]["content"]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == whole["choices"][0]["message"]["content"]

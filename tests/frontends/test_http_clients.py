@@ -127,3 +127,19 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(http_server)
     usages = [e["usage"] for e in events]
     assert {u["prompt_tokens"] for u in usages} == {prompt} and usages[-1]["completion_tokens"] == 4
     assert [u["completion_tokens"] for u in usages] == sorted(u["completion_tokens"] for u in usages)
+    assert usages[0]["completion_tokens"] == 0 and events[0]["choices"][0]["delta"] == {"role": "assistant",
+                                                                                         "content": ""}
+
+
+def test_a_chat_stream_opens_with_the_role_of_each_choice(http_server):
+    body = {"messages": CHAT, "max_tokens": 3, "n": 2, "temperature": 1.0, "seed": 5, "stream": True}
+    events = sse_events(http_server, "/v1/chat/completions", body)[:-1]
+    openings = [e["choices"][0] for e in events[:2]]
+    assert [c["index"] for c in openings] == [0, 1]
+    assert all(c["delta"] == {"role": "assistant", "content": ""} and c["finish_reason"] is None for c in openings)
+    assert not any("role" in e["choices"][0]["delta"] for e in events[2:])
+    stream = openai_client(http_server).chat.completions.create(model="smollm2-135m-instruct", messages=CHAT,
+                                                                max_tokens=3, stream=True)
+    chunks = [c.choices[0] for c in stream]
+    assert chunks[0].delta.role == "assistant" and chunks[0].delta.content == ""
+    assert "".join(c.delta.content or "" for c in chunks[1:]) and chunks[-1].finish_reason == "length"

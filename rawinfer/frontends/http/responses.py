@@ -70,21 +70,25 @@ class ChunkStream:
             raise
 
     def _chunk(self, index: int, msg: P.Chunk | P.Final) -> dict:
-        job = self.job
-        first = not self.totals.choices[index].started
         text, lp = self.totals.add(index, msg)
         reason = _FINISH.get(msg.finish_reason) if isinstance(msg, P.Final) else None
-        if job.chat:
+        if self.job.chat:
             delta = {"content": text} if text or not isinstance(msg, P.Final) else {}
-            if first:
-                delta = {"role": "assistant", "content": text}
             choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(lp), "finish_reason": reason}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
-        body = {**_head(job, True), "choices": [choice]}
-        if job.continuous_usage:
+        return self._body(index, choice)
+
+    def _opening(self, index: int) -> dict:
+        """A chat choice's first chunk, before any text: the role, as OpenAI and vLLM open a stream."""
+        return self._body(index, {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None})
+
+    def _body(self, index: int, choice: dict) -> dict:
+        body = {**_head(self.job, True), "choices": [choice]}
+        if self.job.continuous_usage:
             body["usage"] = self.totals.choice_usage(index)
-        elif job.include_usage:
+        elif self.job.include_usage:
             body["usage"] = None
         return body
 
@@ -97,6 +101,9 @@ class ChunkStream:
     async def events(self) -> AsyncIterator[bytes]:
         try:
             try:
+                if self.job.chat:
+                    for index in range(len(self.totals.choices)):
+                        yield event(self._opening(index))
                 async for index, msg in self._all():
                     if isinstance(msg, P.Final) and msg.finish_reason not in _FINISH:
                         self.totals.add(index, msg)         # reported once, below
