@@ -138,6 +138,7 @@ def test_a_client_that_disconnects_from_a_non_streaming_request_frees_its_blocks
     assert time.monotonic() - t < 5
     assert after["requests_aborted_by_client"] == before["requests_aborted_by_client"] + 1
     assert after["tokens_generated"] - before["tokens_generated"] < 400
+    assert "HTTP 499 POST /v1/completions: the client went away" in http_server.output()
 
 
 def test_requests_the_engine_link_cannot_send_are_400_or_413_not_500(http_server):
@@ -230,3 +231,30 @@ def test_two_workers_serve_and_shutdown_ends_streams_and_health(tiny_llama_dir):
             httpx.get(srv.base_url + "/health", timeout=2)
     finally:
         srv.stop()
+
+
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+
+
+def test_every_refused_request_leaves_one_timestamped_warning_line(http_server):
+    """The workers log through the serve process's stderr, in its format: time, level, who, then the status,
+    the route and the reason."""
+    import re
+    tag = f"no-such-model-{time.monotonic_ns()}"
+    _error(post(http_server, "/v1/completions", {"prompt": "hi", "model": tag}), 404, "model")
+    _error(post(http_server, f"/v1/{tag}", {}), 404)
+    _error(post(http_server, "/v1/chat/completions", {"messages": [{"role": tag, "content": "x"}]}), 400)
+    _error(httpx.get(http_server.base_url + f"/v1/models?{tag}"), 401)
+    deadline = time.monotonic() + 10
+    while len(lines := [ln for ln in http_server.output().splitlines() if tag in ln]) < 3 and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    head = rf"^{STAMP} WARNING rawinfer http \d+: HTTP "
+    assert len(lines) == 3, lines
+    assert re.match(head + r"404 POST /v1/completions: the model '" + tag + r"' does not exist.*\(param model\)$",
+                    lines[0]), lines
+    assert re.match(head + rf"404 POST /v1/{tag}: Not Found", lines[1]), lines
+    assert re.match(head + r"400 POST /v1/chat/completions: 'messages.0.role' must be one of", lines[2]), lines
+    log = http_server.output()
+    assert re.search(head + r"401 GET /v1/models: a valid API key is required", log, re.M), log[-2000:]
+    assert re.search(rf"^{STAMP} INFO rawinfer: serving on ", log, re.M), log[-2000:]

@@ -125,6 +125,8 @@ def add_server_args(c, local_by_default: bool = False) -> None:
 
 
 def cmd_serve(args) -> int:
+    from rawinfer.frontends.server.activity import log_with_time
+    log_with_time()
     check_role_args(args)
     check_replica_args(args)
     if args.replicas is not None:
@@ -199,7 +201,7 @@ def _start_http(args):
                     "engine", args.http_host)
     config = {"engine_addr": connect_addr(args.bind), "server_key": args.curve_secret_key, "api_key": args.api_key,
               "strict_api": args.strict_api}
-    return Workers(sock, args.api_workers, config, verbose=getattr(args, "verbose", False))
+    return Workers(sock, args.api_workers, config, level=logging.getLogger().getEffectiveLevel())
 
 
 def _loopback(host: str) -> bool:

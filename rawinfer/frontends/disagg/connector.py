@@ -136,14 +136,15 @@ class DecodeConnector:
         now = time.monotonic()
         peers = [p for p in self.peers if p.up(now, self.cfg.peer_timeout_s) and len(p.inflight) < self.cfg.max_per_peer]
         if not peers or len(self._transfers) >= self.cfg.max_inflight:
-            return self._local()
+            return self._local(request_id, "no prefill instance is up and free" if not peers else
+                               f"{len(self._transfers)} transfers in flight already")
         r = self.kvt.reserve(request_id, min_tokens=self.cfg.min_remote_tokens)
         if r is None:
-            return self._local()
+            return self._local(request_id, f"fewer than {self.cfg.min_remote_tokens} uncached prompt tokens")
         nbytes = self.kvt.block_bytes(len(r.block_ids))
         if nbytes + sum(t.nbytes for t in self._transfers.values()) > self.cfg.max_inflight_bytes:
             self.kvt.cancel(request_id)
-            return self._local()
+            return self._local(request_id, "the K/V bytes in flight are at their bound")
         peer = min(peers, key=lambda p: len(p.inflight) + p.queued)
         tid = f"{request_id}@{next(self._ids)}"
         prompt = self.engine._requests[request_id][0].seq.prompt_token_ids
@@ -156,7 +157,8 @@ class DecodeConnector:
         self.counters["remote"] += 1
         return True
 
-    def _local(self) -> bool:
+    def _local(self, request_id: str, why: str) -> bool:
+        log.info("request %s prefills locally: %s", request_id, why)
         self.counters["local"] += 1
         return False
 
@@ -236,6 +238,8 @@ class DecodeConnector:
         self._end(t.tid)
         self.counters["bytes"] += t.nbytes
         self.counters["transfer_s"] += time.monotonic() - t.started
+        log.info("request %s prefilled remotely on %s: %d blocks of K/V in %.3f s", t.request_id, peer.addr,
+                 t.num_blocks, time.monotonic() - t.started)
         return []
 
     def _check_kv(self, t: _Transfer, h: wire.Header, frames) -> str | None:

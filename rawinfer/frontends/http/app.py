@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from rawinfer.config import VERSION
 from rawinfer.frontends.http import metrics
 from rawinfer.frontends.http.engine_link import EngineLink
-from rawinfer.frontends.http.errors import APIError, from_validation, unknown_field
+from rawinfer.frontends.http.errors import APIError, from_validation, log_failure, unknown_field
 from rawinfer.frontends.http.params import chat_job, check_model, completion_job
 from rawinfer.frontends.http.responses import ChunkStream, whole_response
 from rawinfer.frontends.http.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -56,7 +56,7 @@ class _ApiKey:
             if not hmac.compare_digest(given, self.expected):
                 err = APIError(401, "a valid API key is required: send the header `Authorization: Bearer KEY` "
                                "with the key given to `rawinfer serve --api-key`", code="invalid_api_key")
-                return await _error(err)(scope, receive, send)
+                return await _refused(err, f"{scope['method']} {scope['path']}")(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -72,6 +72,16 @@ class _SSEResponse(Response):
 
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+def _route(req: Request) -> str:
+    return f"{req.method} {req.url.path}"
+
+
+def _refused(e: APIError, route: str) -> JSONResponse:
+    """The error response of a refused or failed request, logged."""
+    log_failure(e, route)
+    return _error(e)
 
 
 def create_app(cfg: HTTPConfig) -> FastAPI:
@@ -96,32 +106,34 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
         return (await link().info()).get("model") or "rawinfer"
 
     @app.exception_handler(APIError)
-    async def _api_error(_req, e: APIError):
-        return _error(e)
+    async def _api_error(req: Request, e: APIError):
+        return _refused(e, _route(req))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_req, e: RequestValidationError):
-        return _error(from_validation(list(e.errors())))
+    async def _invalid(req: Request, e: RequestValidationError):
+        return _refused(from_validation(list(e.errors())), _route(req))
 
     @app.exception_handler(HTTPException)
-    async def _http(_req, e: HTTPException):
+    async def _http(req: Request, e: HTTPException):
         if e.status_code == 400:        # FastAPI could not read the body (not UTF-8, nested too deep, ...)
-            return _error(APIError(400, f"the request body cannot be read ({e.detail}): send a JSON object in "
-                                   "UTF-8", code="invalid_json"))
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return _error(APIError(e.status_code, f"{e.detail}: see GET /v1/models and the README's Serving section",
-                               code=code))
+            err = APIError(400, f"the request body cannot be read ({e.detail}): send a JSON object in UTF-8",
+                           code="invalid_json")
+        else:
+            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+            err = APIError(e.status_code, f"{e.detail}: see GET /v1/models and the README's Serving section",
+                           code=code)
+        return _refused(err, _route(req))
 
     @app.exception_handler(Exception)
-    async def _bug(_req, e: Exception):
-        return _error(APIError(500, f"internal error in the HTTP front end ({type(e).__name__}); see its log",
-                               code="internal_error"))
+    async def _bug(req: Request, e: Exception):
+        return _refused(APIError(500, f"internal error in the HTTP front end ({type(e).__name__}); see its log",
+                                 code="internal_error"), _route(req))
 
     @app.get("/health")
     async def health():
         if await link().ready():
             return Response(status_code=200)
-        return _error(APIError(503, "the engine is not ready (loading, warming up or shutting down)",
+        return _error(APIError(503,             # an answer to a probe, not a refusal: not logged "the engine is not ready (loading, warming up or shutting down)",
                                code="engine_unavailable"))
 
     @app.get("/version")
@@ -143,7 +155,7 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
     async def run(job, request: Request):
         if not job.stream:
             return await _unless_gone(whole_response(link(), job), request)
-        stream = ChunkStream(link(), job)
+        stream = ChunkStream(link(), job, _route(request))
         await stream.start()
         return _SSEResponse(EventStream(stream.events()))
 
@@ -155,8 +167,8 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
             return
         if cfg.strict_api:
             raise unknown_field(names[0])
-        log.warning("The following fields were present in the request but ignored: {%s} (%s %s)",
-                    ", ".join(map(repr, names)), request.method, request.url.path)
+        log.warning("The following fields were present in the request but ignored: {%s} (%s)",
+                    ", ".join(map(repr, names)), _route(request))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -200,6 +212,8 @@ async def _unless_gone(work, request: Request) -> Response:
             if done:
                 return JSONResponse(task.result())
             if await request.is_disconnected():
+                log.info("HTTP 499 %s: the client went away before the answer; its request was aborted",
+                         _route(request))
                 return Response(status_code=499)         # nginx's "client closed request": nobody reads it
     finally:
         if not task.done():

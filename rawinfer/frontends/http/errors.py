@@ -3,10 +3,13 @@ validation failures to it, each with the HTTP status a client acts on."""
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 from rawinfer.frontends.server.protocol import ErrorCode
+
+log = logging.getLogger("rawinfer")
 
 
 class APIError(Exception):
@@ -20,6 +23,13 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def log_failure(e: APIError, route: str) -> None:
+    """The one warning line of a request the front end refused or that failed: its status, its route
+    ("METHOD PATH") and the reason."""
+    param = f" (param {e.param})" if e.param else ""
+    log.warning("HTTP %d %s: %s%s", e.status, route, e.message, param)
 
 
 _KIND = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

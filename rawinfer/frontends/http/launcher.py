@@ -77,11 +77,12 @@ def connect_addr(bind: str) -> str:
 class Workers:
     """The worker processes of one HTTP socket."""
 
-    def __init__(self, sock: socket.socket, count: int, config: dict, verbose: bool = False):
-        """config: the fields of the workers' HTTPConfig (app.py), as JSON."""
+    def __init__(self, sock: socket.socket, count: int, config: dict, level: int = logging.INFO):
+        """config: the fields of the workers' HTTPConfig (app.py), as JSON; level: the workers' log level
+        (the serve process's, so -q and -v apply to them too; uvicorn's own lines only with -v)."""
         self.sock, self.procs = sock, []
-        settings = {"fd": sock.fileno(), "config": config, "parent": os.getpid(),
-                    "log_level": "info" if verbose else "warning"}
+        settings = {"fd": sock.fileno(), "config": config, "parent": os.getpid(), "level": level,
+                    "log_level": "info" if level <= logging.DEBUG else "warning"}
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         env = {**os.environ, ENV: json.dumps(settings),
                "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}

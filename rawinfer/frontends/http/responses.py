@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from rawinfer.frontends.http.engine_link import EngineLink
-from rawinfer.frontends.http.errors import APIError
+from rawinfer.frontends.http.errors import APIError, log_failure
 from rawinfer.frontends.http.generation import Totals, job_messages, prepare
 from rawinfer.frontends.http.params import Job
 from rawinfer.frontends.http.sse import DONE, event
@@ -52,8 +52,8 @@ class ChunkStream:
     """The streaming response of a job as SSE bytes. start() waits for the first engine message, so a
     refused request is an HTTP error rather than a stream holding one."""
 
-    def __init__(self, link: EngineLink, job: Job):
-        self.link, self.job = link, job
+    def __init__(self, link: EngineLink, job: Job, route: str):
+        self.link, self.job, self.route = link, job, route        # route: "METHOD PATH", for the log
         self.totals: Totals | None = None
         self.messages: AsyncIterator | None = None
         self.first: tuple[int, P.Chunk | P.Final] | None = None
@@ -110,11 +110,13 @@ class ChunkStream:
                         continue
                     yield event(self._chunk(index, msg))
             except APIError as e:
+                log_failure(e, self.route)
                 yield event(e.body())
                 yield DONE
                 return
             failure = self.totals.failure()
             if failure is not None:
+                log_failure(failure, self.route)
                 yield event(failure.body())
             elif self.job.include_usage:
                 yield event({**_head(self.job, True), "choices": [], "usage": self.totals.usage()})

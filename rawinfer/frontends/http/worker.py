@@ -2,12 +2,14 @@
 
 Started by launcher.py as `python -m rawinfer.frontends.http.worker` with its settings in the environment
 (RAWINFER_HTTP_WORKER, JSON: so the API key is not on the command line). It exits when its parent does,
-however the parent ended, so no worker outlives the engine it fronts.
+however the parent ended, so no worker outlives the engine it fronts. Its log lines (refused requests,
+ignored fields) go to the stderr it shares with `rawinfer serve`, in the same format.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -29,7 +31,9 @@ def main() -> int:
     import uvicorn
 
     from rawinfer.frontends.http.app import HTTPConfig, create_app
+    from rawinfer.frontends.server.activity import log_with_time
     settings = json.loads(os.environ.pop(ENV))
+    log_with_time(f"rawinfer http {os.getpid()}", settings.get("level", logging.INFO))
     threading.Thread(target=_follow_parent, args=(settings["parent"],), daemon=True).start()
     cfg = HTTPConfig(**settings["config"])
     fast = {}

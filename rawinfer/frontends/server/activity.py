@@ -1,15 +1,29 @@
-"""The server's log of what it does: one line per request that ended, and a periodic line with the
-generation and prompt throughput, the queue and the KV pool (at most one per interval, only while there
-is something to report)."""
+"""The server's log of what it does: its lines on stderr with their time, one line per request that
+ended, and a periodic line with the generation and prompt throughput, the queue and the KV pool (at most
+one per interval, only while there is something to report)."""
 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 from rawinfer.frontends.server.handoff import Summary
 
 log = logging.getLogger("rawinfer")
+
+
+def log_with_time(name: str = "rawinfer", level: int | None = None) -> None:
+    """Log lines on stderr as `2025-01-31 12:00:00,123 WARNING name: message` (a server's log is read
+    after the fact, against clients' times): the root handler the command line set up gets this format,
+    or one is made; level, when given, becomes the root's."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(stream=sys.stderr)
+    if level is not None:
+        root.setLevel(level)
+    for handler in root.handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name}: %(message)s"))
 
 
 def _seconds(x: float | None) -> str:
