@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up an isolated environment (.venv), fetch + convert the default model, answer one question.
+# Set up an isolated environment (.venv), fetch + convert the default model (its q4 copy answers on the
+# CPU; tools/fetch_default_model.sh converts a float32 one too), answer one question.
 # Usage: bash tools/quickstart.sh ["your prompt"]
 # Each step says what it does before it starts: none of them waits in silence.
 set -euo pipefail

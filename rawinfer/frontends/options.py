@@ -136,7 +136,8 @@ def add_model_arg(p: argparse.ArgumentParser, group=None) -> None:
         "--model", default=None, metavar="MODEL",
         help="a converted model folder, a Hugging Face model folder or a .gguf file (the last two are converted "
              "once into the user cache), or a model name from `rawinfer models` "
-             f"(default: {DEFAULT_MODEL}, fetched by `rawinfer fetch smollm2-135m-instruct`)")
+             f"(default: {DEFAULT_MODEL}-q4 on the CPU, {DEFAULT_MODEL} elsewhere; tools/fetch_default_model.sh "
+             "fetches both)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:

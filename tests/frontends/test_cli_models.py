@@ -118,3 +118,47 @@ def test_fetch_model_script():
     assert r.returncode == 0 and "fetchable with `rawinfer fetch NAME`" in r.stdout
     r = run("llama-405b")
     assert r.returncode == 2 and "rawinfer does not know a model named 'llama-405b'" in r.stderr
+
+
+def _fake_weights(root, *names: str, model: str) -> None:
+    for name in names:
+        shutil.copytree(model, os.path.join(root, "weights", name))
+
+
+def test_the_default_model_is_the_q4_copy_on_the_cpu_and_float32_elsewhere(tmp_path, monkeypatch, tiny_llama_dir,
+                                                                            caplog):
+    """Without --model: the q4 copy on the CPU, the float32 one on a GPU (it has no q4 kernels); the float32
+    one on the CPU too, with a note, when only it was fetched; neither: one sentence naming the fetch."""
+    from rawinfer.frontends.cli import models
+    from rawinfer.frontends.options import CLIError
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "CHECKOUT", str(tmp_path / "no-checkout"))   # only this folder's weights/
+    monkeypatch.setenv("RAWINFER_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(CLIError, match=r"^the default model \(weights/smollm2-135m-instruct-q4\) is not there yet: "
+                                       r"fetch it with `rawinfer fetch smollm2-135m-instruct-q4`"):
+        models.resolve_model(None, device="cpu")
+    _fake_weights(tmp_path, "smollm2-135m-instruct", model=tiny_llama_dir)
+    with caplog.at_level("INFO", logger="rawinfer"):
+        assert models.resolve_model(None, device="cpu") == "weights/smollm2-135m-instruct"
+    assert "the faster q4 copy is not fetched (`rawinfer fetch smollm2-135m-instruct-q4` makes it)" in caplog.text
+    _fake_weights(tmp_path, "smollm2-135m-instruct-q4", model=tiny_llama_dir)
+    assert models.resolve_model(None, device="cpu") == "weights/smollm2-135m-instruct-q4"
+    assert models.resolve_model(None, device="cuda") == "weights/smollm2-135m-instruct"
+    assert models.resolve_model("smollm2-135m-instruct") == str(tmp_path / "weights" / "smollm2-135m-instruct")
+
+
+def test_fetch_of_the_q4_default_converts_into_q4(tmp_path):
+    """`rawinfer fetch smollm2-135m-instruct-q4` (what tools/fetch_default_model.sh runs first) keeps the
+    GGUF's 4-bit blocks; --quant still overrides the catalog's format."""
+    if not os.path.isfile(SMOLLM2_GGUF):
+        pytest.skip(f"{SMOLLM2_GGUF} is not cached (tools/fetch_default_model.sh puts it there)")
+    import json
+    dst = tmp_path / "q4"
+    r = rawinfer("fetch", "smollm2-135m-instruct-q4", "--dst", str(dst), "-q",
+                 RAWINFER_CACHE=os.path.dirname(SMOLLM2_GGUF))
+    assert r.returncode == 0, r.stderr
+    assert "float32, q4)" in r.stdout
+    with open(dst / "config.json") as f:
+        assert json.load(f)["quant"] == "q4"
+    r = rawinfer("models")
+    assert "smollm2-135m-instruct-q4" in r.stdout and "default model on the CPU" in r.stdout

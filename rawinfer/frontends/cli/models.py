@@ -21,6 +21,10 @@ from rawinfer.frontends.options import CLIError, add_command, engine_config_from
 log = logging.getLogger("rawinfer")
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# The default model on the CPU: SmolLM2 in its GGUF's own 4-bit blocks, the fastest format there that passes
+# the golden tests (tests/backend/test_q4.py). DEFAULT_MODEL, the float32 copy, is the default of devices
+# without q4 kernels and of the Python API; `--model smollm2-135m-instruct` picks it on the CPU too.
+DEFAULT_CPU_MODEL = DEFAULT_MODEL + "-q4"
 
 
 def add_parser(sub) -> None:
@@ -65,14 +69,29 @@ def _by_name(name: str) -> str | None:
     return next((p for p in places if is_converted(p)), None)
 
 
-def resolve_model(arg: str | None, progress: bool = True) -> str:
-    """The converted model folder that `--model arg` means, converting a source into the cache first."""
+def default_model(device: str = "auto") -> str:
+    """The converted folder of the default model for `device`: on the CPU its q4 copy (the float32 one, with
+    a note, when only that was fetched), elsewhere the float32 one."""
+    from rawinfer.backend.select import cuda_usable
+    on_cpu = device == "cpu" or (device == "auto" and not cuda_usable())
+    wanted = [DEFAULT_CPU_MODEL, DEFAULT_MODEL] if on_cpu else [DEFAULT_MODEL]
+    for want in wanted:
+        found = want if is_converted(want) else _by_name(os.path.basename(want))
+        if found is not None:
+            if want != wanted[0]:
+                log.info("running the float32 default model: the faster q4 copy is not fetched (`rawinfer fetch "
+                         "%s` makes it)", os.path.basename(wanted[0]))
+            return found
+    name = os.path.basename(wanted[0])
+    raise CLIError(f"the default model ({wanted[0]}) is not there yet: fetch it with `rawinfer fetch {name}` (or "
+                   "tools/fetch_default_model.sh), or give --model")
+
+
+def resolve_model(arg: str | None, progress: bool = True, device: str = "auto") -> str:
+    """The converted model folder that `--model arg` means, converting a source into the cache first; without
+    one, the default model for `device`."""
     if arg is None:
-        found = _by_name(os.path.basename(DEFAULT_MODEL)) if not is_converted(DEFAULT_MODEL) else DEFAULT_MODEL
-        if found is None:
-            raise CLIError(f"the default model ({DEFAULT_MODEL}) is not there yet: fetch it with `rawinfer fetch "
-                           "smollm2-135m-instruct` (or tools/fetch_default_model.sh), or give --model")
-        return found
+        return default_model(device)
     path = os.path.expanduser(arg)
     if os.path.isdir(path):
         if "format" in (_read_config(path) or {}):
@@ -110,7 +129,7 @@ def open_engine(args):
     from rawinfer.engine.engine import LLMEngine
     from rawinfer.frontends.cli.progress import ticking
     cfg = engine_config_from_args(args)
-    path = resolve_model(args.model, progress=not is_quiet(args))
+    path = resolve_model(args.model, progress=not is_quiet(args), device=cfg.device)
 
     def start():
         log.info("starting the engine on %s", path)
@@ -127,7 +146,7 @@ def open_engine(args):
         log.warning("the converted copy of %s in the cache (%s) is damaged (%s); converting it again", args.model,
                     path, e)
         shutil.rmtree(path, ignore_errors=True)
-        path = resolve_model(args.model, progress=not is_quiet(args))
+        path = resolve_model(args.model, progress=not is_quiet(args), device=cfg.device)
         return start()
 
 
