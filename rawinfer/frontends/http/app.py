@@ -133,7 +133,8 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
     async def health():
         if await link().ready():
             return Response(status_code=200)
-        return _error(APIError(503,             # an answer to a probe, not a refusal: not logged "the engine is not ready (loading, warming up or shutting down)",
+        # an answer to a probe (polled while the model loads), not a refusal: not logged
+        return _error(APIError(503, "the engine is not ready (loading, warming up or shutting down)",
                                code="engine_unavailable"))
 
     @app.get("/version")
