@@ -40,6 +40,7 @@ version FORMAT_VERSION. Its keys:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -55,6 +56,7 @@ FORMAT_VERSION = 2
 SUPPORTED_FORMAT_VERSIONS = (1, 2)
 HIDDEN_ACTS, LAYER_TYPES = ("silu", "gelu_tanh"), ("full", "sliding")
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 
 
 def is_int(v: Any) -> bool:
@@ -311,8 +313,6 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
-
 # Environment switches: read here and nowhere else, as the defaults of EngineConfig fields.
 ENV_SWITCHES = {
     "RAWINFER_CPU_INT_GEMM": "0 runs int8 and q4 models' products on their older kernels: dequantized float32 weights for BLAS, matrix-vector kernels for a few rows (EngineConfig.cpu_int_gemm)",
@@ -370,14 +370,13 @@ class EngineConfig:
                                             # user cache for compiled kernels (None: Numba's own places)
     warmup: bool = True                     # compile every step shape at start (no request waits for it)
     batch_invariant: bool = False           # CPU: one attention kernel for every query count (docs/kernels.md)
+    chat_template: str | None = None        # a Jinja chat template file used instead of the model's own
 
     def validate(self) -> "EngineConfig":
         """Every field's type and range checked; a ValueError names the first bad one (bools are no integers)."""
         if isinstance(self.kv_cache_memory, str):
-            try:
+            with contextlib.suppress(ValueError):   # left a string: the check below names the option
                 self.kv_cache_memory = parse_size(self.kv_cache_memory)
-            except ValueError:              # left a string: the check below names the option
-                pass
         pos, optional = (lambda v: is_int(v) and v >= 1), (lambda ok: lambda v: v is None or ok(v))
         one_of = (lambda names: (lambda v: isinstance(v, str) and v in names, "one of " + ", ".join(names)))
         checks = {
@@ -390,6 +389,7 @@ class EngineConfig:
             "gpu_memory_utilization": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
             "seed": (lambda v: is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
             "cache_dir": (optional(lambda v: isinstance(v, str)), "a folder path or None"),
+            "chat_template": (optional(lambda v: isinstance(v, str) and os.path.isfile(v)), "an existing file"),
             **dict.fromkeys(("enable_prefix_caching", "use_cuda_graphs", "cpu_int_gemm", "warmup", "batch_invariant",
                              "int8_activations"), (lambda v: isinstance(v, bool), "true or false")),
         }

@@ -15,6 +15,7 @@ logits row. Scoring (teacher forcing) is a request too: a sequence whose every r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -66,6 +67,9 @@ class LLMEngine(Scoring):
                              f"options as keywords (got {type(engine_config).__name__} and {sorted(options)})")
         cfg = ModelConfig.from_dir(model_dir)
         ecfg = engine_config.validate() if engine_config is not None else engine_config_from(options)
+        if ecfg.chat_template is not None:   # it replaces the model's template; a bad file is refused before loading
+            from rawinfer.engine.tokenizer import load_chat_template
+            cfg = dataclasses.replace(cfg, chat_template=load_chat_template(ecfg.chat_template))
         self._setup(cfg, ecfg)
         t0 = time.monotonic()
         self.pool.load_weights(model_dir)

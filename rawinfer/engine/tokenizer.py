@@ -27,6 +27,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rawinfer.config import ModelConfig, ModelFormatError
+from rawinfer.engine.chat_messages import check_tools, template_messages
 
 TOKENIZER_FILE = "tokenizer.json"
 REPLACEMENT_CHAR = "\ufffd"   # what a lossy UTF-8 decode yields for bytes that do not (yet) form a character
@@ -154,13 +155,14 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
-        """Render a chat into prompt text with the model's template (Hugging Face semantics)."""
-        _check_messages(messages)
+        """Render a chat into prompt text with the model's template (Hugging Face semantics): OpenAI's messages
+        (assistant tool calls, tool results) and `tools` in the shapes templates read (chat_messages.py)."""
+        messages = template_messages(messages)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError("tools must be a list of JSON-schema dicts (or None)")
         if self._template is None:
             self._template = compile_chat_template(self.config.chat_template, self.path)
-        variables: dict[str, Any] = {"messages": messages, "tools": tools, "documents": None,
+        variables: dict[str, Any] = {"messages": messages, "tools": tools or None, "documents": None,
                                      "add_generation_prompt": add_generation_prompt}
         # Special tokens are strings in the template; undefined (as in transformers) when the model has none.
         eos = self.config.eos_token_ids[0] if self.config.eos_token_ids else None
@@ -190,46 +192,37 @@ RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation
 
 
 def render_chat(tokenizer: Tokenizer | None, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text of a chat, by default with the generation prompt appended: the one place a chat
     becomes text (the CLI, the server). continue_final_message (vLLM's option): the last message is the
     assistant's beginning, left open for the model to continue; the text ends with that message's content
     (whatever the template closes it with is cut). template_kwargs: more variables for the template (vLLM's
-    chat_template_kwargs, e.g. Qwen3's enable_thinking). ChatTemplateError (a ValueError) when the model has
-    no template, or when the options do not fit the chat."""
+    chat_template_kwargs, e.g. Qwen3's enable_thinking). tools: OpenAI's `tools`, the template's `tools`.
+    ChatTemplateError (a ValueError) when the model has no template, or when the options do not fit the chat;
+    ValueError naming the field of a message or tool of the wrong shape."""
     if not has_chat_template(tokenizer):
         raise ChatTemplateError("this model has no chat template; send the prompt as text or token ids instead "
                                 "of messages")
+    tools = check_tools(tools)
     extra = dict(template_kwargs or {})
     taken = [k for k in extra if k in RESERVED_TEMPLATE_VARIABLES]
     if taken:
         raise ChatTemplateError(f"the template variable {taken[0]!r} is set by the server, not by template kwargs")
     if not continue_final_message:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **extra)
     if add_generation_prompt:
         raise ChatTemplateError("cannot both add a generation prompt and continue the final message: set "
                                 "add_generation_prompt to false to continue it")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra)
-    last = messages[-1] if messages else {}                 # a dict: apply_chat_template checked them
+    messages = template_messages(messages)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools, **extra)
+    last = messages[-1] if messages else {}
     end = text.rfind(last.get("content") or "\0") if last.get("role") == "assistant" else -1
     if end < 0:
         raise ChatTemplateError("continue_final_message needs the chat to end with an assistant message with some "
                                 "content, which the template writes out as it is")
     return text[:end + len(last["content"])]
-
-
-def _check_messages(messages: Any) -> None:
-    """A chat is a list of {"role": str, "content": str} dicts (extra keys such as "name" are passed on)."""
-    if not isinstance(messages, list):
-        raise ValueError(f"messages must be a list of {{\"role\": ..., \"content\": ...}} dicts, "
-                         f"got {type(messages).__name__}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be a dict with \"role\" and \"content\", got {type(m).__name__}")
-        if not isinstance(m.get("role"), str) or not m["role"]:
-            raise ValueError(f"messages[{i}] needs a non-empty string \"role\" (e.g. \"user\"), got {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}] needs a string \"content\", got {type(m.get('content')).__name__}")
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -275,6 +268,24 @@ def compile_chat_template(source: str | None, where: str = "the model") -> jinja
         raise ChatTemplateError(
             f"the chat template of {where} is not valid Jinja2 (line {e.lineno}: {e.message}); "
             "pass the prompt as plain text with --raw") from e
+
+
+def load_chat_template(path: str) -> str:
+    """The text of a chat template file (EngineConfig.chat_template, --chat-template) that replaces the model's
+    own, compiled here so that a bad file is refused in one sentence before a model loads."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChatTemplateError(f"cannot read the chat template {path} ({e}); give a readable Jinja template file "
+                                "in UTF-8") from None
+    if not source.strip():
+        raise ChatTemplateError(f"the chat template {path} is empty; give a Jinja chat template file")
+    try:
+        compile_chat_template(source, path)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(str(e).replace("; pass the prompt as plain text with --raw", "; fix the file")) from None
+    return source
 
 
 class IncrementalDetokenizer:

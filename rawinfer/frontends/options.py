@@ -120,6 +120,20 @@ def size_cpu_pool(threads: int | None) -> None:
         os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
 
 
+TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "templates")
+TEMPLATES = ("smollm2-tools",)      # the chat templates shipped in rawinfer/templates/, by name
+
+
+def chat_template_file(text: str) -> str:
+    """--chat-template: a file, or the name of a template shipped with rawinfer (its path)."""
+    if os.path.isfile(text):
+        return text
+    if text in TEMPLATES:
+        return os.path.join(TEMPLATES_DIR, text + ".jinja")
+    raise argparse.ArgumentTypeError(f"no file {text!r}; give a Jinja chat template file, or one of the templates "
+                                     f"shipped with rawinfer: {', '.join(TEMPLATES)}")
+
+
 def cpu_threads(text: str) -> int:
     value = positive_int(text)
     cores = os.cpu_count() or 1
@@ -181,6 +195,10 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="CUDA: share of the free device memory for the pool (default: 0.9)")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run decode steps eagerly (default: replay them as CUDA graphs)")
+    g.add_argument("--chat-template", type=chat_template_file, default=None, metavar="FILE",
+                   help="a Jinja chat template used instead of the model's own, for a model whose template lacks "
+                        f"tools or that has none; or the name of one shipped with rawinfer ({', '.join(TEMPLATES)}: "
+                        "SmolLM2's with Hermes-style tool calls) (default: the model's own)")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -198,7 +216,8 @@ def engine_config_from_args(args) -> EngineConfig:
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        use_cuda_graphs=not args.no_cuda_graphs,
                        batch_invariant=getattr(args, "batch_invariant", False),
-                       int8_activations=getattr(args, "int8_activations", False))
+                       int8_activations=getattr(args, "int8_activations", False),
+                       chat_template=getattr(args, "chat_template", None))
     try:
         return cfg.validate()
     except ValueError as e:              # "engine option block_size=0 is invalid" -> "--block-size=0 is invalid"

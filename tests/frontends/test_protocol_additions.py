@@ -112,7 +112,7 @@ def test_chat_options_travel_with_messages_only():
         assert "chat_options" not in msgpack.unpackb(P.encode(cls(messages=CHAT, **kw)))
         with pytest.raises(ValueError, match="go with 'messages'"):
             cls(prompt="x", chat_options={"add_generation_prompt": False}, **kw)
-    for bad, words in (({"add_generation_prompt": 1}, "to booleans"), ({"tools": True}, "to booleans"),
+    for bad, words in (({"add_generation_prompt": 1}, "to booleans"), ({"tools": True}, "chat_options.tools must be a list"), ({"tool": []}, "to booleans"),
                        ({"add_generation_prompt": True, "continue_final_message": True}, "set add_generation"),
                        ({"continue_final_message": True}, "set add_generation")):
         body = {"v": 1, "type": "generate", "request_id": "r", "messages": CHAT, "chat_options": bad}

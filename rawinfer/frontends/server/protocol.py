@@ -103,7 +103,8 @@ class Generate:
     params: dict[str, Any] = _f(_map, factory=dict)  # SamplingParams fields; absent ones take their defaults
     stream: bool = _f(_bool, True)
     priority: int = _f(_int, 0)                      # lower runs earlier among waiting requests
-    # how `messages` are rendered: add_generation_prompt, continue_final_message (bools), template_kwargs (a map)
+    # how `messages` are rendered: add_generation_prompt, continue_final_message (bools), template_kwargs (a map),
+    # tools (OpenAI's list, the template's `tools`)
     chat_options: dict[str, Any] | None = _f(_optional(_chat_options), None, omit_none=True)
 
     def __post_init__(self):

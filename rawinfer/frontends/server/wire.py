@@ -12,6 +12,7 @@ from dataclasses import MISSING, field, fields
 from typing import Any, Callable
 
 from rawinfer.config import is_int, is_number
+from rawinfer.engine.chat_messages import check_tools, template_messages
 
 MAX_ID_CHARS = 256                      # request ids and tags
 MAX_TOKEN_ID = 2**31 - 1
@@ -74,12 +75,14 @@ def _prompt(v: Any) -> str | list[int]:
     raise ValueError("must be a string or a list of integer token ids")
 
 
-def _chat(v: Any) -> list[dict[str, str]]:
-    ok = isinstance(v, list) and v and all(
-        isinstance(m, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in m.items())
-        and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
-    if not ok:
+def _chat(v: Any) -> list[dict[str, Any]]:
+    """OpenAI's messages (assistant tool_calls, tool results included), checked as the renderer reads them."""
+    if not isinstance(v, list) or not v:
         raise ValueError('must be a non-empty list of {"role": str, "content": str} maps')
+    try:
+        template_messages(v)
+    except ValueError as e:
+        raise ValueError(f"is invalid: {e}") from None
     return v
 
 
@@ -87,11 +90,16 @@ CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message")
 
 
 def _chat_options(v: Any) -> dict[str, Any]:
-    flags = {k: x for k, x in v.items() if k != "template_kwargs"} if isinstance(v, dict) else None
+    flags = {k: x for k, x in v.items() if k not in ("template_kwargs", "tools")} if isinstance(v, dict) else None
     if flags is None or not all(k in CHAT_OPTIONS and isinstance(x, bool) for k, x in flags.items()):
-        raise ValueError(f"must be a map of {' and '.join(CHAT_OPTIONS)} to booleans, and template_kwargs to a map")
+        raise ValueError(f"must be a map of {' and '.join(CHAT_OPTIONS)} to booleans, template_kwargs to a map and "
+                         "tools to a list of tools")
     if "template_kwargs" in v:
         _map(v["template_kwargs"])
+    try:
+        check_tools(v.get("tools"), "chat_options.tools")
+    except ValueError as e:
+        raise ValueError(f"is invalid: {e}") from None
     if v.get("continue_final_message") and v.get("add_generation_prompt", True):   # its default is true
         raise ValueError("cannot both add a generation prompt and continue the final message: set "
                          "add_generation_prompt to false to continue it")
