@@ -282,3 +282,23 @@ def test_grammar_walks_parse_and_validate(lltok, parser):
 def test_grammar_refusals(tools, choice, parser, words):
     with pytest.raises(ValueError, match=words):
         tool_call_grammar(tools, choice, parser)
+
+
+def test_server_renders_the_tools_it_is_sent(tools_tok):
+    """The admission thread renders a protocol chat with its chat_options.tools (a tokenize counts what a
+    generate is charged), and refuses a chat the template cannot take by name."""
+    import queue
+    from types import SimpleNamespace
+
+    from rawinfer.frontends.server.admission import Admission
+    admission = Admission(SimpleNamespace(tokenizer=tools_tok, max_model_len=8192), None, queue.Queue(), None)
+    body = {"v": 1, "type": "tokenize", "messages": LOOP, "chat_options": {"tools": TOOLS}}
+    reply = admission._convert(P.decode_request(msgpack.packb(body)))
+    assert reply.token_ids == tools_tok.encode(render_chat(tools_tok, LOOP, tools=TOOLS))
+    plain = admission._convert(P.decode_request(msgpack.packb({**body, "chat_options": {}})))
+    assert len(plain.token_ids) < len(reply.token_ids)
+    refused = admission._convert(P.Tokenize(messages=[{"role": "user", "content": "x"},
+                                                      {"role": "assistant", "content": None}],
+                                            chat_options={"add_generation_prompt": False,
+                                                          "continue_final_message": True}))
+    assert refused.code == "invalid_prompt" and "continue_final_message" in refused.message
