@@ -284,7 +284,8 @@ def load_chat_template(path: str) -> str:
     try:
         compile_chat_template(source, path)
     except ChatTemplateError as e:
-        raise ChatTemplateError(str(e).replace("; pass the prompt as plain text with --raw", "; fix the file")) from None
+        message = str(e).replace("; pass the prompt as plain text with --raw", "; fix the file")
+        raise ChatTemplateError(message) from None
     return source
 
 

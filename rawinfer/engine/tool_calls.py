@@ -249,7 +249,8 @@ def detect_tool_call_parser(chat_template: str | None) -> str | None:
         return None
     if "<tool_call>" in chat_template:
         return "hermes"
-    if "<|start_header_id|>" in chat_template and ('"parameters": ' in chat_template or "<|python_tag|>" in chat_template):
+    llama_json = '"parameters": ' in chat_template or "<|python_tag|>" in chat_template
+    if "<|start_header_id|>" in chat_template and llama_json:
         return "llama3_json"
     return None
 

@@ -1,11 +1,11 @@
 """Grammars that force tool calls (OpenAI's tool_choice "required" or a named function): exactly the text of a
 tool-call parser's format, each call's arguments held to its function's JSON schema.
 
-The format's fixed text around the arguments (hermes: `<tool_call>\\n{"name": "f", "arguments": ` ... `}\\n</tool_call>`)
-is not JSON, so this is an llguidance Lark grammar with the schemas inlined (`%json {...}`), handed to the
-structured-output machinery as SamplingParams.structured_outputs = {"grammar": ...}. The arguments are written as
-json.dumps writes them (", " and ": ", no other whitespace), the way chat templates render past calls, so a
-conversation's earlier calls read back as the model wrote them.
+The format's fixed text around the arguments (hermes: `<tool_call>\\n{"name": "f", "arguments": ` ...
+`}\\n</tool_call>`) is not JSON, so this is an llguidance Lark grammar with the schemas inlined (`%json {...}`),
+handed to the structured-output machinery as SamplingParams.structured_outputs = {"grammar": ...}. The arguments
+are written as json.dumps writes them (", " and ": ", no other whitespace), the way chat templates render past
+calls, so a conversation's earlier calls read back as the model wrote them.
 """
 
 from __future__ import annotations
