@@ -30,7 +30,7 @@ from rawinfer.quant import QUANT_TYPES, quantize, storage_kind, stored_parts
 from rawinfer.convert.errors import ConversionError, ConversionWarning
 from rawinfer.convert.hf import HFReader
 from rawinfer.convert.layout import CheckpointReader, TensorSpec, fuse, plan_parts, tensor_plan
-from rawinfer.convert.writer import SAFETENSORS_DTYPES, StoredTensor, check_destination, staged_folder, write_json, \
+from rawinfer.convert.writer import StoredTensor, check_destination, staged_folder, storage_dtype, write_json, \
     write_safetensors, write_text
 
 __all__ = ["ConversionError", "ConversionWarning", "convert", "main", "open_source"]
@@ -82,7 +82,7 @@ def _stored_tensors(plan: list[TensorSpec], config: ModelConfig) -> list[StoredT
 def _to_storage(x: np.ndarray, dtype: str, name: str) -> np.ndarray:
     """Cast float32 x to the storage dtype; float16 overflow is an error, not a silent inf."""
     with np.errstate(over="ignore"):
-        y = x.astype(SAFETENSORS_DTYPES[dtype][0])
+        y = x.astype(storage_dtype(dtype))
     if dtype == "float16" and not np.isfinite(y).all() and np.isfinite(x).all():
         raise ConversionError(f"tensor {name!r} has values beyond the float16 range (65504); "
                               "convert with --dtype bfloat16 or float32 instead")

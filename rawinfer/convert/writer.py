@@ -22,19 +22,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from rawinfer.convert.errors import ConversionError
 
-# Storage dtype name -> (NumPy dtype, safetensors dtype tag).
-SAFETENSORS_DTYPES: dict[str, tuple[np.dtype, str]] = {
-    "float32": (np.dtype(np.float32), "F32"),
-    "float16": (np.dtype(np.float16), "F16"),
-    "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
-    "int8": (np.dtype(np.int8), "I8"),
-    "uint8": (np.dtype(np.uint8), "U8"),
-}
+# Storage dtype name -> safetensors dtype tag.
+SAFETENSORS_TAGS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8", "uint8": "U8"}
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a storage dtype name (a key of SAFETENSORS_TAGS)."""
+    if name == "bfloat16":
+        import ml_dtypes   # registers bfloat16 with NumPy; imported only here, as its import takes seconds
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,11 @@ class StoredTensor:
 
     name: str
     shape: tuple[int, ...]
-    dtype: str                # a key of SAFETENSORS_DTYPES
+    dtype: str                # a key of SAFETENSORS_TAGS
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * SAFETENSORS_DTYPES[self.dtype][0].itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * storage_dtype(self.dtype).itemsize
 
 
 def check_destination(dst: str, overwrite: bool) -> None:
@@ -93,7 +94,7 @@ def safetensors_header(tensors: list[StoredTensor], metadata: dict[str, str]) ->
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     offset = 0
     for t in tensors:
-        header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype][1], "shape": list(t.shape),
+        header[t.name] = {"dtype": SAFETENSORS_TAGS[t.dtype], "shape": list(t.shape),
                           "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -111,7 +112,7 @@ def write_safetensors(path: str, tensors: list[StoredTensor], produce: Callable[
         f.write(safetensors_header(tensors, metadata))
         for t in tensors:
             x = produce(t)
-            want = SAFETENSORS_DTYPES[t.dtype][0]
+            want = storage_dtype(t.dtype)
             if x.shape != t.shape or x.dtype != want:   # NOTE: the header already promised shape and dtype
                 raise ConversionError(
                     f"internal error: tensor {t.name!r} came out as {x.dtype}{x.shape}, expected "
