@@ -5,12 +5,16 @@ conventions (a positional model, --served-model-name, GET /v1/models/{id}, --def
 
 from __future__ import annotations
 
+import argparse
+import json
+import socket
 import time
 import uuid
 
+import httpx
 import pytest
 
-from cli_util import Server, make_chat_model  # noqa: E402
+from cli_util import Server, free_port, make_chat_model, rawinfer  # noqa: E402
 from http_util import AUTH, http_server, openai_client, post, sse_events  # noqa: E402,F401
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -28,9 +32,11 @@ def log_lines(srv: Server, text: str, timeout_s: float = 10.0) -> list[str]:
 
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory):
-    """A tiny chat model served with --strict-api."""
+    """A tiny chat model served with --strict-api, two served names and a default max_tokens (the model also
+    given as vLLM's positional argument: the same one twice is no conflict)."""
     model = make_chat_model(str(tmp_path_factory.mktemp("models") / "tiny-chat"))
-    srv = Server(model, "--strict-api", http=True)
+    srv = Server(model, model, "--strict-api", "--served-model-name", "tiny", "my/tiny", "--default-max-tokens", "5",
+                 http=True)
     try:
         yield srv.wait_ready().wait_http()
     finally:
@@ -143,3 +149,69 @@ def test_a_chat_stream_opens_with_the_role_of_each_choice(http_server):
     chunks = [c.choices[0] for c in stream]
     assert chunks[0].delta.role == "assistant" and chunks[0].delta.content == ""
     assert "".join(c.delta.content or "" for c in chunks[1:]) and chunks[-1].finish_reason == "length"
+
+
+def test_served_model_names_and_models_by_id(strict_server):
+    import openai
+    client = openai.OpenAI(base_url=strict_server.base_url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny", "my/tiny"]
+    assert client.models.retrieve("my/tiny").id == "my/tiny"
+    for name in (None, "tiny", "my/tiny"):
+        r = post(strict_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "model": name}, headers={})
+        assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+    for r in (httpx.get(strict_server.base_url + "/v1/models/tiny-chat"),
+              post(strict_server, "/v1/completions", {"prompt": "hi", "model": "tiny-chat"}, headers={})):
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert (err["code"], err["param"]) == ("model_not_found", "model") and "'my/tiny'" in err["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_default_max_tokens_when_a_request_leaves_it_out(strict_server):
+    def tokens(path, body):
+        r = post(strict_server, path, {**body, "ignore_eos": True}, headers={})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["completion_tokens"]
+    assert tokens("/v1/completions", {"prompt": "hello there"}) == 5              # not OpenAI's 16
+    assert tokens("/v1/chat/completions", {"messages": CHAT}) == 5                # not what the context leaves
+    assert tokens("/v1/completions", {"prompt": "hello there", "max_tokens": 7}) == 7
+    assert tokens("/v1/completions", {"prompt": [5] * 1022}) == 2                 # what the context (1024) leaves
+    assert tokens("/v1/completions", {"prompt": [[5] * 3, [5] * 1021]}) == 3 + 3     # by the longest prompt
+
+
+def test_served_model_name_defaults_to_the_models_own_name(tmp_path):
+    """The folder's or GGUF file's name as given; a folder of the conversion cache: its source's name, never
+    the cache's digest."""
+    from rawinfer.frontends.cli.serve import served_model_names
+
+    def names(model, given=None):
+        return served_model_names(argparse.Namespace(model=model, served_model_name=given))
+    cached = tmp_path / "SmolLM2-135M-Instruct-Q4_K_M-0123456789abcdef-q4"
+    cached.mkdir()
+    (cached / "source.json").write_text(json.dumps({"source": "/models/SmolLM2-135M-Instruct-Q4_K_M.gguf"}))
+    assert names(str(cached)) == ["SmolLM2-135M-Instruct-Q4_K_M"]
+    assert names("/models/Qwen3-0.6B.GGUF") == ["Qwen3-0.6B"]
+    assert names(str(tmp_path / "Llama-3.2-1B") + "/") == ["Llama-3.2-1B"]
+    assert names("smollm2-135m-instruct") == ["smollm2-135m-instruct"]
+    assert names(None) is None and names("x", ["a", "b"]) == ["a", "b"]
+
+
+def test_vllm_style_command_line_and_a_busy_http_port(tiny_llama_dir):
+    """`rawinfer serve MODEL` takes the model as --model does; two different ones are refused; --port is
+    --http-port, and a port in use stops the start with exit status 2 before the model loads."""
+    bind = ["--bind", f"tcp://127.0.0.1:{free_port()}", "--device", "cpu"]
+    r = rawinfer("serve", "no-such-model", "--no-http", *bind, timeout=60)
+    assert r.returncode == 2 and "model 'no-such-model' does not exist" in r.stderr, r.stderr
+    r = rawinfer("serve", tiny_llama_dir, "--model", "another-model", "--no-http", *bind, timeout=60)
+    assert r.returncode == 2 and "two models given" in r.stderr and "give one of them" in r.stderr, r.stderr
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        t = time.monotonic()
+        r = rawinfer("serve", tiny_llama_dir, "--host", "127.0.0.1", "--port", str(port), *bind, timeout=60)
+        assert time.monotonic() - t < 30
+    assert r.returncode == 2 and r.stderr.endswith(
+        f"rawinfer: error: cannot bind HTTP on 127.0.0.1:{port}: Address already in use (is another server running "
+        "there?); choose another --http-port, or --no-http\n"), r.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -23,6 +24,8 @@ DEFAULT_HTTP_PORT = 8000
 def add_parsers(sub) -> None:
     p = add_command(sub, "serve", "serve a model over ZeroMQ (`rawinfer client`, `rawinfer chat --addr`, the client "
                                   "library) and over HTTP with OpenAI's API")
+    p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model (vLLM's `vllm serve MODEL`); give it one way or the other")
     p.add_argument("--bind", default=DEFAULT_ADDR, metavar="ENDPOINT",
                    help=f"tcp://HOST:PORT or ipc://PATH (default: {DEFAULT_ADDR})")
     p.add_argument("--curve-secret-key", metavar="FILE", default=None,
@@ -44,12 +47,12 @@ def add_parsers(sub) -> None:
                    help="seconds between the log's throughput / KV / queue lines; each finished request also "
                         "gets a line (default: 10; -q hides both)")
     h = p.add_argument_group("HTTP (OpenAI-compatible API)")
-    h.add_argument("--http-host", default="127.0.0.1", metavar="HOST",
+    h.add_argument("--http-host", "--host", default="127.0.0.1", metavar="HOST",
                    help="address of the HTTP API; any but a loopback one needs --api-key or --insecure "
                         "(default: 127.0.0.1)")
-    h.add_argument("--http-port", type=_port, default=None, metavar="PORT",
-                   help=f"port of the HTTP API (default: {DEFAULT_HTTP_PORT}; when that one is in use, ZeroMQ only, "
-                        "with a warning)")
+    h.add_argument("--http-port", "--port", type=_port, default=DEFAULT_HTTP_PORT, metavar="PORT",
+                   help=f"port of the HTTP API; one in use stops the start with exit status 2, as a busy --bind "
+                        f"does (default: {DEFAULT_HTTP_PORT})")
     h.add_argument("--no-http", dest="http", action="store_false", help="serve ZeroMQ only (default: both)")
     h.add_argument("--api-key", default=os.environ.get("RAWINFER_API_KEY"), metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every HTTP route but /health and /version "
@@ -59,6 +62,13 @@ def add_parsers(sub) -> None:
     h.add_argument("--strict-api", action="store_true",
                    help="refuse a request with a field this server does not know (400 unknown_parameter) "
                         "(default: ignore it, named in a warning line of the log, as vLLM does)")
+    h.add_argument("--served-model-name", nargs="+", type=_name, default=None, metavar="NAME",
+                   help="the model's names in the API: the first is the one responses and /v1/models report, "
+                        "any of them is accepted in a request's `model` (default: the model's folder or file "
+                        "name)")
+    h.add_argument("--default-max-tokens", type=positive_int, default=None, metavar="N",
+                   help="max_tokens of a request that leaves it out, at most what the context leaves after its "
+                        "prompt (default: OpenAI's: 16 for completions, what the context leaves for chats)")
     add_engine_args(p)
     add_role_args(p)
     add_replica_args(p)
@@ -97,6 +107,13 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _name(text: str) -> str:
+    import argparse
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a served model name must not be empty")
+    return text
+
+
 def _workers(text: str) -> int:
     import argparse
     if not text.isdigit() or not 1 <= int(text) <= 64:
@@ -127,6 +144,7 @@ def add_server_args(c, local_by_default: bool = False) -> None:
 def cmd_serve(args) -> int:
     from rawinfer.frontends.server.activity import log_with_time
     log_with_time()
+    _take_positional_model(args)
     check_role_args(args)
     check_replica_args(args)
     if args.replicas is not None:
@@ -148,6 +166,36 @@ def cmd_serve(args) -> int:
     finally:
         if workers is not None:
             workers.stop()
+
+
+def _take_positional_model(args) -> None:
+    """`rawinfer serve MODEL` as `--model MODEL`; both, naming different models, is refused."""
+    given = args.model_positional
+    if given is None:
+        return
+    if args.model is not None and os.path.normpath(os.path.expanduser(args.model)) != \
+            os.path.normpath(os.path.expanduser(given)):
+        raise CLIError(f"two models given, {given!r} and --model {args.model!r}: give one of them")
+    args.model = given
+
+
+def served_model_names(args) -> list[str] | None:
+    """--served-model-name, else the name of the model's folder or GGUF file as the user gave it (a folder
+    of the conversion cache given directly: its source's name, never the cache's digest); None for the
+    default model (its folder's name, as the engine reports it)."""
+    if args.served_model_name:
+        return list(args.served_model_name)
+    if args.model is None:
+        return None
+    path = os.path.normpath(os.path.expanduser(args.model))
+    from rawinfer.convert.cache import SOURCE_FILE
+    try:
+        with open(os.path.join(path, SOURCE_FILE), encoding="utf-8") as f:
+            path = os.path.normpath(json.load(f)["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass                             # not a cached conversion
+    name = os.path.basename(path)
+    return [name[:-5] if name.lower().endswith(".gguf") else name]
 
 
 def open_front(args):
@@ -185,22 +233,17 @@ def _start_http(args):
         log.warning("no HTTP API: --curve-client-keys admits only listed ZeroMQ clients, and the HTTP front end "
                     "would be one more client without a listed key (--no-http silences this)")
         return None
-    port = args.http_port or DEFAULT_HTTP_PORT
     try:
         check_http_security(args.http_host, args.api_key, args.insecure)
-        sock = bind_http(args.http_host, port)
+        sock = bind_http(args.http_host, args.http_port)
     except LaunchError as e:
-        if args.http_port is not None or "cannot bind" not in str(e):
-            raise CLIError(str(e)) from None
-        log.warning("no HTTP API: %s", str(e).replace("--http-port, or --no-http", "--http-port (or --no-http to "
-                                                                                     "silence this)"))
-        return None
-    args.http_port = port
+        raise CLIError(str(e)) from None
     if args.insecure and not args.api_key and not _loopback(args.http_host):
         log.warning("serving HTTP on %s without an API key (--insecure): anyone who can reach it can use the "
                     "engine", args.http_host)
     config = {"engine_addr": connect_addr(args.bind), "server_key": args.curve_secret_key, "api_key": args.api_key,
-              "strict_api": args.strict_api}
+              "strict_api": args.strict_api, "served_names": served_model_names(args),
+              "default_max_tokens": args.default_max_tokens}
     return Workers(sock, args.api_workers, config, level=logging.getLogger().getEffectiveLevel())
 
 

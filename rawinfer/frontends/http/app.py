@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models) and the
+"""The FastAPI application: OpenAI's routes (/v1/completions, /v1/chat/completions, /v1/models[/ID]) and the
 server's own (/health, /metrics, /version, /tokenize, /detokenize), every error in OpenAI's JSON shape,
 and the API key check. One app per worker process, with one EngineLink to the engine."""
 
@@ -42,6 +42,8 @@ class HTTPConfig:
     api_key: str | None = None              # required as `Authorization: Bearer KEY` when set
     timeout_s: float = 60.0                 # the engine silent this long during a request: 503
     strict_api: bool = False                # refuse unknown request fields (default: ignore them, logged)
+    served_names: list[str] | None = None   # the model's names in the API, the first reported (None: the engine's)
+    default_max_tokens: int | None = None   # for requests without max_tokens (None: OpenAI's defaults)
 
 
 class _ApiKey:
@@ -102,8 +104,16 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
     def link() -> EngineLink:
         return state["link"]
 
+    async def model_names() -> list[str]:
+        """The names a request may give as `model`; the first is the one responses report."""
+        return cfg.served_names or [(await link().info()).get("model") or "rawinfer"]
+
     async def model_name() -> str:
-        return (await link().info()).get("model") or "rawinfer"
+        return (await model_names())[0]
+
+    def card(name: str, info: dict) -> dict:
+        return {"id": name, "object": "model", "created": state["started"], "owned_by": "rawinfer",
+                "max_model_len": info.get("max_model_len"), "vocab_size": info.get("vocab_size")}
 
     @app.exception_handler(APIError)
     async def _api_error(req: Request, e: APIError):
@@ -144,9 +154,12 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         info = await link().info()
-        return {"object": "list", "data": [{"id": await model_name(), "object": "model", "created": state["started"],
-                                            "owned_by": "rawinfer", "max_model_len": info.get("max_model_len"),
-                                            "vocab_size": info.get("vocab_size")}]}
+        return {"object": "list", "data": [card(name, info) for name in await model_names()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id, await model_names())
+        return card(model_id, await link().info())
 
     @app.get("/metrics")
     async def metrics_page():
@@ -174,27 +187,27 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         unknown(body, request)
-        name = await model_name()
-        check_model(body.model, name)
-        return await run(completion_job(body, name), request)
+        names = await model_names()
+        check_model(body.model, names)
+        return await run(completion_job(body, names[0], cfg.default_max_tokens), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         unknown(body, request)
-        name = await model_name()
-        check_model(body.model, name)
-        return await run(chat_job(body, name), request)
+        names = await model_names()
+        check_model(body.model, names)
+        return await run(chat_job(body, names[0], cfg.default_max_tokens), request)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest, request: Request):
         unknown(body, request)
-        check_model(body.model, await model_name())
+        check_model(body.model, await model_names())
         return await tokenize(link(), body)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest, request: Request):
         unknown(body, request)
-        check_model(body.model, await model_name())
+        check_model(body.model, await model_names())
         return await detokenize(link(), body)
 
     if cfg.api_key:

@@ -69,23 +69,25 @@ async def _prompt_length(link: EngineLink, prompt: dict) -> int:
 
 
 async def prepare(link: EngineLink, job: Job) -> None:
-    """What a job needs from the engine before it starts: a chat without max_tokens gets what the context
-    leaves after its prompt (OpenAI's default); an echo gets each prompt's token ids (text prompts are then
-    sent as those ids, so the echoed tokens are the ones computed) and each prompt's text; a stream with
-    continuous usage each prompt's length, for the chunks before its final."""
+    """What a job needs from the engine before it starts: a job without max_tokens gets what the context
+    leaves after its (longest) prompt, OpenAI's default for chats, or the server's default if that is less;
+    an echo gets each prompt's token ids (text prompts are then sent as those ids, so the echoed tokens are
+    the ones computed) and each prompt's text; a stream with continuous usage each prompt's length, for the
+    chunks before its final."""
     if job.echo is not None:
         await _echo(link, job)
     if job.continuous_usage:
         job.prompt_counts = [len(ids) for ids in job.prompt_ids] if job.prompt_ids is not None else \
             [await _prompt_length(link, p) for p in job.prompts]
-    if job.chat and "max_tokens" not in job.params:
-        length = job.prompt_counts[0] if job.prompt_counts else await _prompt_length(link, job.prompts[0])
+    if "max_tokens" not in job.params:
+        lengths = job.prompt_counts or [await _prompt_length(link, p) for p in job.prompts]
         info = await link.info()
         room = info.get("max_model_len") or 0
         blocks, bs = info.get("kv_blocks_total"), info.get("block_size")
         if is_int(blocks) and is_int(bs) and blocks > 0:     # nor more than the KV pool holds for n samples
             room = min(room, blocks // max(1, job.n) * bs)
-        job.params["max_tokens"] = max(1, room - length)
+        left = max(1, room - max(lengths))
+        job.params["max_tokens"] = left if job.default_max_tokens is None else min(left, job.default_max_tokens)
 
 
 async def _echo(link: EngineLink, job: Job) -> None:

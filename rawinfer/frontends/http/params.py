@@ -45,6 +45,7 @@ class Job:
     logprobs: int | None             # alternatives per token asked for (None: no logprobs)
     prompt_ids: list[list[int]] | None = None    # with echo, each prompt's token ids (generation.prepare)
     prompt_counts: list[int] | None = None       # with continuous_usage, each prompt's length (prepare)
+    default_max_tokens: int | None = None        # without max_tokens: at most this (None: what the context leaves)
 
     @property
     def prompt_param(self) -> str:
@@ -114,7 +115,9 @@ def _common(req, model: str, kind: str) -> dict:
                 continuous_usage=bool(options and options.continuous_usage_stats))
 
 
-def completion_job(req: CompletionRequest, model: str) -> Job:
+def completion_job(req: CompletionRequest, model: str, default_max_tokens: int | None = None) -> Job:
+    """default_max_tokens: the server's (--default-max-tokens) for a request without max_tokens, instead of
+    OpenAI's 16."""
     known = engine_fields()
     if req.suffix is not None:
         raise unsupported("suffix")
@@ -122,12 +125,14 @@ def completion_job(req: CompletionRequest, model: str) -> Job:
     if req.best_of is not None and req.best_of != n:
         raise unsupported("best_of", "best_of other than n")
     prompts = _prompt_list(req.prompt)
-    max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    max_tokens = req.max_tokens
+    if max_tokens is None and default_max_tokens is None:
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     params = _sampling(req, max_tokens, "max_tokens", known)
     _logprobs(params, req.logprobs, bool(req.echo), known, "logprobs")
     echo = [p if isinstance(p, str) else None for p in prompts] if req.echo else None
     return Job(chat=False, prompts=[{"prompt": p} for p in prompts], params=params, n=params["n"], echo=echo,
-               logprobs=req.logprobs, **_common(req, model, "cmpl"))
+               logprobs=req.logprobs, default_max_tokens=default_max_tokens, **_common(req, model, "cmpl"))
 
 
 def _prompt_list(prompt) -> list:
@@ -143,7 +148,9 @@ def _prompt_list(prompt) -> list:
     return list(prompt)
 
 
-def chat_job(req: ChatCompletionRequest, model: str) -> Job:
+def chat_job(req: ChatCompletionRequest, model: str, default_max_tokens: int | None = None) -> Job:
+    """default_max_tokens: the server's (--default-max-tokens) for a request without max_tokens, instead of
+    OpenAI's (what the context leaves)."""
     known = engine_fields()
     if not req.messages:
         raise invalid("messages", "'messages' must hold at least one message")
@@ -162,7 +169,7 @@ def chat_job(req: ChatCompletionRequest, model: str) -> Job:
     if options is not None:
         prompt["chat_options"] = options
     return Job(chat=True, prompts=[prompt], params=params, n=params["n"], echo=None,
-               logprobs=count, **_common(req, model, "chatcmpl"))
+               logprobs=count, default_max_tokens=default_max_tokens, **_common(req, model, "chatcmpl"))
 
 
 def chat_options(req) -> dict | None:
@@ -189,8 +196,9 @@ def chat_options(req) -> dict | None:
     return {**options, "template_kwargs": dict(kwargs)} if kwargs else options
 
 
-def check_model(requested: str | None, served: str) -> None:
-    """404 unless the request names the served model (or none)."""
-    if requested is not None and requested != served:
-        raise APIError(404, f"the model {requested!r} does not exist here; this server serves {served!r} "
+def check_model(requested: str | None, served: list[str]) -> None:
+    """404 unless the request names one of the served model's names (or none)."""
+    if requested is not None and requested not in served:
+        also = f" (also named {', '.join(map(repr, served[1:]))})" if len(served) > 1 else ""
+        raise APIError(404, f"the model {requested!r} does not exist here; this server serves {served[0]!r}{also} "
                        "(GET /v1/models)", param="model", code="model_not_found")
