@@ -34,6 +34,7 @@ import zmq
 
 from rawinfer.config import VERSION
 from rawinfer.engine.tokenizer import has_chat_template
+from rawinfer.engine.tool_calls import detect_tool_call_parser
 from rawinfer.sampling import MAX_LOGPROBS
 from rawinfer.frontends.server import protocol as P
 from rawinfer.frontends.server.activity import PeriodicLog, log_request_done
@@ -188,7 +189,9 @@ class Server(ClientFront):
                 "hidden_size": mc.hidden_size, "dtype": mc.dtype, "quant": mc.quant,
                 "max_model_len": eng.max_model_len, "eos_token_ids": list(mc.eos_token_ids),
                 "bos_token_id": mc.bos_token_id, "has_tokenizer": tok is not None,
-                "has_chat_template": has_chat_template(tok), "max_message_bytes": self.cfg.max_message_bytes,
+                "has_chat_template": has_chat_template(tok),
+                "tool_call_parser": detect_tool_call_parser(tok.config.chat_template if tok is not None else None),
+                "max_message_bytes": self.cfg.max_message_bytes,
                 "max_prompt_chars": self._limits.max_chars,
                 "block_size": eng.config.block_size, "kv_blocks_total": eng.block_manager.num_blocks,
                 "device": eng.backend.name, "protocol_version": P.PROTOCOL_VERSION, "rawinfer_version": VERSION}
