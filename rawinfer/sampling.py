@@ -3,12 +3,21 @@ validated at construction."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 
 from rawinfer.config import is_int, is_number
 
 MAX_LOGPROBS = 20          # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0     # |bias| per token, as OpenAI allows
+# structured_outputs: exactly one of these keys (vLLM's StructuredOutputsParams), what its value must be
+STRUCTURED_OUTPUT_KINDS = {
+    "json": "a JSON schema (a map, or a string holding one)",
+    "json_object": "true (any JSON object)",
+    "regex": "a non-empty regular expression string",
+    "choice": "a non-empty list of non-empty strings",
+    "grammar": "a non-empty Lark (or GBNF) grammar string",
+}
 
 
 @dataclass
@@ -30,6 +39,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     logprobs: int | None = None       # per generated token: its log-probability and this many alternatives
     prompt_logprobs: int | None = None   # the same for every prompt token after the first
+    structured_outputs: dict | None = None   # one of STRUCTURED_OUTPUT_KINDS -> its value: the output follows it
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -86,6 +96,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, f"an integer from 0 to {MAX_LOGPROBS} (alternatives per token) or None")
+        if self.structured_outputs is not None and (problem := structured_outputs_problem(self.structured_outputs)):
+            bad("structured_outputs", problem)
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +127,25 @@ class SamplingParams:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}
         return d
+
+
+def structured_outputs_problem(spec) -> str | None:
+    """None when spec is a valid structured_outputs map, else what it must be (the end of one sentence)."""
+    kinds = ", ".join(STRUCTURED_OUTPUT_KINDS)
+    if not isinstance(spec, dict) or len(spec) != 1:
+        return f"a map with exactly one of the keys {kinds}"
+    (kind, value), = spec.items()
+    if kind not in STRUCTURED_OUTPUT_KINDS:
+        return f"a map with exactly one of the keys {kinds}, not {str(kind)[:40]!r}"
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            return f"a map whose 'json' is a JSON schema; the string given is not JSON ({e})"
+    ok = {"json": isinstance(value, dict), "json_object": value is True,
+          "regex": isinstance(value, str) and bool(value), "grammar": isinstance(value, str) and bool(value),
+          "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)}
+    return None if ok[kind] else f"a map whose {kind!r} is {STRUCTURED_OUTPUT_KINDS[kind]}"
 
 
 def is_decimal_id(k) -> bool:

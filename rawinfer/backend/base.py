@@ -313,6 +313,15 @@ class Backend(ABC):
         """Host int64[B]: the index of the largest logit of each row (first one on ties)."""
         return np.argmax(self.to_host(logits), axis=-1)
 
+    def grammar_mask(self, logits, bitmask: np.ndarray, rows: np.ndarray) -> None:
+        """Structured output, in place: logits[rows[i], v] = -inf for every token v that bitmask row i forbids
+        (bit v % 32 of word v // 32 clear). bitmask [R, W] int32 and rows [R] are host arrays; 32 W >= V."""
+        R, V, _ = shapes.grammar_mask(logits, bitmask, rows)
+        # little-endian words and little bit order: bit j of byte b is token 8 b + j
+        allowed = np.unpackbits(np.ascontiguousarray(bitmask, np.int32).view(np.uint8), axis=1, bitorder="little")
+        for i in range(R):
+            np.putmask(logits[int(rows[i])], allowed[i, :V] == 0, -np.inf)
+
     def logprobs(self, logits, rows: np.ndarray, token_ids: np.ndarray, k: int) -> LogprobRows:
         """Log-probabilities of token_ids[i] under logits row rows[i] and the k most likely alternatives,
         computed where the logits are; only [R] and [R, k] results come to the host (backend/logprobs.py)."""

@@ -157,3 +157,18 @@ def embedding(ids: Any, table_shape: tuple[int, int], out: Any) -> tuple[int, in
     if _shape(out) != (T, C):
         raise shape_error("embedding", "out", out.shape, f"(T, C) = ({T}, {C})")
     return T, C
+
+
+def grammar_mask(logits: Any, bitmask: Any, rows: Any) -> tuple[int, int, int]:
+    """logits[S, V] masked in place by bitmask[R, W] (32 W >= V) at host rows[R], each in [0, S) -> (R, V, W)."""
+    if len(logits.shape) != 2:
+        raise shape_error("grammar_mask", "logits", logits.shape, "(S, V)")
+    S, V = _shape(logits)
+    if len(bitmask.shape) != 2 or bitmask.shape[1] * 32 < V:
+        raise shape_error("grammar_mask", "bitmask", bitmask.shape, f"(R, W) with W >= ceil(V / 32) = {-(-V // 32)}")
+    R, W = _shape(bitmask)
+    if _shape(rows) != (R,):
+        raise shape_error("grammar_mask", "rows", rows.shape, f"(R,) = ({R},)")
+    if R and not all(0 <= int(r) < S for r in rows):
+        raise ValueError(f"grammar_mask: rows must index the {S} logits rows, got {list(map(int, rows))}")
+    return R, V, W

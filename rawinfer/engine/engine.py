@@ -6,7 +6,8 @@ One step flows one way:
     scheduler.schedule()    core: which sequences advance, by how many tokens -> ScheduledBatch + StepPlan
     runner.run(plan)        exec: copy-on-write copies, forward pass -> device logits (+ host score logits)
     scheduler.advance()     core: computed tokens, prefix-cache registration of filled blocks
-    sample, outputs         engine: tokens -> text, stop rules, finishes (engine/outputs.py)
+    sample, outputs         engine: grammar masks (structured.py), tokens -> text, stop rules, finishes
+                            (engine/outputs.py)
 
 A request of n > 1 samples starts as one sequence; when its prompt is computed, the scheduler forks
 the other n - 1 from it (sharing the prompt's blocks) and each draws its first token from the same
@@ -36,6 +37,7 @@ from rawinfer.engine.metrics import EngineStats, request_metrics
 from rawinfer.engine.outputs import OutputRules, RequestOutput, SampleState
 from rawinfer.engine.sampler import Sampler, make_generator, sample_row
 from rawinfer.engine.scoring import Scoring
+from rawinfer.engine.structured import GrammarError, MaskJob, StructuredOutputs
 from rawinfer.engine.warmup import warm_up
 from rawinfer.exec.graphs import DecodeGraphs
 from rawinfer.exec.memory import MemoryPool
@@ -80,6 +82,7 @@ class LLMEngine(Scoring):
             from rawinfer.engine.tokenizer import Tokenizer
             self.tokenizer = Tokenizer.from_dir(model_dir, cfg)
             self.rules = OutputRules(self.tokenizer, cfg.eos_token_ids, self.max_model_len)
+            self.structured = StructuredOutputs.for_model(self.backend, self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.model_dir = model_dir
         if ecfg.warmup:
             warm_up(self)
@@ -121,6 +124,7 @@ class LLMEngine(Scoring):
         self.tokenizer = None
         self.model_dir = None
         self.rules = OutputRules(None, cfg.eos_token_ids, self.max_model_len)
+        self.structured = StructuredOutputs.for_model(self.backend, None, cfg.vocab_size, cfg.eos_token_ids)
         self._seed_counter = 0
         self.reset_state()
 
@@ -136,6 +140,7 @@ class LLMEngine(Scoring):
         self._requests: dict[str, list[SampleState]] = {}
         self._scores: dict[str, np.ndarray] = {}           # scoring sequence id -> host logits [T, V]
         self._pending: list[RequestOutput] = []            # outputs of steps that score() ran for others
+        self.structured.held.clear()                       # requests waiting for their grammar
         self.stats_tracker = EngineStats(max_model_len=self.max_model_len)
         if getattr(self, "kv_transfer", None) is None:     # K/V exported to / received from another engine
             self.kv_transfer = KVTransfer(self)
@@ -167,9 +172,8 @@ class LLMEngine(Scoring):
         if num_tokens > self.max_model_len:
             raise RequestRejected(f"{what} = {num_tokens} exceeds the maximum context of {self.max_model_len} "
                                   "tokens; shorten the prompt or lower max_tokens")
-        bs = self.config.block_size
+        bs, W = self.config.block_size, self.model_config.kv_window
         need = -(-num_tokens // bs)
-        W = self.model_config.kv_window
         if W:   # every layer slides: blocks behind the window go back, so a sequence holds at most the
             # window plus one chunk of new tokens (scheduler.advance -> BlockManager.release_before)
             need = min(need, (W - 1 + min(num_tokens, self.config.max_num_batched_tokens)) // bs + 2)
@@ -199,10 +203,16 @@ class LLMEngine(Scoring):
             raise RequestRejected(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {V})")
         self._check_fits(len(ids) + params.max_tokens, params.n,
                          f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens})")
+        try:
+            grammar = self.structured.prepare(params)       # its compile: done, or on the way
+        except GrammarError as e:
+            raise RequestRejected(str(e)) from None
         seq = Sequence(seq_id=request_id, request_id=request_id, index=0, prompt_token_ids=ids,
                        params=params, priority=priority)
-        self._requests[request_id] = [self._new_state(seq)]
-        self.scheduler.add(seq)
+        st = self._new_state(seq)
+        self._requests[request_id] = [st]
+        if grammar is None or self.structured.attach(st, grammar):    # else held until it compiled
+            self.scheduler.add(seq)
         return ids
 
     def _new_state(self, seq: Sequence) -> SampleState:
@@ -220,6 +230,7 @@ class LLMEngine(Scoring):
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request at once and free its blocks. Returns its final outputs ([] if unknown)."""
         states = self._requests.pop(request_id, None)
+        self.structured.held.pop(request_id, None)
         if states is None:
             return []
         outs = []
@@ -244,7 +255,7 @@ class LLMEngine(Scoring):
         self.stats_tracker = stats
 
     def has_unfinished(self) -> bool:   # NOTE: a request waiting for remote K/V is not (kv_transfer.py)
-        return self.scheduler.has_unfinished or bool(self._pending)
+        return self.scheduler.has_unfinished or bool(self._pending) or bool(self.structured.held)
 
     @property
     def num_requests(self) -> int:
@@ -254,23 +265,37 @@ class LLMEngine(Scoring):
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, detokenize, finish. Returns what advanced."""
         outputs, self._pending = self._pending, []
+        outputs += self._release_held() if self.structured.held else []
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
         return outputs + self._run(batch)
 
+    def _release_held(self) -> list[RequestOutput]:
+        """Requests held for their grammar: scheduled once it compiled, ended with its error if it did not."""
+        ready, failed = self.structured.release(idle=not self.scheduler.has_unfinished)
+        for st in ready:
+            self.scheduler.add(st.seq)
+        outputs = [out for rid in failed for out in self.abort(rid)]
+        for out in outputs:
+            out.finish_reason, out.error = "error", failed[out.request_id]
+        return outputs
+
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """One forward pass of a scheduled batch, then its outputs (step and score share it)."""
         t0 = time.monotonic()
+        states = [self._state(s.seq) for s in batch.seqs if s.samples]
+        mask = self.structured.masks(states)              # grammar rows: filled during the pass on a GPU
         result = self.runner.run(batch.plan)
         self.scheduler.advance(batch)
         self.kv_transfer.after_step(batch)
-        return self._process(batch, result, t0)
+        return self._process(batch, result, t0, states, mask)
 
-    def _process(self, batch: ScheduledBatch, result: StepOutput, started: float) -> list[RequestOutput]:
-        """Sample the sampled rows, store the scored rows and prompt log-probabilities, finish what is done."""
-        to_sample = [s.seq for s in batch.seqs if s.samples]
-        states = [self._state(seq) for seq in to_sample]
+    def _process(self, batch: ScheduledBatch, result: StepOutput, started: float, states: list[SampleState],
+                 mask: MaskJob | None) -> list[RequestOutput]:
+        """Mask and sample the sampled rows, store scored rows and prompt log-probabilities, finish what is done."""
+        to_sample = [st.seq for st in states]
+        raw = mask.apply(result.logits) if mask is not None else result.logits   # log-probabilities read raw
         edits = [s.params.edits_logits for s in to_sample]
         tokens = self.sampler.sample(result.logits, [s.params for s in to_sample],
                                      [s.token_ids if e else None for s, e in zip(to_sample, edits)],
@@ -287,12 +312,13 @@ class LLMEngine(Scoring):
             if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0:
                 picks += self._fork_samples(st, result.logits, row)
             picks.append((st, row, tok))
-        logprobs = token_logprobs(self.backend, result.logits, [(st.seq.params.logprobs, row, tok)
+        logprobs = token_logprobs(self.backend, raw, [(st.seq.params.logprobs, row, tok)
                                                                 for st, row, tok in picks])
         outputs = [self._add_token(st, tok, now, lp) for (st, _, tok), lp in zip(picks, logprobs)]
         for st in prompt_only:
             outputs += self._finish_prompt_only(st)
         self.stats_tracker.on_step(now, started, batch.num_tokens, len(to_sample), self.block_manager.usage)
+        self.scheduler.step_cost.observe_plan(batch.plan, now - started)    # what steps cost here (itl_target_ms)
         return outputs
 
     def _state(self, seq: Sequence) -> SampleState:
@@ -315,6 +341,7 @@ class LLMEngine(Scoring):
             self.scheduler.fork(parent, child)
             st = self._new_state(child)
             st.prompt_logprobs = parent_st.prompt_logprobs          # the same prompt: read only from here on
+            st.grammar = parent_st.grammar.fork() if parent_st.grammar is not None else None
             self._requests[parent.request_id].append(st)
             picks.append((st, row, sample_row(host_row, child.params, child.token_ids, st.rng, child.num_prompt_tokens)))
         return picks

@@ -10,6 +10,7 @@ from rawinfer.config import DEFAULT_MODEL
 from rawinfer.engine.engine import LLMEngine, RequestRejected
 from rawinfer.engine.logprobs import Logprobs
 from rawinfer.engine.metrics import RequestMetrics
+from rawinfer.engine.structured import GrammarError
 from rawinfer.sampling import SamplingParams
 
 
@@ -96,6 +97,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                              "pass one for all or one per prompt")
+        _compile_grammars(self.engine, params)
         results: dict[str, GenerationResult] = {}
         order = []
         call = next(self._calls)
@@ -139,3 +141,17 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in order]
+
+
+def _compile_grammars(engine: LLMEngine, params: list[SamplingParams]) -> None:
+    """Compile every structured_outputs grammar of a call together and wait: one that does not compile is
+    refused (RequestRejected naming its prompt) before any request is queued."""
+    futures = []
+    for i, p in enumerate(params):
+        try:
+            futures.append((i, engine.structured.prepare(p)))
+        except GrammarError as e:
+            raise RequestRejected(f"prompt {i}: {e}") from None
+    for i, future in futures:
+        if future is not None and future.exception() is not None:
+            raise RequestRejected(f"prompt {i}: {future.exception()}")

@@ -6,6 +6,8 @@ For every sampled token of a sequence, in this order:
     text = detokenizer.add(token)                       incremental, never broken UTF-8
     stop strings (past min_tokens): hold back text that may begin one; a complete one ends the sample
     EOS / a stop token id (past min_tokens)             -> finish reason "stop"
+    structured output: the grammar consumed the token and is complete (whatever min_tokens says;
+    engine/structured.py)                               -> finish reason "stop"
     max_tokens or the model's context reached           -> finish reason "length"
 
 At a finish for another reason than a stop string, the text the detokenizer and the stop checker held
@@ -23,6 +25,7 @@ from rawinfer.core.sequence import FinishReason, Sequence
 from rawinfer.engine.logprobs import Logprobs
 from rawinfer.engine.metrics import RequestMetrics
 from rawinfer.engine.stop import StopChecker, StopStrings
+from rawinfer.engine.structured import SampleGrammar
 from rawinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -34,20 +37,23 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: str | None = None        # "stop", "length", "abort", or "error" (with `error`)
     metrics: RequestMetrics | None = None   # set on the final output
     logprobs: Logprobs | None = None        # of new_token_ids, when the request asked (params.logprobs)
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.., on a sample's first output (params.prompt_logprobs)
+    error: str | None = None                # why the request failed (finish_reason "error"): e.g. its grammar
 
 
 @dataclass
 class SampleState:
-    """One sequence's output machinery: its random generator and, with a tokenizer, its text state."""
+    """One sequence's output machinery: its random generator and, with a tokenizer, its text state (and
+    with structured output its grammar's matcher)."""
     seq: Sequence
     rng: np.random.Generator
     detok: IncrementalDetokenizer | None = None
     stop: StopChecker | None = None
     prompt_logprobs: Logprobs | None = None    # filled during prefill when asked for; handed out once
+    grammar: SampleGrammar | None = None        # structured_outputs, once its grammar has compiled
 
 
 class OutputRules:
@@ -96,7 +102,8 @@ class OutputRules:
                 if upd.stopped:
                     reason = FinishReason.STOP
         eos = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
-        if reason is None and eos and past_min:
+        complete = st.grammar is not None and st.grammar.advance(token)
+        if reason is None and ((eos and past_min) or complete):
             reason = FinishReason.STOP
         if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH

@@ -151,6 +151,8 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
     _each_float("sample_kernel", "sampling.cu",
                 "int* out_ids, const T* logits, const float* temperature, const int* top_k, "
                 "const float* top_p, const float* min_p, const float* uniform, int vocab"),
+    _each_float("grammar_mask_kernel", "grammar_mask.cu",
+                "T* logits, const int* bitmask, const int* rows, int vocab, int words"),
     KernelSpec("copy_blocks_kernel", "copy_blocks.cu",
                signature("const unsigned long long* k_ptrs, const unsigned long long* v_ptrs, const int* pairs, "
                     "int words_per_block")),

@@ -1,4 +1,5 @@
-"""Token selection on CUDA: argmax and filtered sampling of logits rows, so only B token ids leave the device.
+"""Token selection on CUDA: argmax and filtered sampling of logits rows, so only B token ids leave the device,
+and structured output's token mask applied to those rows before either (cuda/grammar_mask.cu).
 
 cuda/sampling.cu states the rule; it is the CPU sampler's (engine/sampler.py), so given the same
 uniform draw both backends pick the same token except where float32 rounding decides a boundary.
@@ -14,6 +15,7 @@ from rawinfer.backend import shapes
 from rawinfer.backend.cuda import kernel_specs as ks
 from rawinfer.backend.cuda.launch import KernelLaunches, round_up
 
+GRAMMAR_MASK_THREADS = 256   # GRAMMAR_MASK_THREADS in cuda/grammar_mask.cu
 SAMPLE_PARAMS = (("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32),
                  ("min_p", np.float32), ("uniform", np.float32))   # sample_kernel's per-row inputs, in order
 
@@ -24,7 +26,7 @@ def sample_threads(vocab: int) -> int:
 
 
 class DeviceSampling(KernelLaunches):
-    """Mixin of CUDABackend: argmax() and sample() on the device."""
+    """Mixin of CUDABackend: argmax(), sample() and grammar_mask() on the device."""
 
     xp: Any
     to_host: Callable[[Any], np.ndarray]   # CUDABackend.to_host
@@ -54,3 +56,13 @@ class DeviceSampling(KernelLaunches):
             self._launch("sample_kernel", (ks.element_type(logits.dtype),), (batch,), (sample_threads(vocab),),
                          0, ids, logits, *[self.xp.asarray(p) for p in params], vocab)
         return self.to_host(ids).astype(np.int64)
+
+    def grammar_mask(self, logits, bitmask: np.ndarray, rows: np.ndarray) -> None:
+        """Structured output, in place on the device logits: -inf for every token bitmask row i forbids in
+        logits row rows[i] (Backend.grammar_mask states the layout); the [R, W] words travel to the device."""
+        R, V, W = shapes.grammar_mask(logits, bitmask, rows)
+        if R:
+            self._launch("grammar_mask_kernel", (ks.element_type(logits.dtype),),
+                         (-(-V // GRAMMAR_MASK_THREADS), R), (GRAMMAR_MASK_THREADS,), 0, logits,
+                         self.xp.asarray(np.ascontiguousarray(bitmask, np.int32)),
+                         self.xp.asarray(np.ascontiguousarray(rows, np.int32)), V, W)
