@@ -1,6 +1,6 @@
 """The admission thread: renders chats and tokenises prompts off both the I/O and the engine thread (requests,
-and the tokenize / detokenize calls), and the size limits that let the I/O thread refuse an oversized prompt
-before anyone tokenises it.
+and the tokenize / detokenize calls), starts compiling their structured-output grammars, and the size limits
+that let the I/O thread refuse an oversized prompt before anyone tokenises it.
 
 A text prompt of C characters needs at least C / L tokens, L being the longest vocabulary entry, so one
 longer than max_model_len x L characters can never fit the context: it is refused on arrival, in time
@@ -119,6 +119,7 @@ class Admission:
         if len(ids) > self.engine.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {self.engine.max_model_len}; "
                              "shorten it")
+        self.engine.structured.prepare(p.params)    # the grammar compiles meanwhile (thread-safe); known bad: refused
         return Admit(p.engine_id, p.client, msg.request_id, msg.stream, ids, p.params, msg.priority)
 
     def _convert(self, msg: P.Tokenize | P.Detokenize):

@@ -169,8 +169,8 @@ class EngineWorker:
             st = self._requests.get(o.request_id)
             if st is None:              # cancelled in this very batch
                 continue
-            if o.finished:
-                out.append(self._final(o.request_id, o))
+            if o.finished:                  # o.error: a request that failed (its grammar did not compile)
+                out.append(self._final(o.request_id, o, o.error))
             else:
                 chunk = st.chunk(o)
                 if chunk is not None:
