@@ -160,8 +160,7 @@ class ModelConfig:
         if "sliding" in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
             raise ModelFormatError("sliding layers need a sliding_window of at least 1 token; re-convert the model")
         if self.num_heads % self.num_kv_heads:
-            raise ModelFormatError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ModelFormatError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.dtype not in DTYPES:
             raise ModelFormatError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
 
@@ -346,13 +345,13 @@ class EngineConfig:
     kv_cache_memory: int | None = None      # bytes of the pool given to KV blocks; None: 1 GiB on the
                                             # CPU, on CUDA what gpu_memory_utilization x free device
                                             # memory leaves after the weights and the workspace
-    kv_cache_dtype: str = "auto"            # "auto" | "float32" | "float16" | "int8" (CPU: one float32
-                                            # scale per token and kv head): element type of K/V blocks;
-                                            # auto: the model's dtype on CUDA; on the CPU int8 for
-                                            # int8 models, float32 for float models
+    kv_cache_dtype: str = "auto"            # "auto" | "float32" | "float16" | "int8" (CPU: one float32 scale per
+                                            # token and kv head): element type of K/V blocks; auto: the model's
+                                            # dtype on CUDA; on the CPU int8 for int8 models, float32 for float models
     max_num_batched_tokens: int = 2048      # token budget of one step (also sizes the workspace)
     max_num_seqs: int = 128                 # sequences in one step at most
     long_prefill_token_threshold: int | None = None   # longest prefill chunk (None: the step's budget)
+    itl_target_ms: float | None = None      # a step with decodes takes prefill within this (None: auto, 0: off)
     max_model_len: int | None = None        # cap on prompt + output; defaults to the model's context
     enable_prefix_caching: bool = True
     device: str = "cpu"                     # "auto" | "cpu" | "cuda"
@@ -387,6 +386,7 @@ class EngineConfig:
             **dict.fromkeys(("max_model_len", "num_threads", "long_prefill_token_threshold"),
                             (optional(pos), "a positive integer or None")),
             "gpu_memory_utilization": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+            "itl_target_ms": (optional(lambda v: is_number(v) and v >= 0), "0 (off), milliseconds, or None (auto)"),
             "seed": (lambda v: is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
             "cache_dir": (optional(lambda v: isinstance(v, str)), "a folder path or None"),
             "chat_template": (optional(lambda v: isinstance(v, str) and os.path.isfile(v)), "an existing file"),

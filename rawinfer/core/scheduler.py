@@ -10,6 +10,15 @@ Every step fills one budget of `max_num_batched_tokens` tokens and at most `max_
   2. then, if nothing was preempted this step, waiting sequences in (priority, arrival) order, each
      starting after its longest cached prefix, as long as the budget, the sequence cap and the pool allow.
 
+With a step-cost model (core/step_cost.py, fitted by the engine to its measured steps) and an inter-token
+target (EngineConfig.itl_target_ms: milliseconds, None for the automatic one, 0 for none), a step that
+carries decode rows takes only the prefill tokens that keep its estimated time within the target
+(stall-free batching, as Sarathi-Serve): the running decodes' estimate first, then prefill chunks in the
+order above until the target is spent. The step's first prefill chunk takes at least one block however
+little is left, so prefill never starves while decodes alone exceed the target; a step with no decode rows
+takes prefill up to the whole token budget. Until the model has an estimate (the engine reports each
+step's time to it), or with target 0, the token budget alone limits prefill.
+
 The step's decision ends in a StepPlan (core/step_plan.py) for the model runner. After the forward pass,
 advance() moves each sequence's num_computed_tokens and registers the blocks that filled up.
 
@@ -40,6 +49,7 @@ from rawinfer.config import EngineConfig
 from rawinfer.core.block_hashes import BlockHashes
 from rawinfer.core.block_manager import BlockManager
 from rawinfer.core.sequence import FinishReason, Sequence
+from rawinfer.core.step_cost import PrefillAllowance, StepCost, StepShape
 from rawinfer.core.step_plan import PlanLayout, ScheduledBatch, ScheduledSeq, build_step_plan
 
 
@@ -54,10 +64,14 @@ class Reservation:
 
 class Scheduler:
     def __init__(self, ecfg: EngineConfig, block_manager: BlockManager, layout: PlanLayout | None = None,
-                 sliding_window: int = 0):
+                 sliding_window: int = 0, step_cost: StepCost | None = None):
         """sliding_window W > 0: every layer of the model attends through a window of W tokens, so a running
-        sequence's blocks wholly before its next query's window go back to the pool after each step."""
+        sequence's blocks wholly before its next query's window go back to the pool after each step.
+        step_cost: the step-time model prefill beside decodes is sized by (ecfg.itl_target_ms); a new one,
+        without an estimate until the engine reported enough steps, when None. The engine's warm-up seeds it
+        and hands it to the fresh scheduler it leaves behind."""
         self.ecfg = ecfg
+        self.step_cost = step_cost if step_cost is not None else StepCost()
         self.bm = block_manager
         self.sliding_window = sliding_window
         self.layout = layout or PlanLayout(block_manager.block_size)
@@ -169,25 +183,44 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step -----------------------------------------------------------------------------
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int, allowance: PrefillAllowance | None = None) -> int:
         """Tokens seq advances by this step within `budget` (0: it waits). No chunk is longer than
         long_prefill_token_threshold, if set: a long prompt takes several short steps, so that prompts
         arriving meanwhile start, and running sequences decode, after one of them instead of after the
-        whole prompt. A scoring sequence takes its next chunk whole (capped at the step budget) or waits
-        for a step with room for it."""
+        whole prompt; nor, with an allowance (prefill under a latency target), than what it leaves. A scoring
+        sequence takes its next chunk whole (capped at the step budget) or waits for a step with room for it."""
         n = min(seq.num_uncomputed_tokens, budget)
         if seq.chunk_sizes is None:
-            return min(n, self.ecfg.long_prefill_token_threshold or n)
+            n = min(n, self.ecfg.long_prefill_token_threshold or n)
+            return min(n, allowance.tokens(seq.num_computed_tokens)) if allowance is not None else n
         if seq.chunk_index >= len(seq.chunk_sizes):
             raise ValueError(f"chunk_sizes of {seq.seq_id!r} cover {seq.num_computed_tokens} of its "
                              f"{seq.num_tokens} tokens; give chunks for every token")
         want = min(seq.chunk_sizes[seq.chunk_index], seq.num_uncomputed_tokens, self.ecfg.max_num_batched_tokens)
+        if allowance is not None and not allowance.fits(want, seq.num_computed_tokens):
+            return 0
         return want if want <= budget else 0
 
-    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+    def _allowance(self) -> PrefillAllowance | None:
+        """What the latency target leaves for prefill this step, after the running decodes' estimate; None
+        (the token budget alone) without a usable cost model, with target 0, or with no decode row."""
+        target_ms, cost = self.ecfg.itl_target_ms, self.step_cost
+        if target_ms == 0 or not cost.usable():
+            return None
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]     # (a few too many with forks)
+        if not decodes:
+            return None
+        shape = StepShape(0, len(decodes), sum(s.num_computed_tokens + 1 for s in decodes))
+        target = (target_ms / 1e3 if target_ms is not None
+                  else cost.auto_target(self.ecfg.max_num_seqs, shape.keys / len(decodes)))
+        return PrefillAllowance(cost, target - cost.predict(shape), self.bm.block_size)
+
+    def _scheduled(self, seq: Sequence, n: int, allowance: PrefillAllowance | None = None) -> ScheduledSeq:
+        start = seq.num_computed_tokens
         if seq.chunk_sizes is not None:
             seq.chunk_index += 1
-        start = seq.num_computed_tokens
+        if allowance is not None:
+            allowance.take(n, start)
         prompt_rows = max(0, min(start + n, seq.num_prompt_tokens - 1) - start) if seq.wants_prompt_logprobs else 0
         return ScheduledSeq(seq, n, samples=not seq.is_scoring and start + n == seq.num_tokens,
                             prompt_logprob_rows=prompt_rows)
@@ -196,12 +229,14 @@ class Scheduler:
         out = ScheduledBatch()
         copies: list[tuple[int, int]] = []
         budget = self.ecfg.max_num_batched_tokens
+        allowance = self._allowance()
         i = 0
         # NOTE: the samples of an n > 1 request join the running set together, so it may hold more than
         # max_num_seqs sequences; a step takes at most max_num_seqs of them, oldest first.
         while i < len(self.running) and budget > 0 and len(out.seqs) < self.ecfg.max_num_seqs:
             seq = self.running[i]
-            n = self._chunk(seq, budget)
+            prefill = allowance if seq.num_uncomputed_tokens > 1 else None    # decodes are in its estimate
+            n = self._chunk(seq, budget, prefill)
             if n == 0:
                 i += 1
                 continue
@@ -216,7 +251,7 @@ class Scheduler:
             if alloc is None:
                 break
             copies.extend(alloc.copies)
-            out.seqs.append(self._scheduled(seq, n))
+            out.seqs.append(self._scheduled(seq, n, prefill))
             budget -= n
             i += 1
 
@@ -230,7 +265,7 @@ class Scheduler:
                 cached = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes)
             num_cached = len(cached) * self.bm.block_size
             seq.num_computed_tokens = num_cached
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, allowance)
             alloc = self.bm.allocate_slots(seq.seq_id, num_cached, n, cached) if n else None
             if alloc is None:
                 seq.num_computed_tokens = 0
@@ -241,7 +276,7 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
             self.running.append(seq)
             copies.extend(alloc.copies)
-            out.seqs.append(self._scheduled(seq, n))
+            out.seqs.append(self._scheduled(seq, n, allowance))
             budget -= n
         if out.seqs:
             tables = [self.bm.block_table(s.seq.seq_id) for s in out.seqs]

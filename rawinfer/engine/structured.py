@@ -201,6 +201,11 @@ class StructuredOutputs:
             return cls(backend, None)
         return cls(backend, GrammarCompiler(tokenizer.path, max(vocab_size, tokenizer.vocab_size), eos_token_ids))
 
+    def warm(self) -> None:
+        """Build llguidance's tokenizer now (a server's start), not in the first structured request's TTFT."""
+        if self.compiler is not None:
+            self.compiler.tokenizer
+
     def prepare(self, params) -> Future | None:
         """The compile of params.structured_outputs (None without one). GrammarError when the model has no
         tokenizer, or the grammar is already known not to compile."""

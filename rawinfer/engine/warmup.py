@@ -13,6 +13,10 @@ the engine a fresh block manager and scheduler, so nothing of it is left: no cac
 counters, no seed drawn. With the user's kernel cache (backend/cpu/cache.py) a later start loads the
 compiled kernels instead of compiling them. When the first wave meets a kernel that is not in the cache,
 a second process compiles the second wave's prefills meanwhile (compile_helper.py).
+
+Last, with every kernel ready, the waves run once more, with a longer prompt, and their measured steps seed
+the scheduler's step-cost model (core/step_cost.py), which sizes prefill beside decodes to the inter-token
+target: the one thing of the warm-up the engine keeps.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ LONG_PROMPT = 100       # a prompt past the CPU's thresholds for attention on BL
 MID_PROMPT = 20         # under that threshold, with enough query rows x kv heads for the attention
                         # kernel's parallel build (a prompt's later chunk, a prefix-cache hit's remainder)
 BATCH = 8               # a decode batch past the matrix-vector kernels' row limit (4)
+COST_PROMPT = 256       # the step-cost seed's longer prompt: the attention's share of a prefill token grows
+                        # with its position, which prompts of a few dozen tokens do not show
 
 
 def warm_up(engine) -> float:
@@ -51,6 +57,7 @@ def warm_up(engine) -> float:
         if helper is not None:
             helper.close()
     _score_and_reset(engine, prompt, ok)
+    _seed_step_cost(engine, prompt, ok)
     seconds = time.monotonic() - t0
     log.info("warm-up done in %.1f s", seconds)
     return seconds
@@ -68,7 +75,25 @@ def warm_thread(engine) -> float:
     for w, wave in enumerate(_waves(prompt)):
         _run_wave(engine, w, wave, ok)
     _score_and_reset(engine, prompt, ok)
+    _seed_step_cost(engine, prompt, ok)         # this thread's steps are the ones the server runs
     return time.monotonic() - t0
+
+
+def _seed_step_cost(engine, prompt, ok) -> None:
+    """Time the waves again, nothing compiling now, with a longer prompt after them: the steps the step-cost
+    model starts from. The fresh scheduler left behind takes the model over."""
+    cost = engine.scheduler.step_cost
+    cost.forget()
+    longer = prompt(min(COST_PROMPT, engine.config.max_num_batched_tokens))
+    for w, wave in enumerate(_waves(prompt) + [[(longer, 1)]]):
+        _run_wave(engine, w, wave, ok)
+    engine.reset_state()
+    engine.scheduler.step_cost = cost
+    if cost.coefficients is not None:
+        target = engine.config.itl_target_ms
+        auto = cost.auto_target(engine.config.max_num_seqs, 0) * 1e3 if cost.usable() else float("nan")
+        log.info("step cost: %s; inter-token target %s", cost.coefficients.describe(),
+                 "off" if target == 0 else f"{target:g} ms" if target else f"auto, {auto:.0f} ms at short contexts")
 
 
 def _score_and_reset(engine, prompt, ok) -> None:

@@ -176,6 +176,11 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="while other requests wait, prefill a prompt at most N tokens per step, so that short "
                         "prompts start beside a long one instead of after it (default: none, a chunk fills "
                         "the step's budget)")
+    g.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                   help="a step that carries decoding streams takes only the prompt tokens that keep it within MS "
+                        "milliseconds, as estimated from the engine's measured steps, so that no stream waits behind "
+                        "a whole prompt; 0 turns this off (prompts fill the step's token budget) (default: twice the "
+                        "measured time of a decode step of --max-num-seqs streams)")
     g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                    help="cap on prompt + output tokens (default: the model's context length)")
     g.add_argument("--no-prefix-caching", action="store_true",
@@ -211,6 +216,7 @@ def engine_config_from_args(args) -> EngineConfig:
     cfg = EngineConfig(block_size=args.block_size, kv_cache_memory=kv, kv_cache_dtype=args.kv_cache_dtype,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
+                       itl_target_ms=getattr(args, "itl_target_ms", None),
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                        device=args.device, num_threads=args.threads,
                        gpu_memory_utilization=args.gpu_memory_utilization,

@@ -259,3 +259,11 @@ def test_a_model_without_a_tokenizer_refuses_structured_outputs(tiny_llama_dir):
     with pytest.raises(RequestRejected, match="structured_outputs needs the model's tokenizer"):
         eng.add_request("r", [5, 6, 7], SamplingParams(structured_outputs={"regex": "a"}))
     assert isinstance(GrammarError("x"), ValueError)
+
+
+def test_bench_throughput_structured_output_runs_both_workloads(tiny, capsys):
+    from rawinfer.frontends.bench.throughput import make_workload, run_structured
+    r = run_structured(tiny.engine, make_workload(4, 8, 6, 0.0, tiny.engine.model_config.vocab_size, 0))
+    assert r["unconstrained"]["output_tokens"] == r["constrained"]["output_tokens"] == 24   # no grammar ended early
+    assert r["grammar_compile_ms"] > 0 and r["mask_ms_per_step"] > 0 and r["decode_tokens_ratio"] > 0
+    assert "% of decode tokens/s" in capsys.readouterr().out

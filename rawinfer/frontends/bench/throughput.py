@@ -1,5 +1,6 @@
 """`rawinfer bench throughput`: offline throughput of N requests submitted at once (and the seeded workloads
-that `bench serve` sends too)."""
+that `bench serve` sends too); with --structured-output, the same workload unconstrained and then with every
+request constrained by a JSON schema."""
 
 from __future__ import annotations
 
@@ -11,6 +12,23 @@ import numpy as np
 
 from rawinfer.engine.metrics import summarize
 from rawinfer.sampling import SamplingParams
+
+
+# --structured-output's schema: product records with every kind of JSON value (bounded strings and numbers,
+# enums, booleans, an optional nested object); at least BENCH_MIN_RECORDS of them, so that no output
+# completes its grammar (and leaves the batch) before --output-len tokens
+BENCH_MIN_RECORDS = 64
+BENCH_RECORD = {
+    "type": "object", "additionalProperties": False, "required": ["id", "name", "price", "tags", "in_stock"],
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 99999}, "name": {"type": "string", "maxLength": 24},
+        "price": {"type": "number", "minimum": 0, "maximum": 1000}, "in_stock": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["new", "sale", "eco", "gift"]}, "maxItems": 4},
+        "supplier": {"type": "object", "additionalProperties": False, "required": ["country"],
+                     "properties": {"country": {"type": "string", "maxLength": 2},
+                                    "rating": {"type": "integer", "minimum": 1, "maximum": 5}}}}}
+BENCH_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["records"],
+                "properties": {"records": {"type": "array", "minItems": BENCH_MIN_RECORDS, "items": BENCH_RECORD}}}
 
 
 @dataclass
@@ -47,16 +65,18 @@ def check_lengths(args, limit: int, output_counts: bool = True) -> None:
                          "tokens; lower them")
 
 
-def run_offline(engine, wl: Workload, progress: bool = False, desc: str = "requests") -> dict:
+def run_offline(engine, wl: Workload, progress: bool = False, desc: str = "requests",
+                structured: dict | None = None) -> dict:
     """Submit everything at once, step until done; returns the benchmark's numbers. With progress, a bar
-    of finished requests on stderr (when it is a terminal)."""
+    of finished requests on stderr (when it is a terminal). structured: every request's structured_outputs."""
     from tqdm import tqdm
     base_preempt = engine.scheduler.num_preemptions
     bm = engine.block_manager
     q0, h0 = bm.stats.query_tokens, bm.stats.hit_tokens
     t0 = time.monotonic()
     for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens)):
-        engine.add_request(f"bench-{t0}-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        engine.add_request(f"bench-{t0}-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                              structured_outputs=structured))
     finals = []
     peak_kv = 0.0
     with tqdm(total=len(wl.prompts), desc=desc, unit="req", leave=False, disable=None if progress else True) as bar:
@@ -121,6 +141,9 @@ def run(engine, args, progress: bool = False) -> dict:
         result["single_stream"] = single
         print(f"single stream:       {single['decode_tokens_per_s']:.1f} decode tokens/s "
               f"(ITL {_fmt(single['itl_ms'])}; {single['output_tokens_per_s']:.1f} output tokens/s with its prefill)")
+    if args.structured_output:
+        result.update(run_structured(engine, wl, progress))
+        return result
     r = run_offline(engine, wl, progress, "batch")
     result.update(r)
     print_report(r)
@@ -129,3 +152,38 @@ def run(engine, args, progress: bool = False) -> dict:
         result["speedup_vs_single_stream"] = ratio
         print(f"batched / single:    {ratio:.1f}x")
     return result
+
+
+def run_structured(engine, wl: Workload, progress: bool = False) -> dict:
+    """The workload unconstrained, then every request constrained by BENCH_SCHEMA (its grammar compiled
+    first, unmeasured; the prefix cache emptied before each run, so neither reuses the other's prompts): both
+    reports, the constrained/unconstrained ratios of output tokens/s and of decode
+    tokens/s (from the mean gap between tokens), the grammar's compile time and the mask time per step."""
+    spec = {"json": BENCH_SCHEMA}
+    so = engine.structured
+    if so.compiler is None:
+        raise ValueError("--structured-output needs a model with a tokenizer")
+    t0 = time.perf_counter()
+    so.compiler.tokenizer                                    # built once per engine, on first use
+    tokenizer_s = time.perf_counter() - t0
+    compile_s = so.compiler.compile(spec).result().compile_s
+    print(f"grammar:             llguidance tokenizer {tokenizer_s * 1e3:.0f} ms (once), schema compiled in "
+          f"{compile_s * 1e3:.1f} ms")
+    engine.reset_state()
+    plain = run_offline(engine, wl, progress, "unconstrained")
+    print("unconstrained:")
+    print_report(plain)
+    engine.reset_state()
+    steps0, mask0 = engine.stats_tracker.steps, so.mask_seconds
+    constrained = run_offline(engine, wl, progress, "constrained", structured=spec)
+    steps, mask_s = engine.stats_tracker.steps - steps0, so.mask_seconds - mask0
+    print("constrained (JSON schema):")
+    print_report(constrained)
+    ratio = constrained["output_tokens_per_s"] / plain["output_tokens_per_s"]
+    decode_ratio = plain["itl_ms"]["mean"] / constrained["itl_ms"]["mean"]
+    print(f"constrained / unconstrained: {ratio * 100:.1f} % of output tokens/s, {decode_ratio * 100:.1f} % of "
+          f"decode tokens/s; mask {mask_s / steps * 1e3:.2f} ms per step (llguidance, {len(wl.prompts)} rows)")
+    return {"unconstrained": plain, "constrained": constrained, "output_tokens_ratio": ratio,
+            "decode_tokens_ratio": decode_ratio, "grammar_compile_ms": compile_s * 1e3,
+            "llguidance_tokenizer_ms": tokenizer_s * 1e3, "mask_ms_per_step": mask_s / steps * 1e3,
+            "schema": BENCH_SCHEMA}

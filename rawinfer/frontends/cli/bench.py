@@ -126,6 +126,9 @@ def add_parser(sub) -> None:
                    help="first measure one request alone and report the batched/single ratio (default: off)")
     t.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="measure from the first request (default: two short requests run first, unmeasured)")
+    t.add_argument("--structured-output", action="store_true",
+                   help="run the workload twice: unconstrained, then every request constrained by a JSON schema "
+                        "(structured_outputs), and report the ratio, the grammar's compile and mask times (default: off)")
     _add_output(t)
     add_engine_args(t)
     t.set_defaults(func=cmd_throughput)

@@ -71,9 +71,13 @@ class Admission:
         self.thread.start()
 
     def _warm(self) -> None:
-        """Compile the chat template (tokenizer.py compiles it on first use) and take the tokenizer's first
-        call, so that neither is in the first request's TTFT. A template that refuses this conversation
-        is left to refuse the first real one, with its message."""
+        """Compile the chat template (tokenizer.py compiles it on first use), take the tokenizer's first call
+        and build structured output's tokenizer, so that none of them is in the first request's TTFT. A
+        template that refuses this conversation is left to refuse the first real one, with its message."""
+        try:
+            self.engine.structured.warm()
+        except Exception as e:       # a tokenizer llguidance cannot read: structured requests will say so
+            log.debug("structured output not warmed: %s", e)
         tokenizer = getattr(self.engine, "tokenizer", None)
         if not has_chat_template(tokenizer):
             return
