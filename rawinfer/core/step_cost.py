@@ -15,11 +15,11 @@ whole prompt. The model of a step's wall time:
 The engine times each step (forward pass and sampling) and reports it (observe_plan); the warm-up's steps
 seed the fit (engine/warmup.py) and real steps refine it. Two windows keep the latest steps of each kind
 (decode only, and with prefill), so a long run of pure decode steps does not wash out what a prefill token
-costs. The fit is a least-squares one of the relative error, made robust by reweighting (a step slowed by
-another program on the same cores counts little, then nothing) and pulled gently toward the previous fit
-(ridge), so a coefficient the recent steps cannot tell apart (no long context seen yet: d) keeps its last
-value instead of swinging. The estimate is a pure function of the steps held and the previous estimate, so a
-scheduling decision is deterministic given the model's state.
+costs. The fit is a least-squares one of the relative error (a step's noise grows with its length), made
+robust by reweighting (a step slowed by another program on the same cores counts little, then nothing), with
+a small ridge toward 0 on d (where chunks at similar depths cannot tell a key's cost from a token's, d stays
+near 0 and b takes both). The estimate is a pure function of the steps held, so a scheduling decision is
+deterministic given the model's state.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ MIN_STEPS = 5            # no estimate before this many steps, with at least one
 HUBER_K = 1.5            # Huber rounds: a residual r beyond HUBER_K robust spreads s counts with weight k s / |r|
 TUKEY_C = 4.685          # biweight rounds: residuals beyond TUKEY_C spreads count nothing
 IRLS_ROUNDS = 3          # reweighted solves of each kind per fit
-RIDGE = 1e-4             # pull toward the previous fit, per step held, on columns scaled to [0, 1]
+RIDGE = 1e-6             # pull toward 0 per step held, on columns scaled to [0, 1]: keeps the solve regular
+KEY_RIDGE = 1e-4         # ... and on d, a tiebreaker: a key read is cheap unless the steps show otherwise
 AUTO_TARGET_STEPS = 2.0  # the automatic target: this many times a decode step of max_num_seqs rows
 
 
@@ -121,21 +122,18 @@ class StepCost:
     def fit(self) -> None:
         """Refit the coefficients to the steps held: least squares of the relative error (a step's noise grows
         with its length), reweighted: Huber rounds from the plain fit, then Tukey's biweight, which gives a step
-        slowed far beyond the others' spread (another program took the cores) no weight at all; ridge toward
-        the previous fit."""
+        slowed far beyond the others' spread (another program took the cores) no weight at all; a ridge
+        toward 0, stronger on d, which prefill chunks at similar positions cannot tell apart from b."""
         rows = list(self._decode) + list(self._prefill)
         X = np.array([x for x, _ in rows], np.float64)                   # [N, 4]
         y = np.array([t for _, t in rows], np.float64)                   # [N]
         scale = X.max(axis=0)
         scale[scale <= 0] = 1.0
         Xs = X / scale[None, :] / y[:, None]                             # rows scaled to relative error
-        c = self.coefficients
-        prior = (np.array([c.intercept, c.prefill_token, c.decode_row, c.key]) * scale if c is not None
-                 else np.zeros(4))
-        lam = RIDGE * len(rows) * np.eye(4)
+        lam = len(rows) * np.diag([RIDGE, RIDGE, RIDGE, KEY_RIDGE])
         w = np.ones(len(rows))
         for i in range(2 * IRLS_ROUNDS):
-            theta = np.linalg.solve(Xs.T @ (w[:, None] * Xs) + lam, Xs.T @ w + lam @ prior)
+            theta = np.linalg.solve(Xs.T @ (w[:, None] * Xs) + lam, Xs.T @ w)
             r = np.abs(1.0 - Xs @ theta)                                 # |relative residual|
             s = max(1.4826 * float(np.median(r)), 1e-3)                 # robust spread, at least 0.1 %
             w = (np.minimum(1.0, HUBER_K * s / np.maximum(r, 1e-12)) if i < IRLS_ROUNDS

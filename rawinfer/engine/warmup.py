@@ -36,8 +36,10 @@ LONG_PROMPT = 100       # a prompt past the CPU's thresholds for attention on BL
 MID_PROMPT = 20         # under that threshold, with enough query rows x kv heads for the attention
                         # kernel's parallel build (a prompt's later chunk, a prefix-cache hit's remainder)
 BATCH = 8               # a decode batch past the matrix-vector kernels' row limit (4)
-COST_PROMPT = 256       # the step-cost seed's longer prompt: the attention's share of a prefill token grows
-                        # with its position, which prompts of a few dozen tokens do not show
+COST_BATCH = 32         # the step-cost seed's wider decode batch (the automatic target extrapolates to
+COST_BATCH_PROMPT = 5   # max_num_seqs rows), of prompts this long, ...
+COST_PROMPT = 256       # ... and longer prompt: the attention's share of a prefill token grows with its
+                        # position, which prompts of a few dozen tokens do not show
 
 
 def warm_up(engine) -> float:
@@ -80,13 +82,21 @@ def warm_thread(engine) -> float:
 
 
 def _seed_step_cost(engine, prompt, ok) -> None:
-    """Time the waves again, nothing compiling now, with a longer prompt after them: the steps the step-cost
-    model starts from. The fresh scheduler left behind takes the model over."""
+    """Time the waves again, nothing compiling now, then a wider decode batch and a longer prompt: the steps
+    the step-cost model starts from. The first wave runs once untimed before (the first steps after the
+    thread count was reset pay for it). The fresh scheduler left behind takes the model over."""
     cost = engine.scheduler.step_cost
+    _run_wave(engine, 0, _waves(prompt)[0], ok)
     cost.forget()
-    longer = prompt(min(COST_PROMPT, engine.config.max_num_batched_tokens))
-    for w, wave in enumerate(_waves(prompt) + [[(longer, 1)]]):
+    for w, wave in enumerate(_waves(prompt)):
         _run_wave(engine, w, wave, ok)
+    ecfg = engine.config
+    if ok(COST_BATCH_PROMPT + 4, min(COST_BATCH, ecfg.max_num_seqs)):    # all at once: one prefill, then decodes
+        for i in range(min(COST_BATCH, ecfg.max_num_seqs, ecfg.max_num_batched_tokens // COST_BATCH_PROMPT)):
+            engine.add_request(f"__warmup_cost_{i}", prompt(COST_BATCH_PROMPT), _greedy(4))
+        while engine.has_unfinished():
+            engine.step()
+    _run_wave(engine, 2, [(prompt(min(COST_PROMPT, ecfg.max_num_batched_tokens)), 1)], ok)
     engine.reset_state()
     engine.scheduler.step_cost = cost
     if cost.coefficients is not None:
