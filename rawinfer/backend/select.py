@@ -11,8 +11,21 @@ class DeviceUnavailableError(RuntimeError):
     """The device asked for (--device cuda) is not usable on this machine: for the command line, bad usage."""
 
 
+def _cuda_driver_present() -> bool:
+    """Whether the CUDA driver library loads: without it no GPU can be used, and learning that through CuPy
+    means importing it (seconds of a CPU-only command's start)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def cuda_usable() -> bool:
     """True when CuPy imports and sees at least one GPU. Never raises."""
+    if not _cuda_driver_present():
+        return False
     try:
         from rawinfer.backend.cuda.backend import cuda_available
     except Exception:

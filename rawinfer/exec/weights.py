@@ -111,10 +111,11 @@ def load_weights(cfg: ModelConfig, model_dir: str, views: dict, upload) -> None:
                 f"{path}: tensor {name} has shape {tuple(header[name]['shape'])}, config.json says {shape}; "
                 "re-convert the model")
     from safetensors import safe_open
-    try:
-        import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy so bf16 checkpoints load)
-    except ImportError:
-        pass
+    if any(header[name].get("dtype") == "BF16" for name in shapes):
+        try:    # only then: its import takes seconds of every start
+            import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy so bf16 checkpoints load)
+        except ImportError:
+            pass
     try:
         with safe_open(path, framework="numpy") as f:
             for name in shapes:

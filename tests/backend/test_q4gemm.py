@@ -70,6 +70,23 @@ def test_unpack_and_pack_keep_every_nibble_and_scale():
     assert (rec[G.M_AT:].view(np.float16) == dm[16:32, 2, 1]).all()
 
 
+def pack_ref(qs, dm):
+    """The packed layout by whole-array reshuffles: per column block and k-block, the nibble lanes
+    [octet, column, h] (nibble e: k = 8 octet + 2 e + h), then d[16] and m[16]."""
+    N, K = qs.shape[0], 2 * qs.shape[1]
+    q = G.unpack_nibbles(qs).astype(np.uint16).reshape(N // 16, 16, K // 32, G.OCTETS, 4, 2)
+    lanes = q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4) | (q[:, :, :, :, 2] << 8) | (q[:, :, :, :, 3] << 12)
+    nib = np.ascontiguousarray(lanes.transpose(0, 2, 3, 1, 4), dtype="<u2").view(np.uint8)
+    scales = np.ascontiguousarray(dm.reshape(N // 16, 16, K // 32, 2).transpose(0, 2, 3, 1)).view(np.uint8)
+    return np.concatenate([nib.reshape(N // 16, K // 32, -1), scales.reshape(N // 16, K // 32, -1)], axis=2)
+
+
+@pytest.mark.parametrize("N,K", [(16, 64), (32, 128), (48, 576), (96, 1536)])
+def test_pack_matches_the_layout_built_by_reshuffles(N, K):
+    qs, dm = q4_pair(N, K, seed=N + K)
+    assert (G.pack_weights(qs, dm) == pack_ref(qs, dm)).all()
+
+
 def test_pack_refuses_shapes_it_cannot_hold():
     qs, dm = q4_pair(24, 128)
     with pytest.raises(ValueError, match="N % 16"):

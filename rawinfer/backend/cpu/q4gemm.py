@@ -72,14 +72,40 @@ def pack_weights(qs: np.ndarray, dm: np.ndarray) -> np.ndarray:
     if N % BLOCK_COLS or K % Q4_SPAN or dm.shape != (N, K // Q4_BLOCK, 2):
         raise ValueError(f"q4 pack_weights: shape {(N, K)} needs N % {BLOCK_COLS} == 0, K % {Q4_SPAN} == 0 and "
                          f"dm [N, K/{Q4_BLOCK}, 2], got dm {dm.shape}")
-    q = unpack_nibbles(qs).astype(np.uint16).reshape(N // BLOCK_COLS, BLOCK_COLS, K // Q4_BLOCK, OCTETS, 4, 2)
-    lanes = q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4) | (q[:, :, :, :, 2] << 8) | (q[:, :, :, :, 3] << 12)
-    nib = np.ascontiguousarray(lanes.transpose(0, 2, 3, 1, 4), dtype="<u2")           # cb b octet c h
-    nib = nib.view(np.uint8).reshape(N // BLOCK_COLS, K // Q4_BLOCK, OCTETS * 4 * BLOCK_COLS)
-    scales = np.asarray(dm, np.float16).reshape(N // BLOCK_COLS, BLOCK_COLS, K // Q4_BLOCK, 2)
-    scales = np.ascontiguousarray(scales.transpose(0, 2, 3, 1)).view(np.uint8)           # cb b (d|m) c
-    scales = scales.reshape(N // BLOCK_COLS, K // Q4_BLOCK, 4 * BLOCK_COLS)
-    return np.ascontiguousarray(np.concatenate([nib, scales], axis=2))
+    wp = np.empty((N // BLOCK_COLS, K // Q4_BLOCK, RECORD), np.uint8)
+    lanes = np.ascontiguousarray(qs).view("<u2").reshape(N, K // Q4_SPAN, 16)
+    dmbits = np.ascontiguousarray(dm, np.float16).view("<u2")
+    _pack_records(lanes, dmbits, wp.view("<u2"))
+    return wp
+
+
+@nb.njit(cache=True)
+def _pack_records(lanes, dmbits, wp):
+    """lanes uint16 [N, K/64, 16] (quant.py's span layout), dmbits uint16 [N, K/32, 2] (float16 bits) ->
+    wp uint16 [N/16, K/32, RECORD/2]: a record's nibble lanes (module docstring), then d[16], m[16]. A
+    loop at load time instead of NumPy's whole-matrix reshuffles, which took most of a start (one thread:
+    a matrix is too little work to share).
+
+    Weight r of a span (r < 64) is nibble r // 16 of its lane r % 16; the span holds k-blocks 2s and
+    2s + 1, and the weight k0 + 2e + h of octet o of its block bl is r = 32 bl + 8 o + 2 e + h: lane
+    8 (o % 2) + 2 e + h, nibble 2 bl + o // 2."""
+    N, spans = lanes.shape[0], lanes.shape[1]
+    for n in range(N):
+        cb, c = n // BLOCK_COLS, n % BLOCK_COLS
+        for s in range(spans):
+            span = lanes[n, s]
+            for bl in range(2):
+                b = 2 * s + bl
+                for octet in range(OCTETS):
+                    shift = 4 * (2 * bl + octet // 2)
+                    for h in range(2):
+                        lane = np.uint16(0)
+                        for e in range(4):
+                            nib = (span[8 * (octet % 2) + 2 * e + h] >> np.uint16(shift)) & np.uint16(15)
+                            lane |= nib << np.uint16(4 * e)
+                        wp[cb, b, (octet * BLOCK_COLS + c) * 2 + h] = lane
+                wp[cb, b, D_AT // 2 + c] = dmbits[n, b, 0]
+                wp[cb, b, M_AT // 2 + c] = dmbits[n, b, 1]
 
 
 _a1, _a2, _a4, _a6 = (q4_gemm_tiles[isa.AVX2, R, 1] for R in TILE_ROWS)

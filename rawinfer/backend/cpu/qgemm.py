@@ -77,8 +77,10 @@ def pack_weights(q: np.ndarray) -> np.ndarray:
     N, K = q.shape
     if not (N % BLOCK_COLS == 0 and K % 2 == 0):
         raise ValueError(f"pack_weights: shape {q.shape} needs N % {BLOCK_COLS} == 0 and even K")
-    w = np.asarray(q, np.int8).reshape(N // BLOCK_COLS, BLOCK_COLS, K // 2, 2)
-    return np.ascontiguousarray(w.transpose(0, 2, 1, 3))
+    # k pairs moved as one int16 each: NumPy's transpose of 2-byte elements, not of bytes (several times faster
+    # on an LM head of a large vocabulary, which every start packs)
+    w = np.ascontiguousarray(q, np.int8).view(np.int16).reshape(N // BLOCK_COLS, BLOCK_COLS, K // 2)
+    return np.ascontiguousarray(w.transpose(0, 2, 1)).view(np.int8).reshape(N // BLOCK_COLS, K // 2, BLOCK_COLS, 2)
 
 
 @nb.njit(cache=True)
