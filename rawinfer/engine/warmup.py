@@ -210,3 +210,33 @@ def _fits(engine, num_tokens: int, n: int = 1) -> bool:
     """Whether n sequences of num_tokens fit the context and the whole KV pool of this engine."""
     blocks = -(-num_tokens // engine.config.block_size) * n
     return num_tokens <= engine.max_model_len and blocks <= engine.block_manager.num_blocks
+
+
+def warm_up_like(engine, prompt_len: int, params: SamplingParams) -> float:
+    """A one-shot command's warm-up (`rawinfer generate`): one dummy request shaped like the one coming (its
+    prompt length, so the same chunks and attention paths; its sample count; up to two decode steps), then
+    nothing of it left. Its first token waits for no kernel, and a start loads only the kernels it runs;
+    a later step that meets another compiles under say_when_compiling's warning. Returns the seconds taken."""
+    t0 = time.monotonic()
+    log.info("warming up: compiling (or loading from the kernel cache) the steps of this prompt")
+    prompt, n, tokens = _prompts(engine), params.n, min(3, params.max_tokens)
+    if _fits(engine, prompt_len + tokens, n):
+        engine.add_request("__warmup_like", prompt(prompt_len), _greedy(tokens, n))
+        while engine.has_unfinished():
+            engine.step()
+    engine.reset_state()
+    engine.backend.after_warm_up()
+    seconds = time.monotonic() - t0
+    log.info("warm-up done in %.1f s", seconds)
+    return seconds
+
+
+@contextlib.contextmanager
+def say_when_compiling():
+    """Within: one warning when a kernel compiles (a step of a shape warm_up_like did not run), since the
+    request in progress waits for it."""
+    def warn():
+        log.warning("compiling a kernel this prompt's warm-up did not run; this answer waits for it (it is "
+                    "cached for the next start; `rawinfer warmup` compiles every kernel ahead of time)")
+    with _on_first_compile(warn):
+        yield

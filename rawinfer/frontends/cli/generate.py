@@ -1,4 +1,8 @@
-"""`rawinfer generate`: one prompt through a local engine, streamed to the terminal."""
+"""`rawinfer generate`: one prompt through a local engine, streamed to the terminal.
+
+A one-shot: the engine is warmed for this prompt's steps alone (engine/warmup.py: warm_up_like), not for
+every step a server meets, so it answers sooner; a kernel compiled after that is said.
+"""
 
 from __future__ import annotations
 
@@ -40,11 +44,12 @@ def parse_token_ids(text: str) -> list[int]:
 
 def cmd_generate(args) -> int:
     from rawinfer.engine.tokenizer import chat_messages, has_chat_template, render_chat
+    from rawinfer.engine.warmup import say_when_compiling, warm_up_like
     params = sampling_params_from_args(args)
     check_system_flag(args)
     prompt = read_prompt(args)
     ids = parse_token_ids(prompt) if args.token_ids else None
-    engine = open_engine(args)
+    engine = open_engine(args, one_shot=params.n)     # warmed below for this prompt's steps alone
     if ids is None and engine.tokenizer is None:
         raise CLIError(f"the model in {engine.model_dir} has no tokenizer, so it cannot read text: give the prompt "
                        "as token ids with --token-ids, or convert it from a source that has tokenizer files")
@@ -54,9 +59,12 @@ def cmd_generate(args) -> int:
         prompt = render_chat(engine.tokenizer, chat_messages(prompt, args.system))
     else:
         plain_text_prompt(args, engine.model_dir)
-    prompt_ids = engine.add_request("generate", prompt, params)
+    prompt_ids = engine.encode_prompt(prompt)
+    warm_up_like(engine, len(prompt_ids), params)
+    engine.add_request("generate", prompt_ids, params)
     t0 = time.monotonic()
-    print_stream(engine_events(engine, prompt_ids), args.json, quiet=is_quiet(args),
-                 show_ids=args.token_ids or engine.tokenizer is None)
+    with say_when_compiling():
+        print_stream(engine_events(engine, prompt_ids), args.json, quiet=is_quiet(args),
+                     show_ids=args.token_ids or engine.tokenizer is None)
     log.debug("total %.2f s", time.monotonic() - t0)
     return 0

@@ -4,6 +4,7 @@ which turns every error a user can act on into one line and an exit status that 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -23,7 +24,16 @@ benchmark request failed); 2 bad usage or input (a flag, a model path, a prompt)
 -q and -v may also follow the command. `rawinfer COMMAND --help` describes a command's flags."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+# every command group: the names of its commands, and what adds them to the parser
+COMMANDS = ((("generate",), generate.add_parser), (("chat",), chat.add_parser),
+            (("serve", "client", "keygen", "scale"), serve.add_parsers), (("models",), models.add_parser),
+            (("fetch",), fetch.add_parser), (("convert",), convert.add_parser), (("bench",), bench.add_parser),
+            (("warmup",), warmup.add_parser))
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of `command`'s group alone: adding the others' options imports what
+    they run (ZeroMQ, the disaggregation link, the benchmarks), which a one-shot command would wait for."""
     parser = Parser(prog="rawinfer", description="A readable LLM inference engine.", epilog=EPILOG,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"rawinfer {VERSION}")
@@ -31,19 +41,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="only warnings and errors on stderr: no progress bars, no summary line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    generate.add_parser(sub)
-    chat.add_parser(sub)
-    serve.add_parsers(sub)               # serve, client, keygen, scale
-    models.add_parser(sub)
-    fetch.add_parser(sub)
-    convert.add_parser(sub)
-    bench.add_parser(sub)
-    warmup.add_parser(sub)
+    for names, add in COMMANDS:
+        if command is None or command in names:
+            add(sub)
     return parser
 
 
+def named_command(argv: list[str]) -> str | None:
+    """The command argv names (its first word that is not an option; the options before a command take no
+    value), or None when that is no command's name (the whole parser then says what is wrong)."""
+    words = [a for a in argv if not a.startswith("-")]
+    known = {name for names, _ in COMMANDS for name in names}
+    return words[0] if words and words[0] in known else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    # What the imports made (modules, classes) lives as long as the process: out of the collector's sight,
+    # so that its full collections, set off again and again by a start's allocations, stop walking it
+    gc.freeze()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(named_command(argv))
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="rawinfer: %(message)s", stream=sys.stderr)

@@ -8,6 +8,8 @@ that runs a local model starts its engine.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import logging
 import os
@@ -124,8 +126,9 @@ def _convert_into_cache(src: str, progress: bool) -> str:
     return dst
 
 
-def open_engine(args):
-    """The LLMEngine of the command's engine options (and its --model, resolved as above)."""
+def open_engine(args, one_shot: int | None = None):
+    """The LLMEngine of the command's engine options (and its --model, resolved as above). one_shot=n: the
+    engine runs one request of n samples (`rawinfer generate`), sized and warmed for it (one_shot_config)."""
     from rawinfer.engine.engine import LLMEngine
     from rawinfer.frontends.cli.progress import ticking
     cfg = engine_config_from_args(args)
@@ -135,9 +138,9 @@ def open_engine(args):
         log.info("starting the engine on %s", path)
         with ticking("starting the engine (loading the weights, compiling or loading the kernels)",
                      enabled=not is_quiet(args)):
-            return LLMEngine(path, cfg)
+            return LLMEngine(path, cfg if one_shot is None else one_shot_config(cfg, path, one_shot))
     try:
-        return start()
+        engine = start()
     except ModelFormatError as e:
         if not _converted_into_cache(args.model, path):
             raise
@@ -147,7 +150,29 @@ def open_engine(args):
                     path, e)
         shutil.rmtree(path, ignore_errors=True)
         path = resolve_model(args.model, progress=not is_quiet(args), device=cfg.device)
-        return start()
+        engine = start()
+    # the engine's objects (kernels, Numba's types, the model) live as long as the process: after one
+    # collection of the start's garbage, out of the collector's sight, so that neither the rest of a one-shot
+    # command nor a server's requests pay for walking them again
+    gc.collect()
+    gc.freeze()
+    return engine
+
+
+def one_shot_config(cfg: EngineConfig, path: str, n: int) -> EngineConfig:
+    """The engine config of one request of n samples on the model in `path`: no warm-up (the caller warms
+    the engine for its request alone: engine/warmup.py, warm_up_like) and, on the CPU without
+    --kv-cache-memory, a KV region of n contexts of max_model_len (in float32, the widest KV dtype) where
+    that is less than the CPU default: every page of it is mapped in at start."""
+    from rawinfer.backend.select import cuda_usable
+    from rawinfer.config import ModelConfig, resolve_max_model_len
+    from rawinfer.exec.memory import CPU_KV_CACHE_BYTES, kv_bytes_per_block
+    kv = cfg.kv_cache_memory
+    if kv is None and (cfg.device == "cpu" or (cfg.device == "auto" and not cuda_usable())):
+        model = ModelConfig.from_dir(path)
+        blocks = -(-resolve_max_model_len(model, cfg) // cfg.block_size) * n
+        kv = min(CPU_KV_CACHE_BYTES, blocks * kv_bytes_per_block(model, cfg.block_size, "float32"))
+    return dataclasses.replace(cfg, warmup=False, kv_cache_memory=kv)
 
 
 def _converted_into_cache(arg: str | None, path: str) -> bool:
