@@ -16,7 +16,7 @@ import sys
 from rawinfer.frontends.cli.conversation import Conversation, LocalModel, Refused, RemoteModel, TooLong
 from rawinfer.frontends.cli.serve import add_server_args
 from rawinfer.frontends.cli.stream import summary_line
-from rawinfer.frontends.options import (add_command, add_engine_args, add_sampling_args, is_quiet,
+from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args, is_quiet,
                                         sampling_params_from_args)
 
 HELP = ("commands: /reset forgets the conversation, /system TEXT sets the system message (/system alone "
@@ -175,11 +175,26 @@ def loop(model, conv: Conversation, params, quiet: bool) -> int:
         answer(model, conv, line, params, quiet)
 
 
+def refuse_a_model_without_chat(args) -> None:
+    """A model that cannot hold a conversation (no tokenizer, no chat template and no --chat-template) is
+    refused from its files, before it loads and warms up."""
+    from rawinfer.frontends.cli.models import conversation_lacks, resolve_model
+    path = resolve_model(args.model, progress=not is_quiet(args), device=args.device)
+    missing = conversation_lacks(path, getattr(args, "chat_template", None))
+    if missing == "tokenizer":
+        raise CLIError(f"the model in {path} has no tokenizer, so it cannot hold a conversation; use `rawinfer "
+                       "generate` (with --raw or --token-ids) instead")
+    if missing is not None:
+        raise CLIError(f"the model in {path} has no chat template, so it cannot hold a conversation; give one with "
+                       "--chat-template FILE, or use `rawinfer generate --raw` instead")
+
+
 def cmd_chat(args) -> int:
     params = sampling_params_from_args(args)
     conv = Conversation(system=args.system)
     if args.addr is None:
         from rawinfer.frontends.cli.models import open_engine
+        refuse_a_model_without_chat(args)
         return loop(LocalModel(open_engine(args)), conv, params, is_quiet(args))
     from rawinfer.frontends.cli.connect import ping_server
     from rawinfer.frontends.server.client import Client

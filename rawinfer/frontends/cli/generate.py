@@ -10,7 +10,7 @@ import logging
 import re
 import time
 
-from rawinfer.frontends.cli.models import open_engine
+from rawinfer.frontends.cli.models import conversation_lacks, open_engine, resolve_model
 from rawinfer.frontends.cli.stream import engine_events, print_stream
 from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args,
                                         check_system_flag, is_quiet, plain_text_prompt, read_prompt,
@@ -42,6 +42,18 @@ def parse_token_ids(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+def refuse_what_the_model_cannot_read(args) -> None:
+    """Text for a model without a tokenizer, or --system for one without a chat template (and no
+    --chat-template), refused from the model's files before it loads."""
+    path = resolve_model(args.model, progress=not is_quiet(args), device=args.device)
+    missing = conversation_lacks(path, getattr(args, "chat_template", None))
+    if missing == "tokenizer":
+        raise CLIError(f"the model in {path} has no tokenizer, so it cannot read text: give the prompt as token ids "
+                       "with --token-ids, or convert it from a source that has tokenizer files")
+    if missing is not None and args.system is not None and not args.raw:
+        plain_text_prompt(args, path)                  # raises: --system needs a chat template
+
+
 def cmd_generate(args) -> int:
     from rawinfer.engine.tokenizer import chat_messages, has_chat_template, render_chat
     from rawinfer.engine.warmup import say_when_compiling, warm_up_like
@@ -49,10 +61,9 @@ def cmd_generate(args) -> int:
     check_system_flag(args)
     prompt = read_prompt(args)
     ids = parse_token_ids(prompt) if args.token_ids else None
+    if ids is None:
+        refuse_what_the_model_cannot_read(args)
     engine = open_engine(args, one_shot=params.n)     # warmed below for this prompt's steps alone
-    if ids is None and engine.tokenizer is None:
-        raise CLIError(f"the model in {engine.model_dir} has no tokenizer, so it cannot read text: give the prompt "
-                       "as token ids with --token-ids, or convert it from a source that has tokenizer files")
     if ids is not None:
         prompt = ids
     elif not args.raw and has_chat_template(engine.tokenizer):   # rendered as the server renders `messages`

@@ -59,6 +59,14 @@ def _read_config(folder: str) -> dict | None:
         return None
 
 
+def conversation_lacks(folder: str, chat_template: str | None = None) -> str | None:
+    """What the converted model in `folder` lacks to render a chat ("tokenizer", "chat template"), read from
+    its files without loading it; None when it has both (a --chat-template file stands in for its own)."""
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return "tokenizer"
+    return None if chat_template or (_read_config(folder) or {}).get("chat_template") else "chat template"
+
+
 def is_converted(folder: str) -> bool:
     cfg = _read_config(folder)
     return cfg is not None and cfg.get("format") == FORMAT_NAME
