@@ -6,6 +6,8 @@ import json
 import logging
 import os
 
+from rawinfer.engine.reasoning import REASONING_PARSERS
+from rawinfer.engine.tool_calls import TOOL_CALL_PARSERS
 from rawinfer.frontends.cli.connect import PING_TIMEOUT_S, ping_server, probe_endpoint
 from rawinfer.frontends.cli.generate import parse_token_ids
 from rawinfer.frontends.cli.models import open_engine
@@ -69,6 +71,13 @@ def add_parsers(sub) -> None:
     h.add_argument("--default-max-tokens", type=positive_int, default=None, metavar="N",
                    help="max_tokens of a request that leaves it out, at most what the context leaves after its "
                         "prompt (default: OpenAI's: 16 for completions, what the context leaves for chats)")
+    h.add_argument("--tool-call-parser", default="auto", choices=("auto", "none", *TOOL_CALL_PARSERS),
+                   help="how tool calls are read from a chat answer into `tool_calls`: hermes (<tool_call> JSON: "
+                        "Hermes, Qwen2.5/3, --chat-template smollm2-tools), llama3_json (Llama 3.x), none "
+                        "(default: auto, the format the chat template teaches, if any)")
+    h.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
+                   help="return a chat answer's <think> block as `reasoning_content`: qwen3, deepseek_r1 "
+                        "(default: none, the block stays in the content)")
     add_engine_args(p)
     add_role_args(p)
     add_replica_args(p)
@@ -243,7 +252,8 @@ def _start_http(args):
                     "engine", args.http_host)
     config = {"engine_addr": connect_addr(args.bind), "server_key": args.curve_secret_key, "api_key": args.api_key,
               "strict_api": args.strict_api, "served_names": served_model_names(args),
-              "default_max_tokens": args.default_max_tokens}
+              "default_max_tokens": args.default_max_tokens, "tool_call_parser": args.tool_call_parser,
+              "reasoning_parser": args.reasoning_parser}
     return Workers(sock, args.api_workers, config, level=logging.getLogger().getEffectiveLevel())
 
 

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from rawinfer.config import VERSION
 from rawinfer.frontends.http import metrics
+from rawinfer.frontends.http.chat_shape import Parsers
 from rawinfer.frontends.http.engine_link import EngineLink
 from rawinfer.frontends.http.errors import APIError, from_validation, log_failure, unknown_field
 from rawinfer.frontends.http.params import chat_job, check_model, completion_job
@@ -44,6 +45,9 @@ class HTTPConfig:
     strict_api: bool = False                # refuse unknown request fields (default: ignore them, logged)
     served_names: list[str] | None = None   # the model's names in the API, the first reported (None: the engine's)
     default_max_tokens: int | None = None   # for requests without max_tokens (None: OpenAI's defaults)
+    tool_call_parser: str = "auto"          # how tool calls are read from answers: a parser's name, "none", or
+                                            # "auto": the format the engine's chat template teaches, if any
+    reasoning_parser: str | None = None     # <think> blocks returned as reasoning_content (None: left in content)
 
 
 class _ApiKey:
@@ -107,6 +111,12 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
     async def model_names() -> list[str]:
         """The names a request may give as `model`; the first is the one responses report."""
         return cfg.served_names or [(await link().info()).get("model") or "rawinfer"]
+
+    async def parsers() -> Parsers:
+        name = cfg.tool_call_parser
+        if name == "auto":
+            name = (await link().info()).get("tool_call_parser")
+        return Parsers(tool_call=None if name == "none" else name, reasoning=cfg.reasoning_parser)
 
     async def model_name() -> str:
         return (await model_names())[0]
@@ -196,7 +206,7 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
         unknown(body, request)
         names = await model_names()
         check_model(body.model, names)
-        return await run(chat_job(body, names[0], cfg.default_max_tokens), request)
+        return await run(chat_job(body, names[0], cfg.default_max_tokens, await parsers()), request)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest, request: Request):

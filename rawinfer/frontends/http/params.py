@@ -9,8 +9,10 @@ import uuid
 from dataclasses import dataclass, fields
 
 from rawinfer.sampling import SamplingParams, is_decimal_id
+from rawinfer.frontends.http.chat_shape import ChatShape, Parsers, chat_shape
 from rawinfer.frontends.http.errors import APIError, invalid, unsupported
 from rawinfer.frontends.http.schemas import ChatCompletionRequest, CompletionRequest
+from rawinfer.frontends.http.structured import constraint_of
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 
@@ -46,6 +48,7 @@ class Job:
     prompt_ids: list[list[int]] | None = None    # with echo, each prompt's token ids (generation.prepare)
     prompt_counts: list[int] | None = None       # with continuous_usage, each prompt's length (prepare)
     default_max_tokens: int | None = None        # without max_tokens: at most this (None: what the context leaves)
+    shape: ChatShape | None = None               # chats: tools, and how the answer is read back (chat_shape.py)
 
     @property
     def prompt_param(self) -> str:
@@ -79,6 +82,9 @@ def _sampling(req, max_tokens: int | None, max_tokens_name: str, known: set[str]
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
     params["n"] = 1 if req.n is None else req.n
+    constraint = constraint_of(req)
+    if constraint is not None:
+        params["structured_outputs"] = constraint
     try:
         SamplingParams.from_dict(params)
     except ValueError as e:
@@ -148,9 +154,10 @@ def _prompt_list(prompt) -> list:
     return list(prompt)
 
 
-def chat_job(req: ChatCompletionRequest, model: str, default_max_tokens: int | None = None) -> Job:
+def chat_job(req: ChatCompletionRequest, model: str, default_max_tokens: int | None = None,
+             parsers: Parsers = Parsers()) -> Job:
     """default_max_tokens: the server's (--default-max-tokens) for a request without max_tokens, instead of
-    OpenAI's (what the context leaves)."""
+    OpenAI's (what the context leaves); parsers: how the server reads tool calls and reasoning back."""
     known = engine_fields()
     if not req.messages:
         raise invalid("messages", "'messages' must hold at least one message")
@@ -163,19 +170,26 @@ def chat_job(req: ChatCompletionRequest, model: str, default_max_tokens: int | N
         raise invalid("top_logprobs", "'top_logprobs' needs \"logprobs\": true")
     count = (req.top_logprobs or 0) if req.logprobs else None
     _logprobs(params, count, False, known, "top_logprobs" if req.top_logprobs else "logprobs")
+    shape = chat_shape(req, parsers)
+    if shape.grammar is not None:
+        if "structured_outputs" in params:
+            raise invalid("tool_choice", "a required tool call and a response format both constrain the output: "
+                          "send one")
+        params["structured_outputs"] = shape.grammar
     messages = [m.wire() for m in req.messages]
     prompt = {"messages": messages}
-    options = chat_options(req)
+    options = chat_options(req, shape.tools)
     if options is not None:
         prompt["chat_options"] = options
-    return Job(chat=True, prompts=[prompt], params=params, n=params["n"], echo=None,
-               logprobs=count, default_max_tokens=default_max_tokens, **_common(req, model, "chatcmpl"))
+    return Job(chat=True, prompts=[prompt], params=params, n=params["n"], echo=None, logprobs=count,
+               default_max_tokens=default_max_tokens, shape=shape if shape.parses else None,
+               **_common(req, model, "chatcmpl"))
 
 
-def chat_options(req) -> dict | None:
+def chat_options(req, tools: list[dict] | None = None) -> dict | None:
     """How the engine renders the request's messages, when not the default (the generation prompt added, no
-    more template variables): vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs,
-    checked here so that a 400 names the field."""
+    more template variables, no tools): vLLM's add_generation_prompt, continue_final_message and
+    chat_template_kwargs, checked here so that a 400 names the field, and the tools the template lists."""
     add = req.add_generation_prompt is not False
     cont = bool(req.continue_final_message)
     if add and cont:
@@ -190,9 +204,11 @@ def chat_options(req) -> dict | None:
     if taken:
         raise invalid("chat_template_kwargs", f"'chat_template_kwargs' may not set {taken[0]!r}: the server sets it "
                       "from the request")
-    if add and not cont and not kwargs:
+    if add and not cont and not kwargs and not tools:
         return None
     options = {"add_generation_prompt": add, "continue_final_message": cont}
+    if tools:
+        options["tools"] = tools
     return {**options, "template_kwargs": dict(kwargs)} if kwargs else options
 
 

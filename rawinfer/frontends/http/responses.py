@@ -25,6 +25,11 @@ async def _totals(link: EngineLink, job: Job) -> Totals:
     return Totals(job, await link.token_texts() if job.logprobs is not None else None)
 
 
+def _with_calls(reason: str | None, calls: bool) -> str | None:
+    """OpenAI's finish reason of an answer that ended by itself after making tool calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 def _chat_logprobs(value: Any) -> dict | None:
     return None if value is None else {"content": value}
 
@@ -41,8 +46,10 @@ async def whole_response(link: EngineLink, job: Job) -> dict:
     for i, c in enumerate(totals.choices):
         reason = _FINISH[c.finish]
         if job.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": _chat_logprobs(c.logprobs), "finish_reason": reason})
+            message, calls = job.shape.message(c.text) if job.shape else ({"role": "assistant", "content": c.text},
+                                                                            False)
+            choices.append({"index": i, "message": message, "logprobs": _chat_logprobs(c.logprobs),
+                            "finish_reason": _with_calls(reason, calls)})
         else:
             choices.append({"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": reason})
     return {**_head(job, False), "choices": choices, "usage": totals.usage()}
@@ -72,7 +79,11 @@ class ChunkStream:
     def _chunk(self, index: int, msg: P.Chunk | P.Final) -> dict:
         text, lp = self.totals.add(index, msg)
         reason = _FINISH.get(msg.finish_reason) if isinstance(msg, P.Final) else None
-        if self.job.chat:
+        if self.job.chat and self.job.shape is not None:
+            delta, calls = self.job.shape.delta(index, text, isinstance(msg, P.Final))
+            choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(lp),
+                      "finish_reason": _with_calls(reason, calls)}
+        elif self.job.chat:
             delta = {"content": text} if text or not isinstance(msg, P.Final) else {}
             choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(lp), "finish_reason": reason}
         else:

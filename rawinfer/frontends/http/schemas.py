@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
@@ -39,6 +39,20 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool | None = None      # vLLM's: the usage so far in every chunk
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema: the schema the answer must follow (its name, description and
+    strict flag change nothing here: the schema is always enforced)."""
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Body):
     """Fields shared by completions and chat completions."""
     model: str | None = None
@@ -62,6 +76,14 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     priority: int | None = None
+    # structured output (structured.py): OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -81,6 +103,8 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant's calls (checked by the engine's rules)
+    tool_call_id: str | None = None                    # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -90,7 +114,12 @@ class ChatMessage(_Body):
     def wire(self) -> dict:
         """The message as the engine's chat template takes it: OpenAI's `developer` (the system message of
         newer models) is the templates' `system`."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        msg = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls is not None:
+            msg["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
 
 
 class ChatCompletionRequest(_Sampling):
@@ -103,6 +132,10 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool calls (chat_shape.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Body):
@@ -112,6 +145,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None         # listed by the template, as in a chat request
 
 
 class DetokenizeRequest(_Body):
