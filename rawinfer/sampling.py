@@ -137,11 +137,14 @@ def structured_outputs_problem(spec) -> str | None:
     (kind, value), = spec.items()
     if kind not in STRUCTURED_OUTPUT_KINDS:
         return f"a map with exactly one of the keys {kinds}, not {str(kind)[:40]!r}"
-    if kind == "json" and isinstance(value, str):
+    if kind == "json":
         try:
-            value = json.loads(value)
-        except ValueError as e:
-            return f"a map whose 'json' is a JSON schema; the string given is not JSON ({e})"
+            if isinstance(value, str):
+                value = json.loads(value)
+            else:
+                json.dumps(value)            # a schema of JSON values only (it is compiled from its JSON)
+        except (TypeError, ValueError) as e:
+            return f"a map whose 'json' is a JSON schema; the value given is not JSON ({e})"
     ok = {"json": isinstance(value, dict), "json_object": value is True,
           "regex": isinstance(value, str) and bool(value), "grammar": isinstance(value, str) and bool(value),
           "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)}

@@ -153,10 +153,10 @@ class GrammarCompiler:
             return self._tokenizer
 
     def _compile(self, spec: dict) -> CompiledGrammar:
-        import llguidance as llg
         kind = next(iter(spec))
         t0 = time.perf_counter()
         try:
+            import llguidance as llg
             matcher = llg.LLMatcher(self.tokenizer, grammar_source(spec), log_level=0)
         except Exception as e:        # llguidance and the GBNF converter raise plain exceptions
             raise GrammarError(f"structured_outputs {kind!r} does not compile: {_one_line(e)}") from None
