@@ -6,9 +6,26 @@
 
 Histograms count whole requests (or gaps): their y axes carry integer ticks only. Against a
 disaggregated server a line under the title says what the KV-transfer link did (serve.py's kv_transfer).
+matplotlib comes with the `bench` extra (`pip install 'rawinfer[bench]'`); without it, available() says
+so once and the run writes its JSON alone.
 """
 
 from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("rawinfer")
+
+
+def available() -> bool:
+    """Whether matplotlib imports; where it does not, one warning that says how to get the figure."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log.warning("no PNG figure for this run: matplotlib is not installed (pip install 'rawinfer[bench]'); "
+                    "the JSON results are written as usual")
+        return False
+    return True
 
 
 def _percentile_lines(ax, summary: dict) -> None:
@@ -25,6 +42,19 @@ def plot(r: dict, path: str) -> None:
     fig = draw(r)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _title(r: dict) -> str:
+    """What ran: the model, the requests sent (a multi-turn run's conversations x turns), the rate, the lengths."""
+    c = r["config"]
+    rate = c["request_rate"]
+    rate = "all at once" if rate in ("inf", float("inf")) else f"{rate:g} req/s"
+    if c.get("conversations"):     # --num-requests does not apply: every turn of every conversation is a request
+        sent = f"{c['conversations']} conversations x {c['turns']} turns = {len(r['requests'])} requests"
+        lengths = f"turn 1 in {c['input_len']} (+ {c['turn_input_len']} a turn) / out {c['output_len']} tokens"
+    else:
+        sent, lengths = f"{len(r['requests'])} requests", f"in {c['input_len']} / out {c['output_len']} tokens"
+    return f"rawinfer bench serve: {c.get('model')}, {sent}, {rate}, {lengths}"
 
 
 def draw(r: dict):
@@ -67,11 +97,7 @@ def draw(r: dict):
     ax[2, 1].scatter([x["sent"] for x in ok], ttft, s=8, color="tab:blue")
     ax[2, 1].set(title="TTFT by send time", xlabel="s since start (sent)", ylabel="TTFT ms")
 
-    c = r["config"]
-    rate = c["request_rate"]
-    rate = "all at once" if rate in ("inf", float("inf")) else f"{rate:g} req/s"
-    fig.suptitle(f"rawinfer bench serve: {c.get('model')}, {c['num_requests']} requests, {rate}, "
-                 f"in {c['input_len']} / out {c['output_len']} tokens")
+    fig.suptitle(_title(r))
     t = r.get("kv_transfer")
     if t:        # a disaggregated server: what its prefill link moved, under the title
         mean = "-" if t["mean_transfer_ms"] is None else f"{t['mean_transfer_ms']:.0f} ms"

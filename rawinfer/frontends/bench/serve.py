@@ -221,8 +221,9 @@ def summarize_run(records: list[RequestRecord], duration: float, samples: list[d
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    # output tokens/s over time, from the client's token arrival times, in bins of about 1/40 of the run
-    width = max(duration / 40, 0.05)
+    # output tokens/s over time, from the client's token arrival times, in bins of --stats-interval: the
+    # period the server's stats are sampled at, so that both lines of the figure's panel share it
+    width = float(config.get("stats_interval") or max(duration / 40, 0.05))
     edges = np.arange(0.0, duration + width, width)
     counts, _ = np.histogram([t for r in ok for t in r.token_times], bins=edges)
     return {

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 
 from rawinfer.frontends.cli.connect import ping_server
@@ -221,9 +220,10 @@ def cmd_throughput(args) -> int:
 def cmd_serve_bench(args) -> int:
     import asyncio
 
-    from rawinfer.frontends.bench import multiturn, serve
+    from rawinfer.frontends.bench import figure, multiturn, serve
     multiturn.check_options(args)
     _output_path(args, "serve", "json", args.json)
+    draw = args.figure != "" and figure.available()       # said before the run, not after it
     if args.backend == "openai":
         _check_http(args.base_url, args.api_key)
     else:
@@ -232,15 +232,11 @@ def cmd_serve_bench(args) -> int:
     serve.print_report(r)
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate   # JSON has no infinity
     path = _write_json(args, "serve", {**r, "config": {**r["config"], "request_rate": rate}})
-    if args.figure != "":
+    if draw:
         fig = args.figure or os.path.splitext(path)[0] + ".png"
         fig = fig if fig.lower().endswith(".png") else fig + ".png"     # what matplotlib writes
-        try:
-            from rawinfer.frontends.bench import figure
-            figure.plot(r, _output_path(args, "serve", "png", fig))
-            print(f"wrote {fig}")
-        except ImportError:
-            print("rawinfer: no figure: install matplotlib (pip install matplotlib) to get one", file=sys.stderr)
+        figure.plot(r, _output_path(args, "serve", "png", fig))
+        print(f"wrote {fig}")
     if r["failed"]:
         raise CLIError(f"{r['failed']} of {r['failed'] + r['completed']} requests failed; first error: "
                        f"{(r['errors'] or ['unknown'])[0]}", EXIT_FAILED)
