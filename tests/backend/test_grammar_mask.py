@@ -74,3 +74,26 @@ def test_cuda_grammar_mask(cuda_backend, S, V, dtype):
     np.testing.assert_array_equal(logits.astype(np.float32), want.astype(np.float32))
     expr, grid, block, _ = cuda_backend._launcher.launches[-1]
     assert grid == (-(-V // 256), len(rows), 1) and block == (256, 1, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gpu_grammar_mask(dtype):
+    """The same kernel on a device (skipped without one; tools/gpu_check.sh runs the `gpu` marker)."""
+    from rawinfer.backend.cuda.runtime import cuda_status
+    usable, why = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {why}")
+    from rawinfer.backend.cuda.backend import CUDABackend
+    gpu = CUDABackend()
+    for S, V in SIZES + [(32, 49152 + 40)]:
+        logits, bitmask, rows = case(S, V, dtype, S + V, extra_words=1)
+        want = grammar_mask_ref(logits, bitmask, rows) if V < 2000 else None
+        d = gpu.empty(logits.shape, logits.dtype)
+        gpu.upload(d, logits)
+        gpu.grammar_mask(d, bitmask, rows)
+        got = gpu.to_host(d)
+        if want is None:            # the big case against the CPU backend's op (the reference is a Python loop)
+            want = logits.astype(np.float32)
+            CPUBackend().grammar_mask(want, bitmask, rows)
+        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))

@@ -267,3 +267,24 @@ def test_bench_throughput_structured_output_runs_both_workloads(tiny, capsys):
     assert r["unconstrained"]["output_tokens"] == r["constrained"]["output_tokens"] == 24   # no grammar ended early
     assert r["grammar_compile_ms"] > 0 and r["mask_ms_per_step"] > 0 and r["decode_tokens_ratio"] > 0
     assert "% of decode tokens/s" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_on_cuda_outputs_follow_their_grammar(padded_vocab_dir):
+    """The device path: the mask filled on a thread during the forward pass, applied by grammar_mask.cu,
+    greedy argmax and filtered draws on the device (skipped without a GPU)."""
+    from rawinfer.backend.cuda.runtime import cuda_status
+    usable, why = cuda_status()
+    if not usable:
+        pytest.skip(f"no usable GPU: {why}")
+    llm = LLM(padded_vocab_dir, device="cuda", kv_cache_memory="64MiB", warmup=False)
+    bias = {TOKENIZER_VOCAB + 3: 100.0}
+    params = [greedy(300, structured_outputs={"json": PERSON}, logit_bias=bias),
+              SamplingParams(max_tokens=300, temperature=1.0, seed=2, n=3, structured_outputs={"json": ORDER}),
+              greedy(300, structured_outputs={"regex": "[0-9]{3}-[a-f]{2,4}"}), greedy(48, ignore_eos=True)]
+    out = llm.generate(prompts(4, seed=3), params, use_tqdm=False)
+    for r, schema in zip(out[:2], (PERSON, ORDER)):
+        for c in r.outputs:
+            assert c.finish_reason == "stop" and max(c.token_ids) < TOKENIZER_VOCAB
+            jsonschema.validate(json.loads(c.text), schema)
+    assert re.fullmatch("[0-9]{3}-[a-f]{2,4}", out[2].text) and len(out[3].token_ids) == 48
