@@ -185,13 +185,14 @@ def test_forks_each_get_their_own_matcher(tiny):
 
 
 def test_preemption_and_a_small_pool_change_nothing(padded_vocab_dir, tiny):
-    """A pool too small for the batch preempts sequences (their output tokens are kept and recomputed):
-    the matchers never consume a token twice, so the outputs equal the roomy engine's."""
+    """A pool too small for the batch preempts sequences (their output tokens are kept and recomputed) and a
+    budget of 8 tokens a step chunks the prompts: the matchers never consume a token twice and a chunk
+    samples nothing, so the outputs equal the roomy engine's."""
     ps = prompts(6, seed=21)
     params = [greedy(160, structured_outputs={"json": PERSON}) if i % 2 else
               greedy(160, ignore_eos=True, structured_outputs={"regex": "[a-z ]+"}) for i in range(6)]
     want = [r.token_ids for r in tiny.generate(ps, params, use_tqdm=False)]
-    small = LLM(padded_vocab_dir, device="cpu", kv_cache_memory=24 * 16 * 512, max_num_batched_tokens=64,
+    small = LLM(padded_vocab_dir, device="cpu", kv_cache_memory=24 * 16 * 512, max_num_batched_tokens=8,
                 warmup=False)                         # 24 blocks of 16 tokens (512 bytes of K/V per token)
     got = [r.token_ids for r in small.generate(ps, params, use_tqdm=False)]
     assert small.engine.scheduler.num_preemptions > 0
