@@ -178,7 +178,10 @@ class MaskJob:
     def apply(self, logits):
         """Mask the logits in place once the bitmask is ready; returns the logits log-probabilities read (a
         copy taken before masking when keep_raw)."""
-        self.pending.result() if self.pending is not None else self.fill()
+        if self.pending is not None:
+            self.pending.result()
+        else:
+            self.fill()
         raw = logits.copy() if self.keep_raw else logits
         self.backend.grammar_mask(logits, self.bitmask, self.rows)
         return raw
