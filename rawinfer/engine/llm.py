@@ -69,20 +69,22 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[GenerationResult]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[GenerationResult]:
         """One conversation (a list of {"role": ..., "content": ...} dicts) or a list of them, each rendered
         with the model's chat template as the server renders `messages` and answered as generate() answers a
         prompt; results in input order. continue_final_message (with add_generation_prompt=False): the last,
         assistant message is continued instead of a new turn started; chat_template_kwargs: more variables for
-        the template (e.g. Qwen3's enable_thinking). ChatTemplateError if the model has no chat template (a
-        base model: use generate() with the text)."""
+        the template (e.g. Qwen3's enable_thinking); tools: OpenAI's `tools`, listed by the template (read the
+        calls back with engine.chat_output.parse_chat_output). ChatTemplateError if the model has no chat
+        template (a base model: use generate() with the text)."""
         from rawinfer.engine.tokenizer import render_chat
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a conversation (a non-empty list of {\"role\": ..., \"content\": "
                              "...} dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         return self.generate([render_chat(self.tokenizer, c, add_generation_prompt, continue_final_message,
-                                          chat_template_kwargs) for c in conversations], params, use_tqdm)
+                                          chat_template_kwargs, tools=tools) for c in conversations], params,
+                             use_tqdm)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[GenerationResult]:
