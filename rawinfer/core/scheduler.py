@@ -11,8 +11,9 @@ Every step fills one budget of `max_num_batched_tokens` tokens and at most `max_
      starting after its longest cached prefix, as long as the budget, the sequence cap and the pool allow.
 
 With a step-cost model (core/step_cost.py, fitted by the engine to its measured steps) and an inter-token
-target (EngineConfig.itl_target_ms: milliseconds, None for the automatic one, 0 for none), a step that
-carries decode rows takes only the prefill tokens that keep its estimated time within the target
+target (EngineConfig.itl_target_ms: milliseconds; None: twice the estimated decode step of the sequences
+running and waiting, step_cost.auto_target_rows; 0: none), a step that carries decode rows takes only the
+prefill tokens that keep its estimated time within the target
 (stall-free batching, as Sarathi-Serve): the running decodes' estimate first, then prefill chunks in the
 order above until the target is spent. The step's first prefill chunk takes at least one block however
 little is left, so prefill never starves while decodes alone exceed the target; a step with no decode rows
@@ -49,7 +50,7 @@ from rawinfer.config import EngineConfig
 from rawinfer.core.block_hashes import BlockHashes
 from rawinfer.core.block_manager import BlockManager
 from rawinfer.core.sequence import FinishReason, Sequence
-from rawinfer.core.step_cost import PrefillAllowance, StepCost, StepShape
+from rawinfer.core.step_cost import PrefillAllowance, StepCost, StepShape, auto_target_rows
 from rawinfer.core.step_plan import PlanLayout, ScheduledBatch, ScheduledSeq, build_step_plan
 
 
@@ -211,8 +212,8 @@ class Scheduler:
         if not decodes:
             return None
         shape = StepShape(0, len(decodes), sum(s.num_computed_tokens + 1 for s in decodes))
-        target = (target_ms / 1e3 if target_ms is not None
-                  else cost.auto_target(self.ecfg.max_num_seqs, shape.keys / len(decodes)))
+        rows = auto_target_rows(len(self.running) + len(self.waiting), self.ecfg.max_num_seqs)
+        target = target_ms / 1e3 if target_ms is not None else cost.auto_target(rows, shape.keys / len(decodes))
         return PrefillAllowance(cost, target - cost.predict(shape), self.bm.block_size)
 
     def _scheduled(self, seq: Sequence, n: int, allowance: PrefillAllowance | None = None) -> ScheduledSeq:

@@ -38,7 +38,8 @@ TUKEY_C = 4.685          # biweight rounds: residuals beyond TUKEY_C spreads cou
 IRLS_ROUNDS = 3          # reweighted solves of each kind per fit
 RIDGE = 1e-6             # pull toward 0 per step held, on columns scaled to [0, 1]: keeps the solve regular
 KEY_RIDGE = 1e-4         # ... and on d, a tiebreaker: a key read is cheap unless the steps show otherwise
-AUTO_TARGET_STEPS = 2.0  # the automatic target: this many times a decode step of max_num_seqs rows
+AUTO_TARGET_STEPS = 2.0  # the automatic target: this many times the estimated decode step of the batch served,
+AUTO_TARGET_MIN_SHARE = 0.25   # counted as at least this share of max_num_seqs rows (see auto_target_rows)
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,16 @@ class StepCost:
 
     def auto_target(self, rows: int, keys_per_row: float) -> float:
         """The automatic inter-token target: AUTO_TARGET_STEPS times the estimate of a decode-only step of
-        `rows` rows (max_num_seqs) that read keys_per_row keys each (the running decodes' mean)."""
+        `rows` rows (auto_target_rows) that read keys_per_row keys each (the running decodes' mean)."""
         return AUTO_TARGET_STEPS * self.predict(StepShape(0, rows, int(rows * keys_per_row)))
+
+
+def auto_target_rows(in_engine: int, max_num_seqs: int) -> int:
+    """The batch the automatic target is measured against: every sequence running or waiting (in a burst, the
+    decode step every stream will see, so a step carrying prefill stays within twice it), max_num_seqs at
+    most, and at least AUTO_TARGET_MIN_SHARE of it, so that a long prompt beside a few long-lived streams
+    still goes in chunks that cost about a decode step of that many rows instead of one block a step."""
+    return min(max_num_seqs, max(in_engine, math.ceil(AUTO_TARGET_MIN_SHARE * max_num_seqs)))
 
 
 class PrefillAllowance:

@@ -101,9 +101,9 @@ def _seed_step_cost(engine, prompt, ok) -> None:
     engine.scheduler.step_cost = cost
     if cost.coefficients is not None:
         target = engine.config.itl_target_ms
-        auto = cost.auto_target(engine.config.max_num_seqs, 0) * 1e3 if cost.usable() else float("nan")
-        log.info("step cost: %s; inter-token target %s", cost.coefficients.describe(),
-                 "off" if target == 0 else f"{target:g} ms" if target else f"auto, {auto:.0f} ms at short contexts")
+        full = cost.auto_target(engine.config.max_num_seqs, 0) * 1e3 if cost.usable() else float("nan")
+        log.info("step cost: %s; inter-token target %s", cost.coefficients.describe(), "off" if target == 0 else
+                 f"{target:g} ms" if target else f"auto, twice the decode step of the batch ({full:.0f} ms when full)")
 
 
 def _score_and_reset(engine, prompt, ok) -> None:

@@ -12,7 +12,7 @@ from rawinfer.config import EngineConfig
 from rawinfer.core.block_manager import BlockManager
 from rawinfer.core.scheduler import Scheduler
 from rawinfer.core.sequence import FinishReason
-from rawinfer.core.step_cost import AUTO_TARGET_STEPS, Coefficients, StepCost, StepShape
+from rawinfer.core.step_cost import AUTO_TARGET_STEPS, Coefficients, StepCost, StepShape, auto_target_rows
 from tests.core.test_scheduler import seq, step
 
 # 10 ms a step, 1 ms a prefill token, 2 ms a decode row, no attention term: easy to follow by hand
@@ -110,12 +110,24 @@ def test_scoring_chunk_goes_in_whole_or_waits():
     assert step(s) == {"a": 1, "b": 1, "p1": 1, "scored": 40}    # the first prefill of its step
 
 
-def test_auto_target_is_twice_a_full_decode_step():
-    """None: AUTO_TARGET_STEPS x (10 + 8 rows * 2) = 52 ms at max_num_seqs 8; two decodes leave 38 ms."""
-    s = make(itl_target_ms=None)
+def test_auto_target_is_twice_the_decode_step_of_the_batch_served():
+    """None: AUTO_TARGET_STEPS x the estimated decode step of every sequence running or waiting, counted as
+    at least a quarter of max_num_seqs and at most all of it."""
+    assert AUTO_TARGET_STEPS == 2.0
+    assert [auto_target_rows(n, 16) for n in (0, 3, 4, 9, 16, 40)] == [4, 4, 4, 9, 16, 16]
+    s = make(itl_target_ms=None)                       # two decode + one waiting: 2 x (10 + 3 * 2) = 32 ms
     decoding(s, "a", "b")
     s.add(seq("long", 100))
-    assert AUTO_TARGET_STEPS == 2.0 and step(s)["long"] == 38
+    assert step(s)["long"] == 32 - 14
+    s = make(itl_target_ms=None)                       # six decode + four waiting, 8 at most: 52 ms
+    decoding(s, *"abcdef")
+    for i in range(4):
+        s.add(seq(f"w{i}", 100, start=100 * i))
+    assert step(s) == {**dict.fromkeys("abcdef", 1), "w0": 52 - 22}
+    s = make(itl_target_ms=None, max_num_seqs=16)      # one decode + one waiting, at least 4 rows: 36 ms
+    decoding(s, "a")
+    s.add(seq("long", 100))
+    assert step(s)["long"] == 36 - 12
 
 
 @pytest.mark.parametrize("seed", range(4))
