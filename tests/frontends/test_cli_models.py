@@ -162,3 +162,14 @@ def test_fetch_of_the_q4_default_converts_into_q4(tmp_path):
         assert json.load(f)["quant"] == "q4"
     r = rawinfer("models")
     assert "smollm2-135m-instruct-q4" in r.stdout and "default model on the CPU" in r.stdout
+
+
+def test_the_default_model_is_served_by_its_name_whichever_copy_runs():
+    """`rawinfer serve` without a model runs the q4 copy on the CPU and the float32 one on a GPU: both answer
+    to the model's one name, so clients' `model` fields do not depend on the device."""
+    from rawinfer.frontends.cli.main import build_parser
+    from rawinfer.frontends.cli.serve import served_model_names
+    parser = build_parser("serve")
+    assert served_model_names(parser.parse_args(["serve"])) == ["smollm2-135m-instruct"]
+    assert served_model_names(parser.parse_args(["serve", "--model", "weights/smollm2-135m-instruct-q4"])) == \
+        ["smollm2-135m-instruct-q4"]                     # a model named by the user keeps its own name

@@ -190,12 +190,13 @@ def _take_positional_model(args) -> None:
 
 def served_model_names(args) -> list[str] | None:
     """--served-model-name, else the name of the model's folder or GGUF file as the user gave it (a folder
-    of the conversion cache given directly: its source's name, never the cache's digest); None for the
-    default model (its folder's name, as the engine reports it)."""
+    of the conversion cache given directly: its source's name, never the cache's digest); the default
+    model by its name, whichever of its copies this device runs (models.py: default_model)."""
     if args.served_model_name:
         return list(args.served_model_name)
     if args.model is None:
-        return None
+        from rawinfer.config import DEFAULT_MODEL
+        return [os.path.basename(DEFAULT_MODEL)]
     path = os.path.normpath(os.path.expanduser(args.model))
     from rawinfer.convert.cache import SOURCE_FILE
     try:
