@@ -178,8 +178,11 @@ def one_shot_config(cfg: EngineConfig, path: str, n: int) -> EngineConfig:
     kv = cfg.kv_cache_memory
     if kv is None and (cfg.device == "cpu" or (cfg.device == "auto" and not cuda_usable())):
         model = ModelConfig.from_dir(path)
-        blocks = -(-resolve_max_model_len(model, cfg) // cfg.block_size) * n
-        kv = min(CPU_KV_CACHE_BYTES, blocks * kv_bytes_per_block(model, cfg.block_size, "float32"))
+        context = resolve_max_model_len(model, cfg)
+        kv = min(CPU_KV_CACHE_BYTES, -(-context // cfg.block_size) * n * kv_bytes_per_block(model, cfg.block_size,
+                                                                                            "float32"))
+        log.info("a KV region for this one request: %d MiB, %d context(s) of %d tokens (--kv-cache-memory sets "
+                 "another size)", kv >> 20, n, context)
     return dataclasses.replace(cfg, warmup=False, kv_cache_memory=kv)
 
 
