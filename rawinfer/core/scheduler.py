@@ -15,7 +15,8 @@ target (EngineConfig.itl_target_ms: milliseconds; None: twice the estimated deco
 running and waiting, step_cost.auto_target_rows; 0: none), a step that carries decode rows takes only the
 prefill tokens that keep its estimated time within the target
 (stall-free batching, as Sarathi-Serve): the running decodes' estimate first, then prefill chunks in the
-order above until the target is spent. The step's first prefill chunk takes at least one block however
+order above until the target is spent, planned with the measured steps' spread around their estimates, so
+that a step slowed as much as steps usually are still meets the target. The step's first prefill chunk takes at least one block however
 little is left, so prefill never starves while decodes alone exceed the target; a step with no decode rows
 takes prefill up to the whole token budget. Until the model has an estimate (the engine reports each
 step's time to it), or with target 0, the token budget alone limits prefill.
@@ -214,7 +215,7 @@ class Scheduler:
         shape = StepShape(0, len(decodes), sum(s.num_computed_tokens + 1 for s in decodes))
         rows = auto_target_rows(len(self.running) + len(self.waiting), self.ecfg.max_num_seqs)
         target = target_ms / 1e3 if target_ms is not None else cost.auto_target(rows, shape.keys / len(decodes))
-        return PrefillAllowance(cost, target - cost.predict(shape), self.bm.block_size)
+        return PrefillAllowance(cost, cost.prefill_budget(target, shape), self.bm.block_size)
 
     def _scheduled(self, seq: Sequence, n: int, allowance: PrefillAllowance | None = None) -> ScheduledSeq:
         start = seq.num_computed_tokens

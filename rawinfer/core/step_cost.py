@@ -18,8 +18,9 @@ seed the fit (engine/warmup.py) and real steps refine it. Two windows keep the l
 costs. The fit is a least-squares one of the relative error (a step's noise grows with its length), made
 robust by reweighting (a step slowed by another program on the same cores counts little, then nothing), with
 a small ridge toward 0 on d (where chunks at similar depths cannot tell a key's cost from a token's, d stays
-near 0 and b takes both). The estimate is a pure function of the steps held, so a scheduling decision is
-deterministic given the model's state.
+near 0 and b takes both). The fit's robust spread (how far steps typically land from their estimate, as a
+share) makes the scheduler's plan that much more cautious. The estimate is a pure function of the steps
+held, so a scheduling decision is deterministic given the model's state.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ TUKEY_C = 4.685          # biweight rounds: residuals beyond TUKEY_C spreads cou
 IRLS_ROUNDS = 3          # reweighted solves of each kind per fit
 RIDGE = 1e-6             # pull toward 0 per step held, on columns scaled to [0, 1]: keeps the solve regular
 KEY_RIDGE = 1e-4         # ... and on d, a tiebreaker: a key read is cheap unless the steps show otherwise
+MAX_SPREAD = 0.5         # the most a plan shrinks for the steps' spread (see prefill_budget)
 AUTO_TARGET_STEPS = 2.0  # the automatic target: this many times the estimated decode step of the batch served,
 AUTO_TARGET_MIN_SHARE = 0.25   # counted as at least this share of max_num_seqs rows (see auto_target_rows)
 
@@ -94,6 +96,7 @@ class StepCost:
         self._refit_every = refit_every
         self._since_fit = 0
         self.coefficients = coefficients
+        self.spread = 0.0             # robust relative spread of the steps around the fit (0: none measured)
 
     def forget(self) -> None:
         """Drop every observation and the estimate (the warm-up's compiling steps are no measurement)."""
@@ -101,6 +104,7 @@ class StepCost:
         self._prefill.clear()
         self._since_fit = 0
         self.coefficients = None
+        self.spread = 0.0
 
     @property
     def num_observed(self) -> int:
@@ -141,6 +145,7 @@ class StepCost:
                  else np.clip(1.0 - (r / (TUKEY_C * s)) ** 2, 0.0, None) ** 2)
         a, b, cd, d = (max(0.0, float(v)) for v in theta / scale)
         self.coefficients = Coefficients(a, b, cd, d)
+        self.spread = min(s, MAX_SPREAD)
         self._since_fit = 0
 
     # ---- estimates ------------------------------------------------------------------------------------------
@@ -180,6 +185,11 @@ class StepCost:
         while n > 0 and self.prefill_seconds(n, start) > seconds:      # float rounding at the root
             n -= 1
         return n
+
+    def prefill_budget(self, target: float, decodes: StepShape) -> float:
+        """The seconds a step of `decodes` leaves for prefill under `target`, planned so that a step as much
+        slower than its estimate as the measured steps typically are (one robust spread) still meets it."""
+        return target / (1.0 + self.spread) - self.predict(decodes)
 
     def auto_target(self, rows: int, keys_per_row: float) -> float:
         """The automatic inter-token target: AUTO_TARGET_STEPS times the estimate of a decode-only step of

@@ -69,6 +69,10 @@ def test_fit_recovers_the_coefficients_exactly_noisy_and_through_outliers():
     assert close(noisy.coefficients, TRUE, 0.15)
     check = StepShape(512, 32, 32 * 300 + StepShape.chunk_keys(512, 1000))
     assert noisy.predict(check) == pytest.approx(seconds(check), rel=0.1)
+    # the plan leaves room for a step as slow as steps usually are: about 3 % here, none for exact steps
+    assert 0.02 < noisy.spread < 0.04 and exact.spread < 0.002
+    decodes = StepShape(0, 8, 800)
+    assert noisy.prefill_budget(0.5, decodes) == pytest.approx(0.5 / (1 + noisy.spread) - noisy.predict(decodes))
 
 
 def test_a_long_run_of_decode_steps_keeps_what_a_prefill_token_costs():
