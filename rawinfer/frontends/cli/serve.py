@@ -78,6 +78,7 @@ def add_parsers(sub) -> None:
     h.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
                    help="return a chat answer's <think> block as `reasoning_content`: qwen3, deepseek_r1 "
                         "(default: none, the block stays in the content)")
+    _add_http_limits(h)
     add_engine_args(p)
     add_role_args(p)
     add_replica_args(p)
@@ -107,6 +108,19 @@ def add_parsers(sub) -> None:
     s.add_argument("replicas", type=positive_int, help="the number of replicas to run")
     add_server_args(s)
     s.set_defaults(func=cmd_scale)
+
+
+def _add_http_limits(h) -> None:
+    """The HTTP workers' limits, so that no one client or request holds the others up (docs/reliability.md)."""
+    from rawinfer.frontends.http.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
+    h.add_argument("--max-prompts-per-request", type=positive_int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                   metavar="N", help="a request whose prompts x n make more generations than N is refused with 400 "
+                                     f"(default: {DEFAULT_MAX_PROMPTS_PER_REQUEST})")
+    h.add_argument("--http-max-in-flight", type=positive_int, default=None, metavar="N",
+                   help="generations each HTTP worker keeps in the engine at once; further requests wait in the "
+                        "worker, and whenever one ends the waiting client holding the fewest goes next (a client "
+                        "is its address) (default: 2 x --max-num-seqs x the most replicas, at least "
+                        "--max-prompts-per-request)")
 
 
 def _port(text: str) -> int:
@@ -254,8 +268,17 @@ def _start_http(args):
     config = {"engine_addr": connect_addr(args.bind), "server_key": args.curve_secret_key, "api_key": args.api_key,
               "strict_api": args.strict_api, "served_names": served_model_names(args),
               "default_max_tokens": args.default_max_tokens, "tool_call_parser": args.tool_call_parser,
-              "reasoning_parser": args.reasoning_parser}
+              "reasoning_parser": args.reasoning_parser, "max_prompts_per_request": args.max_prompts_per_request,
+              "max_in_flight": _http_max_in_flight(args)}
     return Workers(sock, args.api_workers, config, level=logging.getLogger().getEffectiveLevel())
+
+
+def _http_max_in_flight(args) -> int:
+    """--http-max-in-flight, else enough to keep every engine's batch full with as many waiting."""
+    if args.http_max_in_flight is not None:
+        return args.http_max_in_flight
+    engines = max(getattr(args, "replicas", None) or 1, getattr(args, "autoscale_max", None) or 1)
+    return max(2 * args.max_num_seqs * engines, args.max_prompts_per_request)
 
 
 def _loopback(host: str) -> bool:

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from rawinfer.config import VERSION
 from rawinfer.frontends.http import metrics
+from rawinfer.frontends.http.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST, Gate, Ticket, check_size, job_size
 from rawinfer.frontends.http.chat_shape import Parsers
 from rawinfer.frontends.http.engine_link import EngineLink
 from rawinfer.frontends.http.errors import APIError, from_validation, log_failure, unknown_field
@@ -48,6 +49,8 @@ class HTTPConfig:
     tool_call_parser: str = "auto"          # how tool calls are read from answers: a parser's name, "none", or
                                             # "auto": the format the engine's chat template teaches, if any
     reasoning_parser: str | None = None     # <think> blocks returned as reasoning_content (None: left in content)
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST    # prompts x n of one request at most
+    max_in_flight: int = 256                # engine requests this worker keeps in the engine; more wait (admission.py)
 
 
 class _ApiKey:
@@ -67,13 +70,17 @@ class _ApiKey:
 
 
 class _SSEResponse(Response):
-    """An EventStream as the Response FastAPI passes through untouched."""
+    """An EventStream as the Response FastAPI passes through untouched; its job's ticket is given back when
+    the stream ends, however it ends."""
 
-    def __init__(self, stream: EventStream):
-        self.stream, self.background = stream, None
+    def __init__(self, stream: EventStream, ticket: Ticket):
+        self.stream, self.ticket, self.background = stream, ticket, None
 
     async def __call__(self, scope, receive, send):
-        await self.stream(scope, receive, send)
+        try:
+            await self.stream(scope, receive, send)
+        finally:
+            self.ticket.release()
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -92,6 +99,7 @@ def _refused(e: APIError, route: str) -> JSONResponse:
 
 def create_app(cfg: HTTPConfig) -> FastAPI:
     state: dict = {}
+    gate = Gate(cfg.max_in_flight)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -177,11 +185,21 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
         return Response(metrics.render(stats, await model_name()), media_type=metrics.CONTENT_TYPE)
 
     async def run(job, request: Request):
+        """The job, once the gate admits it (a refused or waiting job has nothing in the engine)."""
+        check_size(job, cfg.max_prompts_per_request)
         if not job.stream:
-            return await _unless_gone(whole_response(link(), job), request)
-        stream = ChunkStream(link(), job, _route(request))
-        await stream.start()
-        return _SSEResponse(EventStream(stream.events()))
+            return await _unless_gone(_admitted(gate, job, request, lambda: whole_response(link(), job)), request)
+        ticket = await gate.enter(_client(request), job_size(job), request.is_disconnected)
+        if ticket is None:
+            return _gone(request)
+        try:
+            stream = ChunkStream(link(), job, _route(request))
+            await stream.start()
+            response, ticket = _SSEResponse(EventStream(stream.events()), ticket), None
+            return response
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     def unknown(body, request: Request) -> None:
         """The body's unknown fields: refused by name under --strict-api, else ignored and named once in
@@ -225,6 +243,26 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
     return app
 
 
+def _client(request: Request) -> str:
+    """Who sent a request, for fair admission: the peer's address (a trusted proxy's X-Forwarded-For, as
+    uvicorn applies it)."""
+    return request.client.host if request.client else "local"
+
+
+async def _admitted(gate: Gate, job, request: Request, work):
+    """work() (a coroutine function) run once the gate admits the job, its ticket given back when it ends."""
+    ticket = await gate.enter(_client(request), job_size(job))
+    try:
+        return await work()
+    finally:
+        ticket.release()
+
+
+def _gone(request: Request) -> Response:
+    log.info("HTTP 499 %s: the client went away before the answer; its request was aborted", _route(request))
+    return Response(status_code=499)         # nginx's "client closed request": nobody reads it
+
+
 async def _unless_gone(work, request: Request) -> Response:
     """A non-streaming response, whose engine requests are aborted as soon as the client has gone away
     (checked every DISCONNECT_POLL_S) instead of running to the end for nobody: cancelling `work` closes
@@ -236,9 +274,7 @@ async def _unless_gone(work, request: Request) -> Response:
             if done:
                 return JSONResponse(task.result())
             if await request.is_disconnected():
-                log.info("HTTP 499 %s: the client went away before the answer; its request was aborted",
-                         _route(request))
-                return Response(status_code=499)         # nginx's "client closed request": nobody reads it
+                return _gone(request)
     finally:
         if not task.done():
             task.cancel()
