@@ -111,7 +111,7 @@ def add_parsers(sub) -> None:
 
 
 def _add_http_limits(h) -> None:
-    """The HTTP workers' limits, so that no one client or request holds the others up (docs/reliability.md)."""
+    """The HTTP workers' limits, so that no one client, request or body holds the others up (docs/reliability.md)."""
     from rawinfer.frontends.http.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
     h.add_argument("--max-prompts-per-request", type=positive_int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
                    metavar="N", help="a request whose prompts x n make more generations than N is refused with 400 "
@@ -121,6 +121,14 @@ def _add_http_limits(h) -> None:
                         "worker, and whenever one ends the waiting client holding the fewest goes next (a client "
                         "is its address) (default: 2 x --max-num-seqs x the most replicas, at least "
                         "--max-prompts-per-request)")
+    h.add_argument("--max-request-body", type=size, default="16MiB", metavar="SIZE",
+                   help="a larger request body is refused with 413 while it arrives, before it is parsed "
+                        "(default: 16MiB)")
+    h.add_argument("--http-read-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="a connection whose request line and headers are not all there this long after it opened "
+                        "(or after its last answer) is closed; a body that pauses this long gets 408 (default: 30)")
+    h.add_argument("--http-keep-alive", type=positive_float, default=5.0, metavar="SECONDS",
+                   help="an idle connection is closed this long after its last answer (default: 5)")
 
 
 def _port(text: str) -> int:
@@ -269,7 +277,8 @@ def _start_http(args):
               "strict_api": args.strict_api, "served_names": served_model_names(args),
               "default_max_tokens": args.default_max_tokens, "tool_call_parser": args.tool_call_parser,
               "reasoning_parser": args.reasoning_parser, "max_prompts_per_request": args.max_prompts_per_request,
-              "max_in_flight": _http_max_in_flight(args)}
+              "max_in_flight": _http_max_in_flight(args), "max_body_bytes": args.max_request_body,
+              "read_timeout_s": args.http_read_timeout, "keep_alive_s": args.http_keep_alive}
     return Workers(sock, args.api_workers, config, level=logging.getLogger().getEffectiveLevel())
 
 

@@ -19,6 +19,8 @@ from starlette.responses import JSONResponse, Response
 from rawinfer.config import VERSION
 from rawinfer.frontends.http import metrics
 from rawinfer.frontends.http.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST, Gate, Ticket, check_size, job_size
+from rawinfer.frontends.http.bodies import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from rawinfer.frontends.http.body_parsing import BodyParser
 from rawinfer.frontends.http.chat_shape import Parsers
 from rawinfer.frontends.http.engine_link import EngineLink
 from rawinfer.frontends.http.errors import APIError, from_validation, log_failure, unknown_field
@@ -51,6 +53,9 @@ class HTTPConfig:
     reasoning_parser: str | None = None     # <think> blocks returned as reasoning_content (None: left in content)
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST    # prompts x n of one request at most
     max_in_flight: int = 256                # engine requests this worker keeps in the engine; more wait (admission.py)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES    # a larger request body is refused with 413 (bodies.py)
+    read_timeout_s: float = 30.0            # a request head not whole this long: closed; a body pausing this long: 408
+    keep_alive_s: float = 5.0               # an idle connection between requests is closed after this long
 
 
 class _ApiKey:
@@ -99,7 +104,7 @@ def _refused(e: APIError, route: str) -> JSONResponse:
 
 def create_app(cfg: HTTPConfig) -> FastAPI:
     state: dict = {}
-    gate = Gate(cfg.max_in_flight)
+    gate, bodies = Gate(cfg.max_in_flight), BodyParser()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -109,6 +114,7 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
             yield
         finally:
             state["link"].close()
+            bodies.close()
 
     app = FastAPI(title="rawinfer", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -213,32 +219,37 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
                     ", ".join(map(repr, names)), _route(request))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await bodies.parse(request, CompletionRequest)
         unknown(body, request)
         names = await model_names()
         check_model(body.model, names)
         return await run(completion_job(body, names[0], cfg.default_max_tokens), request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await bodies.parse(request, ChatCompletionRequest)
         unknown(body, request)
         names = await model_names()
         check_model(body.model, names)
         return await run(chat_job(body, names[0], cfg.default_max_tokens, await parsers()), request)
 
     @app.post("/tokenize")
-    async def tokenize_route(body: TokenizeRequest, request: Request):
+    async def tokenize_route(request: Request):
+        body = await bodies.parse(request, TokenizeRequest)
         unknown(body, request)
         check_model(body.model, await model_names())
         return await tokenize(link(), body)
 
     @app.post("/detokenize")
-    async def detokenize_route(body: DetokenizeRequest, request: Request):
+    async def detokenize_route(request: Request):
+        body = await bodies.parse(request, DetokenizeRequest)
         unknown(body, request)
         check_model(body.model, await model_names())
         return await detokenize(link(), body)
 
-    if cfg.api_key:
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, read_timeout_s=cfg.read_timeout_s)
+    if cfg.api_key:                     # outermost: a client without the key is refused before its body is read
         app.add_middleware(_ApiKey, key=cfg.api_key)
     return app
 

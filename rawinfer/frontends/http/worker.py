@@ -31,6 +31,7 @@ def main() -> int:
     import uvicorn
 
     from rawinfer.frontends.http.app import HTTPConfig, create_app
+    from rawinfer.frontends.http.connections import guarded
     from rawinfer.frontends.server.activity import log_with_time
     settings = json.loads(os.environ.pop(ENV))
     log_with_time(f"rawinfer http {os.getpid()}", settings.get("level", logging.INFO))
@@ -38,19 +39,26 @@ def main() -> int:
     cfg = HTTPConfig(**settings["config"])
     fast = {}
     try:
-        import httptools  # noqa: F401
-        fast["http"] = "httptools"
-    except ImportError:
-        pass
-    try:
         import uvloop  # noqa: F401
         fast["loop"] = "uvloop"
     except ImportError:
         pass
     config = uvicorn.Config(create_app(cfg), log_level=settings.get("log_level", "warning"),
-                            access_log=False, timeout_graceful_shutdown=3, lifespan="on", **fast)
+                            access_log=False, timeout_graceful_shutdown=3, lifespan="on",
+                            http=guarded(_protocol_class(), cfg.read_timeout_s), timeout_keep_alive=cfg.keep_alive_s,
+                            **fast)
     uvicorn.Server(config).run(sockets=[inherited_socket(settings["fd"])])
     return 0
+
+
+def _protocol_class() -> type:
+    """uvicorn's HTTP protocol on httptools' parser when it is installed, else on h11."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        return HttpToolsProtocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+        return H11Protocol
 
 
 def inherited_socket(fd: int) -> socket.socket:

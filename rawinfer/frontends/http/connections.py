@@ -1,0 +1,67 @@
+"""The limits of an HTTP connection below the app: a request head must arrive whole within a time and a
+size, so that a connection that sends nothing, a head sent a byte at a time (slowloris) or an endless head
+is closed instead of being held open.
+
+uvicorn has neither: its keep-alive timeout (`timeout_keep_alive`) runs only after a response, until the
+next request's first byte; httptools' parser takes a head of any size (h11's stops at
+`h11_max_incomplete_event_size`, 16 KiB by default). The guard is a subclass of uvicorn's protocol class
+that watches which request the connection is on (its `cycle`), the same for both parsers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+MAX_HEAD_BYTES = 64 * 1024          # a request line and headers larger than this: 431 and the connection closed
+
+_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+              b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+_TOO_LARGE_BODY = (b'{"error":{"message":"the request line and headers are over %d bytes","type":'
+                   b'"invalid_request_error","param":null,"code":"headers_too_large"}}' % MAX_HEAD_BYTES)
+
+
+def guarded(base: type[asyncio.Protocol], head_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's protocol class `base`, closing a connection whose request head is not whole head_timeout_s
+    after it opened or after its last response (or whose head grows over MAX_HEAD_BYTES)."""
+
+    class Guarded(base):
+        def connection_made(self, transport) -> None:
+            self._head_timer, self._head_bytes = None, 0
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            between = cycle is None or cycle.response_complete      # no request in progress: these are a head's
+            super().data_received(data)
+            if self.cycle is not cycle:          # a head was completed: its request runs
+                self._disarm()
+            elif between and not self.transport.is_closing():
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._disarm()
+                    self.transport.write(_TOO_LARGE % (len(_TOO_LARGE_BODY), _TOO_LARGE_BODY))
+                    self.transport.close()
+                elif self._head_timer is None:
+                    self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._head_timer = self.loop.call_later(head_timeout_s, self._late)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            self._head_bytes = 0
+
+        def _late(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
+    return Guarded
