@@ -2,11 +2,14 @@
 or connection holds the others up. A request of too many prompts is refused before the engine sees it; a
 flooding client (its own loopback address) waits in the worker while another's requests go through; a large
 body is parsed while another stream keeps its pace; an oversized body is 413 at once; idle, slow and
-oversized request heads are closed."""
+oversized request heads are closed; and, last (it kills the server), open streams end with an error event and
+[DONE] when the engine's process dies."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -215,3 +218,50 @@ def test_idle_slow_and_oversized_request_heads_are_closed(srv):
         s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
         assert _response(s).startswith(b"HTTP/1.1 200")
         assert _closed_within(s, KEEP_ALIVE_S + 5) < KEEP_ALIVE_S + 1.5
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Whether the process exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_open_streams_end_with_an_error_event_when_the_engine_dies(srv):
+    """Last in this module: SIGKILL to `rawinfer serve` (the engine's process); its HTTP worker outlives it
+    for a moment, ends the open stream with an error event and [DONE], and exits."""
+    workers = _children(srv.proc.pid)
+    assert workers
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for e in _events(r):
+            events.append(e)
+            if len(events) == 5:
+                killed = time.monotonic()
+                os.kill(srv.proc.pid, signal.SIGKILL)
+    ended = time.monotonic() - killed
+    assert events[-1] == "[DONE]", events[-3:]
+    err = events[-2]["error"]
+    assert err["code"] == "engine_unavailable" and "lost the engine" in err["message"], err
+    assert ended < 5
+    deadline = time.monotonic() + 15
+    while any(_running(pid) for pid in workers):
+        assert time.monotonic() < deadline, "the HTTP worker outlived the server"
+        time.sleep(0.1)
