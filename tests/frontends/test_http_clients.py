@@ -194,7 +194,8 @@ def test_served_model_name_defaults_to_the_models_own_name(tmp_path):
     assert names("/models/Qwen3-0.6B.GGUF") == ["Qwen3-0.6B"]
     assert names(str(tmp_path / "Llama-3.2-1B") + "/") == ["Llama-3.2-1B"]
     assert names("smollm2-135m-instruct") == ["smollm2-135m-instruct"]
-    assert names(None) is None and names("x", ["a", "b"]) == ["a", "b"]
+    assert names(None) == ["smollm2-135m-instruct"]          # the default model by its name, whichever copy runs
+    assert names("x", ["a", "b"]) == ["a", "b"]
 
 
 def test_vllm_style_command_line_and_a_busy_http_port(tiny_llama_dir):
