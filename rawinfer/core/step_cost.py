@@ -41,7 +41,7 @@ RIDGE = 1e-6             # pull toward 0 per step held, on columns scaled to [0,
 KEY_RIDGE = 1e-4         # ... and on d, a tiebreaker: a key read is cheap unless the steps show otherwise
 MAX_SPREAD = 0.5         # the most a plan shrinks for the steps' spread (see prefill_budget)
 AUTO_TARGET_STEPS = 2.0  # the automatic target: this many times the estimated decode step of the batch served,
-AUTO_TARGET_MIN_SHARE = 0.25   # counted as at least this share of max_num_seqs rows (see auto_target_rows)
+AUTO_TARGET_MIN_SHARE = 0.5    # counted as at least this share of max_num_seqs rows (see auto_target_rows)
 
 
 @dataclass(frozen=True)

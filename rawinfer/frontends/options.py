@@ -180,8 +180,8 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    help="a step that carries decoding streams takes only the prompt tokens that keep it within MS "
                         "milliseconds, as estimated from the engine's measured steps, so that no stream waits behind "
                         "a whole prompt; 0 turns this off (prompts fill the step's token budget) (default: twice the "
-                        "estimated decode step of the requests running and waiting, counted as at least a quarter "
-                        "of --max-num-seqs)")
+                        "estimated decode step of the requests running and waiting, counted as at least half of "
+                        "--max-num-seqs)")
     g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                    help="cap on prompt + output tokens (default: the model's context length)")
     g.add_argument("--no-prefix-caching", action="store_true",

@@ -112,22 +112,22 @@ def test_scoring_chunk_goes_in_whole_or_waits():
 
 def test_auto_target_is_twice_the_decode_step_of_the_batch_served():
     """None: AUTO_TARGET_STEPS x the estimated decode step of every sequence running or waiting, counted as
-    at least a quarter of max_num_seqs and at most all of it."""
+    at least half of max_num_seqs and at most all of it."""
     assert AUTO_TARGET_STEPS == 2.0
-    assert [auto_target_rows(n, 16) for n in (0, 3, 4, 9, 16, 40)] == [4, 4, 4, 9, 16, 16]
-    s = make(itl_target_ms=None)                       # two decode + one waiting: 2 x (10 + 3 * 2) = 32 ms
+    assert [auto_target_rows(n, 16) for n in (0, 3, 8, 9, 16, 40)] == [8, 8, 8, 9, 16, 16]
+    s = make(itl_target_ms=None)                       # two decode + one waiting, at least 4: 2 x (10 + 4 * 2) ms
     decoding(s, "a", "b")
     s.add(seq("long", 100))
-    assert step(s)["long"] == 32 - 14
+    assert step(s)["long"] == 36 - 14
     s = make(itl_target_ms=None)                       # six decode + four waiting, 8 at most: 52 ms
     decoding(s, *"abcdef")
     for i in range(4):
         s.add(seq(f"w{i}", 100, start=100 * i))
     assert step(s) == {**dict.fromkeys("abcdef", 1), "w0": 52 - 22}
-    s = make(itl_target_ms=None, max_num_seqs=16)      # one decode + one waiting, at least 4 rows: 36 ms
+    s = make(itl_target_ms=None, max_num_seqs=16)      # one decode + one waiting, at least 8 rows: 52 ms
     decoding(s, "a")
     s.add(seq("long", 100))
-    assert step(s)["long"] == 36 - 12
+    assert step(s)["long"] == 52 - 12
 
 
 @pytest.mark.parametrize("seed", range(4))
