@@ -143,7 +143,7 @@ def test_the_cli_prints_one_line_not_a_traceback(tiny_llama_dir, tmp_path):
     d = copy_model(tiny_llama_dir, tmp_path / "m")
     edit_tensor(d, "final_norm", lambda t: t.__setitem__(0, np.nan))
     r = subprocess.run([sys.executable, "-m", "rawinfer", "generate", "--model", d, "--device", "cpu",
-                        "--kv-cache-memory", "4MiB", "--max-tokens", "2", "--raw", "hello"],
+                        "--kv-cache-memory", "4MiB", "--max-tokens", "2", "--token-ids", "5,6,7"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120,
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode != 0 and "Traceback" not in r.stderr
