@@ -202,11 +202,14 @@ def shim_libraries():
 
 
 def shim_engine(monkeypatch, model_dir, libraries, graphs: bool) -> LLMEngine:
+    """The CUDA engine on the host shim. The step's prefill follows the fixed token budget (itl_target_ms 0):
+    the shim's step times say nothing about a GPU, and these tests count the steps of a known schedule."""
     from rawinfer.backend.cuda.backend import CUDABackend
     backend = CUDABackend(launcher=CapturingShimLauncher(libraries))
     monkeypatch.setattr("rawinfer.engine.engine.get_backend", lambda *args, **kwargs: backend)
     return LLMEngine(model_dir, EngineConfig(device="cuda", kv_cache_memory=2 * MIB, max_num_batched_tokens=64,
-                                             max_num_seqs=4, max_model_len=256, use_cuda_graphs=graphs))
+                                             max_num_seqs=4, max_model_len=256, use_cuda_graphs=graphs,
+                                             itl_target_ms=0))
 
 
 @needs_shim
