@@ -16,6 +16,7 @@ from rawinfer.frontends.http.params import Job
 from rawinfer.frontends.server import protocol as P
 
 _DONE = object()
+GRAMMAR_ERROR_PREFIX = "structured_outputs "     # how the engine's GrammarError sentences begin (structured.py)
 
 
 async def job_messages(link: EngineLink, job: Job, stream: bool) -> AsyncIterator[tuple[int, P.Chunk | P.Final]]:
@@ -178,7 +179,11 @@ class Totals:
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
     def failure(self) -> APIError | None:
-        """Why the job did not complete: an engine error (500), or an abort (the engine shutting down)."""
+        """Why the job did not complete: a grammar that did not compile (400: the engine compiles it off its
+        thread, so a request may be taken in before its grammar fails), an engine error (500), or an abort
+        (the engine shutting down)."""
+        if self.error is not None and self.error.startswith(GRAMMAR_ERROR_PREFIX):
+            return APIError(400, self.error, param="structured_outputs", code="invalid_value")
         if self.error is not None:
             return APIError(500, f"the engine failed: {self.error}", code="engine_error")
         if any(c.finish == "abort" for c in self.choices):
