@@ -1,7 +1,7 @@
 """The inter-token target on a real engine: the warm-up seeds the step-cost model and every step refines it;
 a target prefill cannot meet cuts a long prompt into one-block chunks beside a decoding stream, where target 0
-(the fixed token budget) takes it whole, and the greedy tokens are the same either way; bad values are refused
-by name."""
+(the fixed token budget) takes it whole, and the greedy tokens are the same either way; by default a 2,048-token
+prompt beside a decoding stream on SmolLM2 goes in chunks (issue 50); bad values are refused by name."""
 
 from __future__ import annotations
 
@@ -55,6 +55,32 @@ def test_a_target_prefill_cannot_meet_leaves_one_block_a_step_and_the_same_token
     assert fixed == [200]
     assert tight == [16] * 12 + [8]
     assert tight_tokens == fixed_tokens and len(tight_tokens["long"]) == 8
+
+
+def test_by_default_a_long_prompt_never_stalls_a_decoding_stream(smollm2_dir):
+    """Issue 50's finding on the real model: a 2,048-token prompt arriving beside a decoding stream went into
+    one step, which the stream waited for. With the default (automatic) target it goes in chunks (each worth
+    about a decode step of half of max_num_seqs rows: a few dozen tokens on a CPU) and the stream gets a token
+    in every step meanwhile."""
+    engine = LLMEngine(smollm2_dir, device="cpu", kv_cache_memory="256MiB")
+    chunks, tokens = [], []
+    real = engine.scheduler.schedule
+
+    def schedule():
+        batch = real()
+        new = {s.seq.request_id: s.num_new_tokens for s in batch.seqs}
+        if "long" in new and new["long"] > 1:
+            chunks.append(new["long"])
+            assert new.get("short") == 1                    # the stream advances in every such step
+        return batch
+    engine.scheduler.schedule = schedule
+    engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=200, **GREEDY))
+    engine.step()
+    engine.add_request("long", list(range(100, 2148)), SamplingParams(max_tokens=1, **GREEDY))
+    while "long" in engine._requests:
+        tokens += [t for o in engine.step() if o.request_id == "short" for t in o.new_token_ids]
+    assert sum(chunks) == 2048 and len(chunks) >= 4 and max(chunks) <= 1024, chunks
+    assert len(tokens) >= len(chunks)
 
 
 def test_bad_targets_are_refused_by_name():
