@@ -11,7 +11,8 @@
 # prompts with is read from the converted model folder.
 # Usage: bash tools/third_party_clients.sh
 # Environment: PYTHON (the engine's, default .venv/bin/python), CLIENTS_VENV (default .venv-clients),
-#              MODEL (default weights/smollm2-135m-instruct), OUT (default bench_results/third_party_clients),
+#              MODEL (default weights/smollm2-135m-instruct),
+#              OUT (default $RAWINFER_CACHE/bench/third_party_clients, or under ~/.cache/rawinfer: not the checkout),
 #              REQUESTS (default 8), SERVE_ARGS (extra serve flags)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE
 PY="${PYTHON:-.venv/bin/python}"
 VENV="${CLIENTS_VENV:-.venv-clients}"
 MODEL="${MODEL:-weights/smollm2-135m-instruct}"
-OUT="${OUT:-bench_results/third_party_clients}"
+OUT="${OUT:-${RAWINFER_CACHE:-$HOME/.cache/rawinfer}/bench/third_party_clients}"
 REQUESTS="${REQUESTS:-8}"
 PROMPT_TOKENS=64
 OUTPUT_TOKENS=32
