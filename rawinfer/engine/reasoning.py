@@ -16,42 +16,26 @@ over a whole text. Text that may be the start of a tag is held back until decide
 
 from __future__ import annotations
 
-from typing import Any
-
-from rawinfer.engine.stream_scan import content_end
+from rawinfer.engine.stream_scan import StreamParser, content_end
 
 OPEN, CLOSE = "<think>", "</think>"
 
 
-class ReasoningParser:
+class ReasoningParser(StreamParser):
     """Splits <think> reasoning from content; `starts_inside`: the output begins in the reasoning (DeepSeek-R1)."""
 
     starts_inside = False
 
     def __init__(self):
-        self._buf = ""
+        super().__init__()
         self._state = "start"                # start -> reasoning -> content (or start -> content)
         self._opened = False                 # a reasoning block was seen (reasoning "" rather than none)
         self._fresh = False                  # just past a tag: leading whitespace is dropped
-        self._out: list[dict[str, Any]] = []
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list[dict[str, Any]]:
-        return self._run(final=True)
 
     @property
     def saw_reasoning(self) -> bool:
         """Whether the output had a reasoning block (an empty one included)."""
         return self._opened
-
-    def _run(self, final: bool) -> list[dict[str, Any]]:
-        while self._step(final):
-            pass
-        out, self._out = self._out, []
-        return out
 
     def _step(self, final: bool) -> bool:
         if self._state == "start":

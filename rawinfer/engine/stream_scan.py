@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 MORE, NO, YES = "more", "no", "yes"
 _WS = re.compile(r"[ \t\n\r]*")                               # JSON's whitespace
@@ -125,3 +126,31 @@ def match_literals(text: str, parts: tuple[str | None, ...]) -> tuple[str, int]:
         else:
             return NO, pos
     return YES, pos
+
+
+class StreamParser:
+    """The driver the streaming parsers share: text deltas go into a buffer of undecided text, `_step` (each
+    parser's own) consumes what it can decide into OpenAI delta pieces and says whether it made progress, and
+    each feed returns the pieces it decided."""
+
+    def __init__(self):
+        self._buf = ""
+        self._out: list[dict[str, Any]] = []
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """One text delta in; the delta pieces it decides (perhaps none)."""
+        self._buf += text
+        return self._run(final=False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The end of the output: everything still held is decided."""
+        return self._run(final=True)
+
+    def _run(self, final: bool) -> list[dict[str, Any]]:
+        while self._step(final):
+            pass
+        out, self._out = self._out, []
+        return out
+
+    def _step(self, final: bool) -> bool:
+        raise NotImplementedError

@@ -23,8 +23,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from rawinfer.engine.stream_scan import MORE, NO, YES, ObjectEnd, content_end, match_header, match_literals, \
-    partial_tag
+from rawinfer.engine.stream_scan import (MORE, NO, YES, ObjectEnd, StreamParser, content_end, match_header,
+                                         match_literals, partial_tag)
 
 
 @dataclass(frozen=True)
@@ -43,35 +43,17 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-class ToolCallParser:
-    """The streaming machinery both formats share: a buffer of undecided text, a state, and the deltas of one
-    feed. Subclasses give `_step`, which consumes what it can decide and says whether it made progress."""
+class ToolCallParser(StreamParser):
+    """What both formats share beyond the stream driver: a state, held text, the calls opened so far, and
+    the pieces (content, a call's opening, its argument fragments). A call cut short by the end of the output
+    keeps what it has."""
 
     def __init__(self):
-        self._buf = ""
+        super().__init__()
         self._state = "content"
         self._held = ""                      # text set aside while a call's opening is decided
         self._calls = 0
         self._args = ObjectEnd()
-        self._out: list[dict[str, Any]] = []
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        """One text delta in; the OpenAI delta pieces it decides (perhaps none)."""
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list[dict[str, Any]]:
-        """The end of the output: everything still held is decided (a call cut short keeps what it has)."""
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> list[dict[str, Any]]:
-        while self._step(final):
-            pass
-        out, self._out = self._out, []
-        return out
-
-    def _step(self, final: bool) -> bool:
-        raise NotImplementedError
 
     # ---- the pieces -----------------------------------------------------------------------------------------
 
