@@ -64,6 +64,11 @@ def _same(llm, lengths_list):
             np.testing.assert_array_equal(a, b)
 
 
+# Every engine here takes the fixed prefill budget (itl_target_ms 0): prefill steps past the fused kernels'
+# rows run on BLAS (float32, or dequantized int8/q4 weights), whose bits follow the call's shape, so the
+# fused and the per-op run must chunk the prompts alike; a budget fitted to measured step times may chunk
+# them differently from one run to the next.
+FIXED_BUDGET = {"itl_target_ms": 0}
 # 1 row (serial elementwise builds), 20 rows (parallel builds); prompts past the windows
 LENGTHS = ((7,), (64, 3, 17, 30, 5) + tuple(range(1, 31, 2)))
 
@@ -72,11 +77,8 @@ LENGTHS = ((7,), (64, 3, 17, 30, 5) + tuple(range(1, 31, 2)))
                          [("llama", True, "auto"), ("gemma3", True, "auto"), ("llama", False, "float16"),
                           ("gemma3", False, "int8")])
 def test_fused_float32_decode_is_the_per_op_path(family, batch_invariant, kv, tiny_dir):
-    # NOTE: the fixed prefill budget (itl_target_ms 0): float32 prefill steps past fgemm's rows run on BLAS,
-    # whose bits follow the call's shape, so both runs must chunk the prompts alike; a budget fitted to
-    # measured step times may chunk them differently from one run to the next
     llm = LLM(tiny_dir(family), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
-              enable_prefix_caching=False, batch_invariant=batch_invariant, kv_cache_dtype=kv, itl_target_ms=0)
+              enable_prefix_caching=False, batch_invariant=batch_invariant, kv_cache_dtype=kv, **FIXED_BUDGET)
     model = llm.engine.model
     assert model.fused_plan is not None and model.fused_plan["float"]
     assert model.fused_decode_max == ((1 << 30) if batch_invariant else DEFAULT_MAX_ROWS)
@@ -87,7 +89,7 @@ def test_fused_float32_decode_is_the_per_op_path(family, batch_invariant, kv, ti
 @pytest.mark.parametrize("quant", ["int8", "q4"])
 def test_fused_quantized_decode_of_other_families_is_the_per_op_path(family, quant, tiny_dir):
     llm = LLM(tiny_dir(family, quant), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **FIXED_BUDGET)
     model = llm.engine.model
     assert model.fused_plan["packed"] and not model.fused_plan["llama"]
     assert model.fused_max_tokens == 0            # the few-row kernel runs the Llama layer only
@@ -101,7 +103,7 @@ def test_fused_decode_on_8_bit_activations_is_the_per_op_path(family, quant, tin
     """int8 and q4 models with int8_activations: every decode batch in one call on a8gemm.py (silu in its
     epilogue, GeGLU apart), the per-op path's bits; the few-row kernel (int16-activation products) never runs."""
     llm = LLM(tiny_dir(family, quant), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=256,
-              enable_prefix_caching=False, int8_activations=True)
+              enable_prefix_caching=False, int8_activations=True, **FIXED_BUDGET)
     model = llm.engine.model
     assert model.fused_plan["packed"] and model.fused_plan["a8"]
     assert model.fused_max_tokens == 0 and model.fused_decode_max == 1 << 30
@@ -111,7 +113,7 @@ def test_fused_decode_on_8_bit_activations_is_the_per_op_path(family, quant, tin
 def test_smollm2_fused_float32_decode_is_the_per_op_path(smollm2_dir):
     """SmolLM2's shapes (head_dim 64: the AVX2 attention; 576 x 1536 down: fgemm's K slices)."""
     llm = LLM(smollm2_dir, device="cpu", kv_cache_memory="256MiB", max_num_batched_tokens=512,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **FIXED_BUDGET)
     (f_toks, f_lps, rows), (p_toks, p_lps, _) = _compare(llm, _prompts(llm, (3, 17, 30, 5, 64, 9)))
     assert max(rows) == 6 and f_toks == p_toks
     for a, b in zip(f_lps, p_lps):
@@ -122,7 +124,7 @@ def test_decode_batches_past_fgemm_rows_stay_per_op(tiny_dir):
     """The default mode multiplies more than DEFAULT_MAX_ROWS rows on BLAS: such decode batches keep the
     per-op path, whose products are those of the same rows in any other step."""
     llm = LLM(tiny_dir("llama"), device="cpu", kv_cache_memory="16MiB", max_num_batched_tokens=256, max_num_seqs=128,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **FIXED_BUDGET)
     n = DEFAULT_MAX_ROWS + 4
     (_, _, rows), _ = _compare(llm, _prompts(llm, [2 + i % 5 for i in range(n)]))
     assert rows and max(rows) <= DEFAULT_MAX_ROWS      # the steps of all n rows did not take it

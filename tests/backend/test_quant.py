@@ -110,7 +110,7 @@ def _fused_vs_per_op(model_dir, kv_cache_memory):
     from rawinfer import SamplingParams
     from rawinfer.engine.llm import LLM
     llm = LLM(model_dir, device="cpu", kv_cache_memory=kv_cache_memory, max_num_batched_tokens=512,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, itl_target_ms=0)   # both runs chunk prompts alike (BLAS prefill)
     model = llm.engine.model
     assert model.fused_plan["packed"] and model.fused_decode_max > 64
     rng = np.random.default_rng(4)
