@@ -206,3 +206,116 @@ RAWINFER_DEVICE ArgMax block_argmax(ArgMax a, float* value_scratch, int* index_s
   __syncthreads();
   return a;
 }
+
+// ---- tensor cores: mma.sync, ldmatrix, cp.async ---------------------------------------------------
+// Thin wrappers over the sm_80 warp-level matrix instructions, so that a kernel reads like the PTX ISA's
+// tables and the host shim can run it: on the host each wrapper is a warp collective of
+// tests/cuda_shim/cuda_shim.h that gathers all 32 lanes' registers in PTX's documented fragment layout,
+// computes the result and hands each lane its part (tests/backend/test_cuda_shim_mma.py pins the layouts).
+// Every lane of the warp must call them together (as on the GPU: .sync.aligned).
+//
+// A "fragment register" is 32 bits holding two 16-bit elements, the lower column (or row) index in the
+// low half.  With g = lane / 4 and c = lane % 4 (PTX: groupID, threadID_in_group), m16n8k16 holds
+//
+//   A [16 x 16] row-major, a[4]:  a[0] = A[g][2c, 2c+1]      a[1] = A[g+8][2c, 2c+1]
+//                                 a[2] = A[g][2c+8, 2c+9]    a[3] = A[g+8][2c+8, 2c+9]
+//   B [16 x 8] (k x n), b[2]:     b[0] = B[2c, 2c+1][g]      b[1] = B[2c+8, 2c+9][g]
+//   C, D [16 x 8] float, d[4]:    d[0], d[1] = D[g][2c, 2c+1]   d[2], d[3] = D[g+8][2c, 2c+1]
+//
+// ldmatrix.x4 loads four 8 x 8 matrices of 16-bit elements from shared memory: lane l hands in the
+// address of row l % 8 of matrix l / 8 (16 contiguous bytes, 16-byte aligned), and register i of lane
+// l receives matrix i's row g, columns 2c and 2c+1 (.trans: column g, rows 2c and 2c+1).  So a row-major
+// tile read with ldmatrix is an A fragment (or, for a tile stored [n][k], a B fragment), and .trans
+// turns a [k][n] tile into B fragments.
+template <typename T>
+RAWINFER_DEVICE unsigned pack2(T lo, T hi) {
+  return static_cast<unsigned>(lo.bits) | (static_cast<unsigned>(hi.bits) << 16);
+}
+
+// The 32-bit shared-memory address of a generic pointer into shared memory (what ldmatrix and cp.async take).
+#ifndef RAWINFER_SHIM
+RAWINFER_DEVICE unsigned smem_address(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+#endif
+
+// acc += A B for one m16n8k16 tile (f16 or bf16 inputs, float32 accumulation).
+template <typename T>
+RAWINFER_DEVICE void mma_m16n8k16(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
+
+template <>
+RAWINFER_DEVICE void mma_m16n8k16<bf16>(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#ifdef RAWINFER_SHIM
+  shim::mma_m16n8k16(acc, a, b, true);
+#else
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+template <>
+RAWINFER_DEVICE void mma_m16n8k16<f16>(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#ifdef RAWINFER_SHIM
+  shim::mma_m16n8k16(acc, a, b, false);
+#else
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// Four 8 x 8 tiles of 16-bit elements from shared memory (row: this lane's row address, see above).
+RAWINFER_DEVICE void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+#ifdef RAWINFER_SHIM
+  shim::ldmatrix_x4(r, row, false);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row)));
+#endif
+}
+
+RAWINFER_DEVICE void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
+#ifdef RAWINFER_SHIM
+  shim::ldmatrix_x4(r, row, true);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row)));
+#endif
+}
+
+// cp.async: 16 bytes global -> shared without passing through registers, completed by a later
+// cp_async_wait<N>() (all but the N most recently committed groups are complete, and visible to this
+// thread; a __syncthreads makes them visible to the block).  valid = false writes 16 zero bytes and reads
+// nothing (src must still be a valid address): rows past a sequence's end are never fetched.
+// The shim performs each group's copies at the wait that completes it, so a kernel that reads shared
+// memory before its wait sees the shim's poison there, never the data.
+RAWINFER_DEVICE void cp_async_16(void* dst, const void* src, bool valid) {
+#ifdef RAWINFER_SHIM
+  shim::cp_async_16(dst, src, valid);
+#else
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(smem_address(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#endif
+}
+
+RAWINFER_DEVICE void cp_async_commit() {
+#ifdef RAWINFER_SHIM
+  shim::cp_async_commit();
+#else
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int N>
+RAWINFER_DEVICE void cp_async_wait() {
+#ifdef RAWINFER_SHIM
+  shim::cp_async_wait(N);
+#else
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}

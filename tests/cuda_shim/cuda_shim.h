@@ -18,6 +18,7 @@
 //                                     a second warp barrier (so no slot is overwritten before it is read)
 //   atomics                           std::atomic_ref
 //   fp16 / bf16                       bit-exact round-to-nearest-even conversions (shim::float_to_*)
+//   mma.sync, ldmatrix, cp.async      warp collectives and deferred copies, see shim_tensor_core.h
 //
 // Misuse that would be a bug on the GPU is a hard error here, never a silent success:
 //   - threads of one block meeting different barriers (a __syncthreads inside divergent code, or some
@@ -75,7 +76,7 @@ namespace shim {
   std::abort();
 }
 
-enum class Sync : int { kNone = 0, kSyncThreads = 1, kBlockEnd = 2, kShuffle = 3, kSyncWarp = 4 };
+enum class Sync : int { kNone = 0, kSyncThreads = 1, kBlockEnd = 2, kShuffle = 3, kSyncWarp = 4, kMatrix = 5 };
 
 inline const char* sync_name(int kind) {
   switch (kind) {
@@ -83,6 +84,7 @@ inline const char* sync_name(int kind) {
     case 2: return "the end of the block (a thread returned)";
     case 3: return "a warp shuffle";
     case 4: return "__syncwarp()";
+    case 5: return "a warp-collective matrix instruction (mma / ldmatrix)";
     default: return "?";
   }
 }
@@ -129,6 +131,7 @@ struct Warp {
   unsigned full_mask = 0;       // one bit per existing lane
   Barrier bar;
   unsigned long long slots[32] = {};
+  alignas(16) unsigned char gather[32][48] = {};  // one lane's operands of a matrix instruction
 };
 
 struct Launch {
@@ -181,6 +184,33 @@ T exchange(unsigned mask, T value, int src_lane, const char* what) {
 }
 
 inline int lane_id() { return tls_tid % 32; }
+
+// Every lane of a whole warp hands in `mine`; each gets all 32 lanes' values (lane order) in `all`.
+template <class P>
+void warp_all_gather(const P& mine, P* all, const char* what) {
+  static_assert(sizeof(P) <= 48 && std::is_trivially_copyable_v<P>, "warp gather of an unsupported type");
+  Launch& l = current();
+  Warp& w = l.warps[tls_tid / 32];
+  if (w.size != 32) fail("%s in a warp of %d threads: matrix instructions need the whole warp", what, w.size);
+  std::memcpy(w.gather[tls_tid % 32], &mine, sizeof(P));
+  w.bar.arrive_and_wait(Sync::kMatrix, l.progress);
+  for (int lane = 0; lane < 32; ++lane) std::memcpy(&all[lane], w.gather[lane], sizeof(P));
+  w.bar.arrive_and_wait(Sync::kMatrix, l.progress);
+}
+
+// cp.async copies of this thread: the open group, then the committed ones, oldest first.
+struct AsyncCopy {
+  void* dst;
+  const void* src;  // nullptr: zero-fill
+};
+inline thread_local std::vector<AsyncCopy> tls_open_group;
+inline thread_local std::vector<std::vector<AsyncCopy>> tls_committed;
+
+inline void check_block_end() {
+  if (!tls_open_group.empty() || !tls_committed.empty()) {
+    fail("a thread ended its block with cp.async copies never waited for (cp_async_wait<0>() missing)");
+  }
+}
 
 // ---- fp16 / bf16 bit conversions (round to nearest even, like cvt.rn on the GPU) --------------------
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -271,6 +301,7 @@ void launch(dim3 grid, dim3 block, std::size_t smem_bytes, Body&& body) {
           for (unsigned x = 0; x < l.grid.x; ++x) {
             blockIdx = dim3(x, y, z);
             body();
+            check_block_end();
             l.block_bar.arrive_and_wait(Sync::kBlockEnd, l.progress);
           }
       tls_launch = nullptr;
@@ -370,3 +401,5 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+
+#include "shim_tensor_core.h"

@@ -85,8 +85,8 @@ def build(source: str, specs: list[ks.KernelSpec] | None = None, folder: Path = 
         specs = [s for s in ks.SPECS.values() if s.source == source]
     stub = stub_source(kernel_file, specs)
     digest = hashlib.sha256()
-    for part in (stub, kernel_file.read_text(), (CUDA_DIR / "common.cuh").read_text(),
-                 (SHIM_DIR / "cuda_shim.h").read_text(), " ".join([cxx] + CXX_FLAGS)):
+    headers = sorted(CUDA_DIR.glob("*.cuh")) + sorted(SHIM_DIR.glob("*.h"))  # everything a .cu may include
+    for part in (stub, kernel_file.read_text(), *(h.read_text() for h in headers), " ".join([cxx] + CXX_FLAGS)):
         digest.update(part.encode())
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
