@@ -11,7 +11,7 @@ JIT-compiled from LLVM IR with llvmlite for this CPU and timed on one thread (be
     ubsw+add  12 x (vpmaddubsw, then vpaddw into the chain): the AVX2 q4 tile's inner pair, whose adds
               share the vector pipes with the multiplies (rate = pairs per second)
 
-On the 2-core Zen 3 of docs/benchmarks.md both measure 6.3-6.4 G/s: 2 per cycle at ~3.2 GHz. The
+On the 2-core Zen 3 of docs/CHANGELOG.md both measure 6.3-6.4 G/s: 2 per cycle at ~3.2 GHz. The
 integer GEMM tile (rawinfer/backend/cpu/llvm.py: int_gemm_tiles) adds a vpaddd per vpmaddwd plus sign extensions and
 broadcasts, which share the same vector pipes: `bench roofline` measures what it reaches.
 """

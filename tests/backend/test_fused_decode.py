@@ -133,7 +133,7 @@ def test_decode_batches_past_fgemm_rows_stay_per_op(tiny_dir):
 def test_the_batched_kernel_is_built_for_the_model_and_machine_only(tiny_dir):
     """The batched kernel's choices (decode attention kernel, GeGLU, q/k head norms) come as True or None,
     and overloads on that type pick what it calls, so a model compiles only the kernels it runs (a False
-    would compile the other side too: seconds of a cold start, docs/benchmarks.md)."""
+    would compile the other side too: seconds of a cold start, docs/CHANGELOG.md)."""
     from numba import types
 
     from rawinfer.backend.cpu import fused

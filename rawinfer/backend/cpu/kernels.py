@@ -7,7 +7,7 @@ docs/kernels.md has the dispatch rules and the measurements behind these kernels
 
 NOTE: the kernels of this package copy arrays element by element over 1-d rows, never `a[i] = b` or
 `a[i] += b` with an array b: Numba builds such an assignment with a shape check whose error message it
-formats with its string functions, and compiling those costs a cold start seconds (docs/benchmarks.md).
+formats with its string functions, and compiling those costs a cold start seconds (docs/CHANGELOG.md).
 copy_row copies one; loops over 1-d rows vectorize, a loop indexing `a[i, j]` does not.
 """
 

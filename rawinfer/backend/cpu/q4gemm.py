@@ -25,7 +25,7 @@ block per k-block of 32 one record of 320 bytes:
 so that one load of 32 bytes (8 columns, AVX2) or 64 bytes (16 columns, AVX-512) is already in pmaddwd's
 int16 order: `& 15` gives the k pair (k0, k0 + 1) of every column, `>> 4 & 15` the pair (k0 + 2, k0 + 3),
 `>> 8 & 15` and `>> 12` the next two; no byte-widening shuffle. (An earlier layout of 4-k quads widened
-each with `vpmovzxbw`: 22 vector operations per 64 weights on AVX2 against 17; docs/benchmarks.md.)
+each with `vpmovzxbw`: 22 vector operations per 64 weights on AVX2 against 17; docs/CHANGELOG.md.)
 x is quantized into qgemm's 6-row panels of int32 k pairs, broadcast one row at a time. A tile (q4tile.py,
 in LLVM IR for both paths) keeps R x 16 (AVX2) or R x 32 (AVX-512, two column blocks) int32 sums per
 k-block and as many float32 accumulators across k-blocks.
