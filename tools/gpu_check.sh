@@ -11,12 +11,15 @@
 #    processes over ZeroMQ, test_gpu_disagg.py, needs pyzmq; it skips without)
 #    -> OUTDIR/gpu-tests.log, gpu-tests.xml (kernels incl. the Gemma 3 / Qwen3 ops and sliding-window
 #    attention; decode CUDA graphs vs eager, device sampler, pool sizing, whole models)
-# 3. tools/gpu_bench.py (Llama-3-8B-shaped, bf16, pool sized from free memory, decode CUDA graphs on;
+# 3. tools/gpu_attention_bench.py: prefill attention of one 2,048-token prompt at Llama-3-8B's shape
+#    (32 query heads, 8 KV heads, head_dim 128, bf16), the tensor-core kernel against the FMA kernel:
+#    agreement, ms and TFLOP/s of each          -> OUTDIR/attention.log, attention.json, attention-table.txt
+# 4. tools/gpu_bench.py (Llama-3-8B-shaped, bf16, pool sized from free memory, decode CUDA graphs on;
 #    decode tokens/s at batch 1 with graphs and eagerly, at batch 64, prefill, bandwidth)
 #                                                  -> OUTDIR/bench.log, bench.json, bench-table.txt
-# and prints a short summary last.  Each step has a timeout (165 s + 115 s, or GPU_CHECK_TESTS_S and
-# GPU_CHECK_BENCH_S), so the whole run stays under 5 minutes by default.  Exit status: 0 when the tests
-# passed and the benchmark ran.
+# and prints a short summary last.  Each step has a timeout (165 s + 40 s + 115 s, or GPU_CHECK_TESTS_S,
+# GPU_CHECK_ATTENTION_S and GPU_CHECK_BENCH_S), so the whole run stays under 5.5 minutes by default.
+# Exit status: 0 when the tests passed, the attention kernels agreed and the benchmark ran.
 set -uo pipefail
 
 out=${1:?usage: tools/gpu_check.sh OUTDIR}
@@ -51,6 +54,10 @@ timeout "${GPU_CHECK_TESTS_S:-165}" "$py" -m pytest -m gpu tests/backend/test_gp
   -q -rs -p no:cacheprovider --durations=15 "${per_test[@]}" --junitxml="$out/gpu-tests.xml" > "$out/gpu-tests.log" 2>&1
 tests_rc=$?
 
+echo "[gpu_check] timing the prefill attention kernels (log: $out/attention.log)"
+timeout "${GPU_CHECK_ATTENTION_S:-40}" "$py" tools/gpu_attention_bench.py --out "$out" > "$out/attention.log" 2>&1
+attention_rc=$?
+
 echo "[gpu_check] running the benchmark (log: $out/bench.log)"
 timeout "${GPU_CHECK_BENCH_S:-115}" "$py" tools/gpu_bench.py --out "$out" > "$out/bench.log" 2>&1
 bench_rc=$?
@@ -63,6 +70,8 @@ echo "GPU tests: $(grep -E '(passed|failed|error|skipped)' "$out/gpu-tests.log" 
 if [ "$tests_rc" -ne 0 ]; then
   grep -E '^(FAILED|ERROR)' "$out/gpu-tests.log" | head -20
 fi
+echo "attention: exit $attention_rc"
+if [ -f "$out/attention-table.txt" ]; then cat "$out/attention-table.txt"; else tail -5 "$out/attention.log"; fi
 echo "benchmark: exit $bench_rc"
 if [ -f "$out/bench-table.txt" ]; then cat "$out/bench-table.txt"; else tail -15 "$out/bench.log"; fi
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$attention_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

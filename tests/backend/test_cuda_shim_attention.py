@@ -1,5 +1,5 @@
-"""The paged attention kernels (decode split-K + merge, prefill), run on the CPU under tests/cuda_shim,
-against paged_attention_ref.
+"""The paged attention kernels (decode split-K + merge, the FMA prefill kernel), run on the CPU under
+tests/cuda_shim, against paged_attention_ref.
 
 Launched through the real `CUDABackend` methods with the host launcher, like test_cuda_shim.py.  Block
 tables are shuffled assignments of physical blocks with junk past each sequence's end; contexts and
@@ -29,7 +29,10 @@ def shim_libraries():
 
 @pytest.fixture
 def backend(shim_libraries):
-    return CUDABackend(launcher=harness.ShimLauncher(shim_libraries))
+    """The FMA prefill kernel for every dtype (the tensor-core one has test_cuda_shim_flash.py)."""
+    backend = CUDABackend(launcher=harness.ShimLauncher(shim_libraries))
+    backend.flash_prefill = False
+    return backend
 
 
 def small_partition_backend(shim_libraries, partition):

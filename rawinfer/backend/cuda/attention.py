@@ -4,6 +4,11 @@ Backend.paged_attention (base.py) checks the shapes and sends a pure decode batc
 `paged_attention_decode`, anything else to `paged_attention_prefill`; the kernels' own comments
 (cuda/paged_attention_decode.cu, cuda/paged_attention_prefill.cu) give their layouts and shared memory.
 
+Prefill on f16 / bf16 with a head dim of `kernel_specs.FLASH_HEAD_DIMS` runs on tensor cores
+(cuda/flash_attention_prefill.cu: 64 query rows per block, mma.sync, cp.async K/V tiles); float32, other
+head dims and caches not 16-byte aligned run cuda/paged_attention_prefill.cu, which takes the same
+arguments (`flash_prefill = False` sends everything there).
+
 Decode splits each sequence's context into partitions of P positions, P a whole number of KV blocks
 (split-K, one thread block per split, KV head and sequence), and merges the splits in a second kernel.
 On a sliding-window layer (window W > 0) the partitions cover the window only, from its first position:
@@ -29,6 +34,9 @@ DECODE_HEADS_PER_PASS = 4      # DECODE_HEADS_PER_PASS (GC) in cuda/paged_attent
 PREFILL_ROWS = 16              # PREFILL_ROWS in cuda/paged_attention_prefill.cu
 PREFILL_THREADS = 128          # PREFILL_THREADS in cuda/paged_attention_prefill.cu
 MAX_HEAD_DIM = 256             # both kernels; PREFILL_MAX_D sizes the prefill kernel's per-lane accumulators
+FLASH_ROWS = 64                # FLASH_ROWS in cuda/flash_attention_prefill.cu: query rows per block
+FLASH_THREADS = 128            # FLASH_THREADS
+FLASH_PAD = 8                  # FLASH_PAD: elements of padding per shared-memory row
 
 
 class PagedAttention(KernelLaunches):
@@ -38,6 +46,7 @@ class PagedAttention(KernelLaunches):
     decode_partition: int          # context positions per decode split, before rounding to whole blocks
     _workspace: Any = None         # float32 [n]: split-K partial results of decode attention
     _workspace_bound: bool = False
+    flash_prefill: bool = True     # tensor-core prefill where it applies; False: always paged_attention_prefill
 
     # ---- shapes -------------------------------------------------------------------------------------
     @staticmethod
@@ -142,13 +151,34 @@ class PagedAttention(KernelLaunches):
                 return tile, smem
         raise ValueError(f"paged_attention_prefill: head_dim {head_dim} does not fit in shared memory")
 
+    @staticmethod
+    def flash_kv_tile(head_dim: int) -> tuple[int, int]:
+        """(key positions per tile, shared memory bytes) of the tensor-core prefill kernel (FlashTile in
+        cuda/flash_attention_prefill.cu): k_s and v_s [tile, D + 8] of a 2-byte type."""
+        tile = 64 if head_dim <= 128 else 32
+        return tile, 2 * tile * (head_dim + FLASH_PAD) * 2
+
+    def uses_flash_prefill(self, dtype, head_dim: int, k_cache, v_cache) -> bool:
+        """Whether paged_attention_prefill runs on tensor cores for these caches: f16 / bf16, an
+        instantiated head dim, caches 16-byte aligned (cp.async copies 16 bytes at a time)."""
+        return (self.flash_prefill and ks.element_type(dtype) in ks.FLASH_TYPES and head_dim in ks.FLASH_HEAD_DIMS
+                and address(k_cache) % 16 == 0 and address(v_cache) % 16 == 0)
+
     def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                 scale: float, out, max_query_len: int, window: int = 0) -> None:
-        """Grid (ceil(max_query_len / 16), H, B): one block per 16 query rows of one head and sequence."""
+        """Tensor cores (`uses_flash_prefill`): grid (ceil(max_query_len / 64), H, B), one block per 64 query
+        rows of one head and sequence.  Else grid (ceil(max_query_len / 16), H, B), one block per 16 rows."""
         window = _check_window("paged_attention_prefill", window)
         batch, num_heads, num_kv_heads, block_size, head_dim = self._attention_sizes(
             "paged_attention_prefill", qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, out)
         if batch == 0 or max_query_len < 1:
+            return
+        if self.uses_flash_prefill(qkv.dtype, head_dim, k_cache, v_cache):
+            tile, smem = self.flash_kv_tile(head_dim)
+            self._launch("flash_attention_prefill_kernel", (ks.element_type(qkv.dtype), str(head_dim)),
+                         (-(-max_query_len // FLASH_ROWS), num_heads, batch), (FLASH_THREADS,), smem,
+                         out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, num_heads,
+                         num_kv_heads, head_dim, block_size, block_tables.shape[1], tile, window)
             return
         tile, smem = self.prefill_kv_tile(head_dim, np.dtype(k_cache.dtype).itemsize)
         self._launch("paged_attention_prefill_kernel", (ks.element_type(qkv.dtype),),

@@ -114,6 +114,13 @@ def _each_float(name: str, source: str, params: str) -> KernelSpec:
 RESIDUAL_PAIRS = (("float", "float"), ("f16", "f16"), ("bf16", "bf16"), ("f16", "float"), ("bf16", "float"))
 
 
+# Head dimensions flash_attention_prefill_kernel is built for (template parameter D, a multiple of 16):
+# the tiny test models' 16, SmolLM2's and Qwen2.5-0.5B's 64, Phi-3's 96, Llama's / Mistral's / Qwen's 128,
+# Gemma 3's 256, and 32.  Other head dims, and float32, take paged_attention_prefill_kernel.
+FLASH_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+FLASH_TYPES = ("f16", "bf16")   # the tensor cores' input types
+
+
 def _with_residual(name: str, source: str, params: str) -> KernelSpec:
     return KernelSpec(name, source, signature(params), ("T", "R"), RESIDUAL_PAIRS)
 
@@ -147,6 +154,12 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                 "T* out, const T* qkv, const T* k_cache, const T* v_cache, const int* block_tables, "
                 "const int* context_lens, const int* query_start_loc, float scale, int num_heads, "
                 "int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int kv_tile, int window"),
+    KernelSpec("flash_attention_prefill_kernel", "flash_attention_prefill.cu",
+               signature("T* out, const T* qkv, const T* k_cache, const T* v_cache, const int* block_tables, "
+                         "const int* context_lens, const int* query_start_loc, float scale, int num_heads, "
+                         "int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int kv_tile, "
+                         "int window"),
+               ("T", "D"), tuple((t, str(d)) for t in FLASH_TYPES for d in FLASH_HEAD_DIMS)),
     _each_float("argmax_kernel", "sampling.cu", "int* out_ids, const T* logits, int vocab"),
     _each_float("sample_kernel", "sampling.cu",
                 "int* out_ids, const T* logits, const float* temperature, const int* top_k, "
