@@ -21,11 +21,12 @@ little is left, so prefill never starves while decodes alone exceed the target; 
 takes prefill up to the whole token budget. Until the model has an estimate (the engine reports each
 step's time to it), or with target 0, the token budget alone limits prefill.
 
-The step's decision ends in a StepPlan (core/step_plan.py) for the model runner. After the forward pass,
-advance() moves each sequence's num_computed_tokens and registers the blocks that filled up.
+A step runs one way: schedule() -> SchedulerOutput (with the StepPlan of core/step_plan.py) -> forward pass
+-> update(output) -> StepUpdate (computed tokens, filled blocks registered, forks joined, finishes).
 
 Every change to the queues and to a sequence's blocks goes through here: admission, the samples of an
-n > 1 request forked from their parent (fork), scoring sequences (Sequence.chunk_sizes), finishing.
+n > 1 request (forks of the chunk that computes its prompt, drawing from its logits row), scoring sequences
+(Sequence.chunk_sizes), finishing.
 
 Remote prefill (prefill/decode disaggregation, engine/kv_transfer.py): reserve_remote moves a waiting
 sequence into `receiving` with blocks for all but its last prompt token (after its own prefix-cache hit);
@@ -45,14 +46,14 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rawinfer.config import EngineConfig
 from rawinfer.core.block_hashes import BlockHashes
 from rawinfer.core.block_manager import BlockManager
-from rawinfer.core.sequence import FinishReason, Sequence
+from rawinfer.core.sequence import FinishReason, Sequence, SequenceTimings
 from rawinfer.core.step_cost import PrefillAllowance, StepCost, StepShape, auto_target_rows
-from rawinfer.core.step_plan import PlanLayout, ScheduledBatch, ScheduledSeq, build_step_plan
+from rawinfer.core.step_plan import PlanLayout, ScheduledSeq, StepPlan, build_step_plan
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,30 @@ class Reservation:
     start_block: int            # first logical block to fill: those before it are this engine's prefix-cache hit
     block_ids: list[int]        # physical ids of logical blocks start_block, start_block + 1, ...
     num_tokens: int             # prompt tokens whose K/V arrive (positions 0 .. num_tokens - 1): all but the last
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decision (schedule()): who advances by how many tokens, in the plan's batch order (running
+    sequences first, then those admitted this step; each with the samples it forks), who was preempted, and the
+    plan that carries it out."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    plan: StepPlan | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class StepUpdate:
+    """What a step changed that becomes outputs (update()): the samples that draw their next token from the
+    step's logits, and the sequences finished (length) with nothing to sample."""
+
+    samples: list[tuple[Sequence, int]] = field(default_factory=list)   # (sample, logits row): a fork its parent's
+    finished: list[Sequence] = field(default_factory=list)    # scored to their end; max_tokens 0 prompts computed
 
 
 class Scheduler:
@@ -97,15 +122,18 @@ class Scheduler:
         keys = [(s.priority, s.arrival_order) for s in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, (seq.priority, seq.arrival_order)), seq)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Start `child`, a new sample of parent's request whose tokens are parent's prompt, from parent's
-        computed prompt: it shares every block (copy-on-write on its first write) and runs at once.
-        NOTE: only after the step that computed the whole prompt (advance() registered its blocks)."""
-        if parent not in self.running or parent.num_computed_tokens != parent.num_prompt_tokens:
-            raise ValueError(f"cannot fork {parent.seq_id!r}: a sample forks from a running sequence whose prompt "
-                             "was just computed")
-        if child.token_ids != parent.token_ids[:parent.num_prompt_tokens]:
-            raise ValueError(f"sample {child.seq_id!r} must start from its parent's prompt")
+    @staticmethod
+    def _forks_of(parent: Sequence) -> tuple[Sequence, ...]:
+        """The other n - 1 samples of parent's request: new sequences of its prompt, arrived and scheduled with it."""
+        t = parent.timings
+        return tuple(Sequence(seq_id=(parent.request_id, i), request_id=parent.request_id, index=i,
+                              prompt_token_ids=parent.prompt_token_ids, params=parent.params, priority=parent.priority,
+                              timings=SequenceTimings(arrival=t.arrival, scheduled=t.scheduled))
+                     for i in range(1, parent.params.n))
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start `child` from parent's prompt, just computed (update() registered its blocks): it shares every
+        block (copy-on-write on its first write) and runs at once."""
         self.bm.fork(parent.seq_id, child.seq_id)
         self._ticket += 1
         child.arrival_order = self._ticket
@@ -129,15 +157,18 @@ class Scheduler:
         seq.timings.finished = time.monotonic()
 
     # ---- remote prefill ---------------------------------------------------------------------------
+    def can_reserve_remote(self, seq: Sequence) -> bool:
+        """Whether `seq` may have its prompt's K/V computed by another engine: a new, waiting request that
+        samples and wants no prompt log-probabilities, in a model that keeps every block while it prefills."""
+        return (seq in self.waiting and not seq.is_scoring and not seq.num_output_tokens
+                and not seq.wants_prompt_logprobs and not self.sliding_window)
+
     def reserve_remote(self, seq: Sequence, min_tokens: int = 1) -> Reservation | None:
         """Move waiting `seq` to `receiving` with blocks for its first P - 1 prompt tokens, its prefix-cache
         hit first. None (nothing changed) when fewer than min_tokens of them are uncached or the pool lacks
         the blocks: the sequence then prefills here as usual."""
-        if seq not in self.waiting or seq.is_scoring or seq.num_output_tokens or seq.wants_prompt_logprobs:
-            raise ValueError(f"{seq.seq_id!r} cannot prefill remotely: only a new, waiting request that samples "
-                             "and wants no prompt log-probabilities can")
-        if self.sliding_window:
-            raise ValueError("a sliding-window model gives blocks back while it prefills; prefill it locally")
+        if not self.can_reserve_remote(seq):
+            raise ValueError(f"{seq.seq_id!r} cannot prefill remotely (can_reserve_remote); prefill it here")
         bs, num_tokens = self.bm.block_size, seq.num_prompt_tokens - 1
         cached = self.bm.find_cached_prefix(seq.token_ids, seq.block_hashes) if self.ecfg.enable_prefix_caching else []
         num_cached = len(cached) * bs
@@ -224,11 +255,13 @@ class Scheduler:
         if allowance is not None:
             allowance.take(n, start)
         prompt_rows = max(0, min(start + n, seq.num_prompt_tokens - 1) - start) if seq.wants_prompt_logprobs else 0
-        return ScheduledSeq(seq, n, samples=not seq.is_scoring and start + n == seq.num_tokens,
-                            prompt_logprob_rows=prompt_rows)
+        samples = not seq.is_scoring and start + n == seq.num_tokens
+        # n > 1: the chunk that computes the prompt forks the other samples (max_tokens 0: none is drawn)
+        forks = samples and seq.index == 0 and not seq.num_output_tokens and seq.params.max_tokens > 0
+        return ScheduledSeq(seq, n, samples, prompt_rows, self._forks_of(seq) if forks else ())
 
-    def schedule(self) -> ScheduledBatch:
-        out = ScheduledBatch()
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
         copies: list[tuple[int, int]] = []
         budget = self.ecfg.max_num_batched_tokens
         allowance = self._allowance()
@@ -285,10 +318,12 @@ class Scheduler:
             out.plan = build_step_plan(out.seqs, tables, copies, self.layout)
         return out
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """After the forward pass: the scheduled tokens are in the cache; register blocks that filled up."""
-        bs = self.bm.block_size
-        for s in batch.seqs:
+    def update(self, out: SchedulerOutput) -> StepUpdate:
+        """After the forward pass, the scheduled tokens are in the cache: register blocks that filled up, give
+        back those that slid out of the window, start the forks, finish (length) what was computed to its end
+        with nothing to sample. Returns the samples that draw a token from the step's logits, and those finished."""
+        bs, upd, row = self.bm.block_size, StepUpdate(), 0
+        for s in out.seqs:
             seq = s.seq
             before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
@@ -296,6 +331,15 @@ class Scheduler:
                 self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
             if self.sliding_window:   # the next query, at num_computed_tokens, reads W - 1 positions back
                 self.bm.release_before(seq.seq_id, seq.num_computed_tokens - self.sliding_window + 1)
+            if (s.samples and seq.params.max_tokens == 0) or (s.scores and seq.num_computed_tokens == seq.num_tokens):
+                self.finish(seq, FinishReason.LENGTH)
+                upd.finished.append(seq)
+            elif s.samples:
+                for child in s.forks:
+                    self._fork(seq, child)
+                upd.samples += [(x, row) for x in (seq, *s.forks)]
+            row += s.samples
+        return upd
 
     # ---- checks -------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -17,7 +17,7 @@ from rawinfer.sampling import SamplingParams
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"        # an end-of-sequence token, a stop token id or a stop string
-    LENGTH = "length"    # max_tokens or the model's context reached (or a scored sequence fully computed)
+    LENGTH = "length"    # max_tokens or the model's context reached (or a scored or max_tokens 0 sequence computed)
     ABORT = "abort"      # aborted by the user, a vanished client or a shutdown
 
     def __str__(self) -> str:
@@ -58,8 +58,8 @@ class Sequence:
     def __init__(self, seq_id: str, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, priority: int = 0, timings: SequenceTimings | None = None,
                  chunk_sizes: tuple[int, ...] | None = None):
-        self.seq_id = seq_id                  # unique inside the engine: the request id, (request id, index)
-        #                                       for a forked sample, ("score", ns) for LLMEngine.score
+        self.seq_id = seq_id                  # unique inside the engine: the request id, or (request id, index)
+        #                                       for a sample the scheduler forked
         self.request_id = request_id
         self.index = index                    # sample index for n > 1
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output; read-only outside append_token

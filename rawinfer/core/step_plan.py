@@ -50,6 +50,8 @@ class ScheduledSeq:
     samples: bool            # the chunk reaches the last known token and the next one is to be sampled
     prompt_logprob_rows: int = 0   # the chunk's first rows whose next token is a prompt token whose
                                    # log-probability the request wants (Sequence.wants_prompt_logprobs)
+    forks: tuple[Sequence, ...] = ()   # the other samples of an n > 1 request, forked from this one once the
+                                       # chunk computed its prompt: they draw from its logits row
 
     @property
     def scores(self) -> bool:
@@ -82,23 +84,6 @@ class StepPlan:
     @property
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
-
-
-@dataclass
-class ScheduledBatch:
-    """The scheduler's decision for one step and the plan that carries it out."""
-
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    plan: StepPlan | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
 
 
 def slot_mapping(table, positions, block_size: int):

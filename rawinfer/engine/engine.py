@@ -1,17 +1,13 @@
-"""LLMEngine: requests in, token and text outputs out, one step at a time (add_request / step / abort /
-score / stats).
+"""LLMEngine: requests in, token and text outputs out, one step at a time (add_request / add_score / step /
+abort / stats).
 
-One step flows one way:
+One step runs one way, each stage feeding the next (docs/architecture.md, "One step"):
 
-    scheduler.schedule()    core: which sequences advance, by how many tokens -> ScheduledBatch + StepPlan
-    runner.run(plan)        exec: copy-on-write copies, forward pass -> device logits (+ host score logits)
-    scheduler.advance()     core: computed tokens, prefix-cache registration of filled blocks
-    sample, outputs         engine: grammar masks (structured.py), tokens -> text, stop rules, finishes
-                            (engine/outputs.py)
-
-A request of n > 1 samples starts as one sequence; when its prompt is computed, the scheduler forks
-the other n - 1 from it (sharing the prompt's blocks) and each draws its first token from the same
-logits row. Scoring (teacher forcing) is a request too: a sequence whose every row gets logits.
+    scheduler.schedule()    core: who advances by how many tokens, forks -> SchedulerOutput (+ its StepPlan)
+    runner.run(plan)        exec: copy-on-write copies, forward pass -> RunnerOutput
+    scheduler.update(out)   core: computed tokens, prefix cache, forks join, finishes -> StepUpdate
+    _outputs(...)           engine: grammar masks, sampling, text, stop rules (outputs.py), log-probabilities,
+                            scores (scoring.py) -> RequestOutputs
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any
 
@@ -28,21 +25,20 @@ import numpy as np
 from rawinfer.backend.select import get_backend
 from rawinfer.config import DEFAULT_MODEL, EngineConfig, ModelConfig, is_int, resolve_max_model_len
 from rawinfer.core.block_manager import BlockManager
-from rawinfer.core.scheduler import Scheduler
-from rawinfer.core.sequence import FinishReason, Sequence, SequenceTimings
-from rawinfer.core.step_plan import ScheduledBatch
+from rawinfer.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
+from rawinfer.core.sequence import FinishReason, Sequence
 from rawinfer.engine.kv_transfer import KVTransfer
 from rawinfer.engine.logprobs import Logprobs, store_prompt_logprobs, take_prompt_logprobs, token_logprobs
 from rawinfer.engine.metrics import EngineStats, request_metrics
 from rawinfer.engine.outputs import OutputRules, RequestOutput, SampleState
-from rawinfer.engine.sampler import Sampler, make_generator, sample_row
-from rawinfer.engine.scoring import Scoring
+from rawinfer.engine.sampler import Sampler, make_generator
+from rawinfer.engine.scoring import score_sequence, store_scores
 from rawinfer.engine.structured import GrammarError, MaskJob, StructuredOutputs
 from rawinfer.engine.warmup import warm_up
 from rawinfer.exec.graphs import DecodeGraphs
 from rawinfer.exec.memory import MemoryPool
 from rawinfer.exec.model import DecoderModel
-from rawinfer.exec.runner import ModelRunner, StepOutput
+from rawinfer.exec.runner import ModelRunner, RunnerOutput
 from rawinfer.sampling import SamplingParams
 
 log = logging.getLogger("rawinfer")
@@ -62,7 +58,7 @@ def engine_config_from(options: dict[str, Any]) -> EngineConfig:
     return EngineConfig(**options).validate()
 
 
-class LLMEngine(Scoring):
+class LLMEngine:
     def __init__(self, model_dir: str = DEFAULT_MODEL, engine_config: EngineConfig | None = None, **options):
         if engine_config is not None and (not isinstance(engine_config, EngineConfig) or options):
             raise ValueError("engine_config must be an EngineConfig and comes alone: pass either it or the engine "
@@ -126,24 +122,21 @@ class LLMEngine(Scoring):
         self.rules = OutputRules(None, cfg.eos_token_ids, self.max_model_len)
         self.structured = StructuredOutputs.for_model(self.backend, None, cfg.vocab_size, cfg.eos_token_ids)
         self._seed_counter = 0
+        self._requests: dict[str, list[SampleState]] = {}   # request id -> its samples' states, index order
+        self.kv_transfer = KVTransfer(self)     # K/V exported to / received from another engine
         self.reset_state()
 
     def reset_state(self) -> None:
         """Forget every request, cached prefix and counter: a fresh block manager and scheduler over the
         same pool (its KV contents are garbage nobody reads). For an engine with nothing in flight."""
-        if getattr(self, "_requests", None):
+        if self._requests:
             raise RuntimeError(f"reset_state with {len(self._requests)} request(s) in flight; abort them first")
         ecfg = self.config
         self.block_manager = BlockManager(self.pool.kv.num_blocks, ecfg.block_size, ecfg.enable_prefix_caching)
         self.scheduler = Scheduler(ecfg, self.block_manager, self.runner.plan_layout,
                                    sliding_window=self.model_config.kv_window)
-        self._requests: dict[str, list[SampleState]] = {}
-        self._scores: dict[str, np.ndarray] = {}           # scoring sequence id -> host logits [T, V]
-        self._pending: list[RequestOutput] = []            # outputs of steps that score() ran for others
         self.structured.held.clear()                       # requests waiting for their grammar
         self.stats_tracker = EngineStats(max_model_len=self.max_model_len)
-        if getattr(self, "kv_transfer", None) is None:     # K/V exported to / received from another engine
-            self.kv_transfer = KVTransfer(self)
         self.kv_transfer.clear()                           # the same object: the decode role's link holds it
 
     # ---- requests ---------------------------------------------------------------------------
@@ -175,7 +168,7 @@ class LLMEngine(Scoring):
         bs, W = self.config.block_size, self.model_config.kv_window
         need = -(-num_tokens // bs)
         if W:   # every layer slides: blocks behind the window go back, so a sequence holds at most the
-            # window plus one chunk of new tokens (scheduler.advance -> BlockManager.release_before)
+            # window plus one chunk of new tokens (scheduler.update -> BlockManager.release_before)
             need = min(need, (W - 1 + min(num_tokens, self.config.max_num_batched_tokens)) // bs + 2)
         need *= n
         if need > self.block_manager.num_blocks:
@@ -190,10 +183,7 @@ class LLMEngine(Scoring):
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestRejected("params must be a SamplingParams")
-        if not isinstance(request_id, str) or not request_id:
-            raise RequestRejected("request_id must be a non-empty string")
-        if request_id in self._requests:
-            raise RequestRejected(f"request id {request_id!r} is already in use; choose a unique id")
+        self._check_id(request_id)
         if not is_int(priority):
             raise RequestRejected("priority must be an integer")
         ids = self.encode_prompt(prompt)
@@ -215,7 +205,47 @@ class LLMEngine(Scoring):
             self.scheduler.add(seq)
         return ids
 
+    def _check_id(self, request_id: str) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestRejected("request_id must be a non-empty string")
+        if request_id in self._requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use; choose a unique id")
+
+    def add_score(self, request_id: str, token_ids: list[int],
+                  chunk_sizes: int | Iterable[int] | None = None) -> list[int]:
+        """Queue a scoring request (engine/scoring.py): teacher-forced logits at every position of token_ids,
+        computed through the paged cache in chunks (an int: a fixed size; sizes, e.g. [21, 1, 1, ...] = a prefill
+        then decode steps; None: the step's token budget), each at most max_num_batched_tokens. Its final
+        output's `scores` holds them, [T, V] float32. Returns the token ids; RequestRejected as add_request."""
+        self._check_id(request_id)
+        ids = self.encode_prompt(list(token_ids))
+        try:
+            seq = score_sequence(request_id, ids, chunk_sizes, self.config.max_num_batched_tokens)
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
+        self._check_fits(len(ids), 1, f"the scored sequence ({len(ids)} tokens)")
+        self._requests[request_id] = [self._new_state(seq)]
+        self.scheduler.add(seq)
+        return ids
+
+    def score(self, token_ids: list[int], chunk_sizes: int | Iterable[int] | None = None) -> np.ndarray:
+        """add_score, then step until its logits [T, V] float32 come out: for an engine with no request in
+        flight (beside others, call add_score and read RequestOutput.scores from step())."""
+        if self._requests:
+            raise RuntimeError(f"score() runs alone and {len(self._requests)} request(s) are in flight; queue it "
+                               "with add_score and read its final output's scores from step()")
+        ids = self.add_score("score", token_ids, chunk_sizes)
+        try:
+            for _ in range(len(ids)):               # alone, every step computes its next chunk
+                for out in self.step():
+                    return out.scores
+            raise RuntimeError("the KV pool is too small to score this sequence")
+        finally:
+            self.abort("score")                     # after an error: nothing of it stays
+
     def _new_state(self, seq: Sequence) -> SampleState:
+        if seq.is_scoring:
+            return SampleState(seq, None, scores=np.empty((seq.num_tokens, self.model_config.vocab_size), np.float32))
         p = seq.params
         if p.seed is not None:
             rng = make_generator(p.seed, seq.index)
@@ -238,12 +268,7 @@ class LLMEngine(Scoring):
             if not st.seq.is_finished:
                 self.scheduler.finish(st.seq, FinishReason.ABORT)
                 outs.append(self._final(st, [], ""))
-        parent = states[0].seq
-        for index in range(len(states), parent.params.n):   # samples not forked yet (prompt unfinished)
-            self.stats_tracker.count_finish(str(FinishReason.ABORT))
-            outs.append(RequestOutput(request_id, index, [], "", True, str(FinishReason.ABORT),
-                                      request_metrics(parent)))
-        return outs
+        return outs + self._unforked(outs[0], len(states), states[0].seq.params.n) if outs else outs
 
     def discard_all(self) -> None:
         """The last resort after a failed step whose requests could not be aborted one by one: forget every
@@ -255,7 +280,11 @@ class LLMEngine(Scoring):
         self.stats_tracker = stats
 
     def has_unfinished(self) -> bool:   # NOTE: a request waiting for remote K/V is not (kv_transfer.py)
-        return self.scheduler.has_unfinished or bool(self._pending) or bool(self.structured.held)
+        return self.scheduler.has_unfinished or bool(self.structured.held)
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """The sequences of a request in flight, one per sample started so far ([] if unknown)."""
+        return [st.seq for st in self._requests.get(request_id, ())]
 
     @property
     def num_requests(self) -> int:
@@ -263,13 +292,18 @@ class LLMEngine(Scoring):
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample, detokenize, finish. Returns what advanced."""
-        outputs, self._pending = self._pending, []
-        outputs += self._release_held() if self.structured.held else []
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
+        """Schedule, run one forward pass, update the scheduler, sample, detokenize, finish. Returns what
+        advanced or ended."""
+        outputs = self._release_held() if self.structured.held else []
+        out = self.scheduler.schedule()
+        if out.is_empty:
             return outputs
-        return outputs + self._run(batch)
+        started = time.monotonic()
+        mask = self.structured.masks([self._state(s.seq) for s in out.seqs if s.samples])   # on a GPU: during the pass
+        result = self.runner.run(out.plan)
+        self.kv_transfer.after_step(out)                # exports copy their blocks before update() frees them
+        update = self.scheduler.update(out)
+        return outputs + self._outputs(out, result, update, mask, started)
 
     def _release_held(self) -> list[RequestOutput]:
         """Requests held for their grammar: scheduled once it compiled, ended with its error if it did not."""
@@ -281,82 +315,46 @@ class LLMEngine(Scoring):
             out.finish_reason, out.error = "error", failed[out.request_id]
         return outputs
 
-    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """One forward pass of a scheduled batch, then its outputs (step and score share it)."""
-        t0 = time.monotonic()
-        states = [self._state(s.seq) for s in batch.seqs if s.samples]
-        mask = self.structured.masks(states)              # grammar rows: filled during the pass on a GPU
-        result = self.runner.run(batch.plan)
-        self.scheduler.advance(batch)
-        self.kv_transfer.after_step(batch)
-        return self._process(batch, result, t0, states, mask)
-
-    def _process(self, batch: ScheduledBatch, result: StepOutput, started: float, states: list[SampleState],
-                 mask: MaskJob | None) -> list[RequestOutput]:
-        """Mask and sample the sampled rows, store scored rows and prompt log-probabilities, finish what is done."""
-        to_sample = [st.seq for st in states]
+    def _outputs(self, out: SchedulerOutput, result: RunnerOutput, update: StepUpdate, mask: MaskJob | None,
+                 started: float) -> list[RequestOutput]:
+        """The step's outputs: masked sampling of every sample update() names (a fork from its parent's row),
+        scored rows and prompt log-probabilities filed, finals of what it finished."""
         raw = mask.apply(result.logits) if mask is not None else result.logits   # log-probabilities read raw
-        edits = [s.params.edits_logits for s in to_sample]
-        tokens = self.sampler.sample(result.logits, [s.params for s in to_sample],
-                                     [s.token_ids if e else None for s, e in zip(to_sample, edits)],
-                                     [st.rng for st in states], [s.num_prompt_tokens for s in to_sample])
-        self._store_scores(batch, result)
-        store_prompt_logprobs(batch, result.prompt_logprobs, self._state)
+        store_prompt_logprobs(out, result.prompt_logprobs, self._state)
+        store_scores(out, result.score_logits, self._state)
+        seqs, rows = [seq for seq, _ in update.samples], [row for _, row in update.samples]
+        states, logits = [self._state(seq) for seq in seqs], result.logits
+        if rows != list(range(int(logits.shape[0]))):    # forks share a row; max_tokens 0 rows draw nothing
+            logits = logits[self.backend.as_index_array(np.asarray(rows, np.int32))]
+        histories = [s.token_ids if s.params.edits_logits else None for s in seqs]
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], histories, [st.rng for st in states],
+                                     [s.num_prompt_tokens for s in seqs])
         now = time.monotonic()
-        picks: list[tuple[SampleState, int, int]] = []     # (sample, logits row, its new token)
-        prompt_only: list[SampleState] = []
-        for row, (seq, st, tok) in enumerate(zip(to_sample, states, tokens)):
-            if seq.params.max_tokens == 0:
-                prompt_only.append(st)
-                continue
-            if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0:
-                picks += self._fork_samples(st, result.logits, row)
-            picks.append((st, row, tok))
         logprobs = token_logprobs(self.backend, raw, [(st.seq.params.logprobs, row, tok)
-                                                                for st, row, tok in picks])
-        outputs = [self._add_token(st, tok, now, lp) for (st, _, tok), lp in zip(picks, logprobs)]
-        for st in prompt_only:
-            outputs += self._finish_prompt_only(st)
-        self.stats_tracker.on_step(now, started, batch.num_tokens, len(to_sample), self.block_manager.usage)
-        self.scheduler.step_cost.observe_plan(batch.plan, now - started)    # what steps cost here (itl_target_ms)
+                                                      for st, row, tok in zip(states, rows, tokens)])
+        outputs = [self._add_token(st, tok, now, lp) for st, tok, lp in zip(states, tokens, logprobs)]
+        for seq in update.finished:     # scored to the end, or a max_tokens 0 prompt: every sample ends, no token
+            first = self._final(self._state(seq), [], "")
+            outputs += [first, *self._unforked(first, 1, seq.params.n)]
+        self.stats_tracker.on_step(now, started, out.plan.num_tokens, len(tokens), self.block_manager.usage)
+        self.scheduler.step_cost.observe_plan(out.plan, now - started)    # what steps cost here (itl_target_ms)
         return outputs
 
     def _state(self, seq: Sequence) -> SampleState:
-        for st in self._requests[seq.request_id]:
-            if st.seq is seq:
-                return st
-        raise KeyError(seq.seq_id)
+        """seq's output state; a sample forked this step gets its own, its parent's grammar forked."""
+        states = self._requests[seq.request_id]
+        if seq.index == len(states):
+            st, parent = self._new_state(seq), states[0]
+            st.prompt_logprobs = parent.prompt_logprobs          # the same prompt: read only from here on
+            st.grammar = parent.grammar.fork() if parent.grammar is not None else None
+            states.append(st)
+        return states[seq.index]
 
-    def _fork_samples(self, parent_st: SampleState, logits, row: int) -> list[tuple[SampleState, int, int]]:
-        """n > 1: the prompt is computed; the scheduler forks n-1 samples that share its blocks, and each
-        draws its own first token from the same logits row. Returns (sample, row, token) of each."""
-        parent = parent_st.seq
-        host_row = self.backend.to_host(logits)[row]
-        picks = []
-        for i in range(1, parent.params.n):
-            t = parent.timings
-            child = Sequence(seq_id=(parent.request_id, i), request_id=parent.request_id, index=i,
-                             prompt_token_ids=parent.token_ids[:parent.num_prompt_tokens], params=parent.params,
-                             priority=parent.priority, timings=SequenceTimings(arrival=t.arrival, scheduled=t.scheduled))
-            self.scheduler.fork(parent, child)
-            st = self._new_state(child)
-            st.prompt_logprobs = parent_st.prompt_logprobs          # the same prompt: read only from here on
-            st.grammar = parent_st.grammar.fork() if parent_st.grammar is not None else None
-            self._requests[parent.request_id].append(st)
-            picks.append((st, row, sample_row(host_row, child.params, child.token_ids, st.rng, child.num_prompt_tokens)))
-        return picks
-
-    def _finish_prompt_only(self, st: SampleState) -> list[RequestOutput]:
-        """max_tokens 0: the prompt is computed (its log-probabilities taken); every sample ends, no token."""
-        seq = st.seq
-        self.scheduler.finish(seq, FinishReason.LENGTH)
-        first = self._final(st, [], "")
-        outs = [first]
-        for index in range(1, seq.params.n):
-            self.stats_tracker.count_finish(str(FinishReason.LENGTH))
-            outs.append(RequestOutput(seq.request_id, index, [], "", True, first.finish_reason, first.metrics,
-                                      prompt_logprobs=first.prompt_logprobs))
-        return outs
+    def _unforked(self, first: RequestOutput, start: int, n: int) -> list[RequestOutput]:
+        """Finals of samples start..n-1 of first's request, never forked: they end as it did."""
+        for _ in range(start, n):
+            self.stats_tracker.count_finish(first.finish_reason)
+        return [dataclasses.replace(first, index=index) for index in range(start, n)]
 
     def _add_token(self, st: SampleState, tok: int, now: float, logprobs: Logprobs | None = None) -> RequestOutput:
         text, reason = self.rules.add_token(st, tok, now)
@@ -372,9 +370,11 @@ class LLMEngine(Scoring):
         states = self._requests.get(seq.request_id)
         if states is not None and all(s.seq.is_finished for s in states):
             del self._requests[seq.request_id]
-        self.stats_tracker.on_finish(seq)
+        if not seq.is_scoring:
+            self.stats_tracker.on_finish(seq)
+        scores = st.scores if seq.finish_reason == FinishReason.LENGTH else None     # not after an abort
         return RequestOutput(seq.request_id, seq.index, new_ids, text, True, str(seq.finish_reason),
-                             request_metrics(seq), logprobs, take_prompt_logprobs(st))
+                             request_metrics(seq), logprobs, take_prompt_logprobs(st), scores=scores)
 
     # ---- gauges -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from rawinfer.core.scheduler import Reservation
-from rawinfer.core.step_plan import ScheduledBatch
+from rawinfer.core.scheduler import Reservation, SchedulerOutput
+from rawinfer.core.sequence import Sequence
 from rawinfer.sampling import SamplingParams
 
 WEIGHT_SAMPLE = 4096        # leading and trailing elements of every weight tensor that the digest covers
@@ -97,13 +97,15 @@ class KVExport:
 
 @dataclass
 class _Receiving:
+    seq: Sequence
     reservation: Reservation
     layers: set[int]
 
 
 class KVTransfer:
     """One engine's side of transfers: exports it computes (prefill role) and reservations it fills (decode
-    role). Called from the engine's own thread only, between steps."""
+    role). Called from the engine's own thread only, between steps; it calls the engine's public methods and
+    the scheduler's remote-prefill hooks only."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -141,12 +143,12 @@ class KVTransfer:
         self.engine.add_request(request_id, list(prompt_ids[:-1]), SamplingParams(max_tokens=0))
         self._exports[request_id] = start_block
 
-    def after_step(self, batch: ScheduledBatch) -> None:
-        """After a forward pass and before the outputs: copy out the blocks of every export whose prompt is
-        now computed (its request ends in this step's outputs, giving its blocks back)."""
+    def after_step(self, out: SchedulerOutput) -> None:
+        """After a forward pass and before scheduler.update: copy out the blocks of every export whose prompt is
+        now computed (the update ends its request, giving its blocks back)."""
         if not self._exports:
             return
-        for s in batch.seqs:
+        for s in out.seqs:
             start = self._exports.get(s.seq.request_id)
             if start is None or not s.samples:
                 continue
@@ -165,24 +167,16 @@ class KVTransfer:
         self.engine.abort(request_id)
 
     # ---- decode role ---------------------------------------------------------------------------
-    def can_receive(self, request_id: str) -> bool:
-        """Whether a queued request may prefill remotely: one waiting sample that wants no prompt
-        log-probabilities, in a model without sliding-window block release."""
-        states = self.engine._requests.get(request_id)
-        if not states or len(states) != 1 or self.engine.model_config.kv_window:
-            return False
-        seq = states[0].seq
-        return seq in self.engine.scheduler.waiting and not seq.wants_prompt_logprobs and not seq.num_output_tokens
-
     def reserve(self, request_id: str, min_tokens: int = 1) -> Reservation | None:
-        """Blocks for a queued request's prompt K/V to arrive into, if at least min_tokens of them are not
-        in this engine's prefix cache (None: it prefills here as usual)."""
-        if not self.can_receive(request_id):
+        """Blocks for a queued request's prompt K/V to arrive into, if it may prefill remotely (one waiting
+        sample that wants no prompt log-probabilities, Scheduler.can_reserve_remote) and at least min_tokens
+        of them are not in this engine's prefix cache (None: it prefills here as usual)."""
+        seqs = self.engine.sequences(request_id)
+        if len(seqs) != 1 or not self.engine.scheduler.can_reserve_remote(seqs[0]):
             return None
-        seq = self.engine._requests[request_id][0].seq
-        r = self.engine.scheduler.reserve_remote(seq, min_tokens)
+        r = self.engine.scheduler.reserve_remote(seqs[0], min_tokens)
         if r is not None:
-            self._receiving[request_id] = _Receiving(r, set())
+            self._receiving[request_id] = _Receiving(seqs[0], r, set())
         return r
 
     def is_receiving(self, request_id: str) -> bool:
@@ -213,15 +207,15 @@ class KVTransfer:
         if missing:
             raise ValueError(f"request {request_id!r} still lacks the K/V of layer(s) {missing}")
         del self._receiving[request_id]
-        self.engine.scheduler.complete_remote(self.engine._requests[request_id][0].seq)
+        self.engine.scheduler.complete_remote(rec.seq)
 
     def cancel(self, request_id: str) -> bool:
         """Give the reserved blocks back; the request prefills here instead. False if it was not receiving."""
         self._forget_finished()
-        if self._receiving.pop(request_id, None) is None:
-            return False
-        self.engine.scheduler.cancel_remote(self.engine._requests[request_id][0].seq)
-        return True
+        rec = self._receiving.pop(request_id, None)
+        if rec is not None:
+            self.engine.scheduler.cancel_remote(rec.seq)
+        return rec is not None
 
     def _get(self, request_id: str) -> _Receiving:
         self._forget_finished()
@@ -232,6 +226,6 @@ class KVTransfer:
 
     def _forget_finished(self) -> None:
         """Drop the records of requests aborted while receiving (the scheduler freed their blocks)."""
-        gone = [rid for rid in self._receiving if rid not in self.engine.scheduler.receiving]
+        gone = [rid for rid, rec in self._receiving.items() if rec.seq.is_finished]
         for rid in gone:
             del self._receiving[rid]

@@ -72,17 +72,17 @@ def token_logprobs(backend, logits, picks: list[tuple[int | None, int, int]]) ->
     return out
 
 
-def store_prompt_logprobs(batch, rows: LogprobRows | None, state_of) -> None:
+def store_prompt_logprobs(out, rows: LogprobRows | None, state_of) -> None:
     """File a step's prompt log-probabilities (the runner's rows, in batch order) under their samples' states
     (state_of(seq)), by prompt position: a prefill restarted by preemption overwrites what it computed before.
-    After scheduler.advance()."""
+    After scheduler.update()."""
     row = 0
-    for s in batch.seqs:
+    for s in out.seqs:
         q = s.prompt_logprob_rows
         if not q:
             continue
         seq = s.seq
-        start = seq.num_computed_tokens - s.num_new_tokens       # advance() has moved it past this chunk
+        start = seq.num_computed_tokens - s.num_new_tokens       # update() has moved it past this chunk
         acc = state_of(seq).prompt_logprobs
         acc.truncate(start)
         acc.extend(entries(rows, seq.token_ids[start + 1:start + 1 + q], row, row + q, seq.params.prompt_logprobs))

@@ -42,18 +42,20 @@ class RequestOutput:
     logprobs: Logprobs | None = None        # of new_token_ids, when the request asked (params.logprobs)
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.., on a sample's first output (params.prompt_logprobs)
     error: str | None = None                # why the request failed (finish_reason "error"): e.g. its grammar
+    scores: np.ndarray | None = None        # a scoring request's logits [T, V] float32, on its final output
 
 
 @dataclass
 class SampleState:
     """One sequence's output machinery: its random generator and, with a tokenizer, its text state (and
-    with structured output its grammar's matcher)."""
+    with structured output its grammar's matcher); a scoring sequence's logits instead."""
     seq: Sequence
-    rng: np.random.Generator
+    rng: np.random.Generator | None                 # None for a scoring sequence (it samples nothing)
     detok: IncrementalDetokenizer | None = None
     stop: StopChecker | None = None
     prompt_logprobs: Logprobs | None = None    # filled during prefill when asked for; handed out once
     grammar: SampleGrammar | None = None        # structured_outputs, once its grammar has compiled
+    scores: np.ndarray | None = None            # a scoring sequence's host logits [T, V], filled chunk by chunk
 
 
 class OutputRules:

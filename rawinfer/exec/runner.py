@@ -28,7 +28,9 @@ from rawinfer.exec.model import DecoderModel
 
 
 @dataclass
-class StepOutput:
+class RunnerOutput:
+    """What one forward pass produced, for the engine's output processing."""
+
     logits: Any                        # device [S, V] float32: the rows of plan.logits_indices (a workspace view)
     score_logits: np.ndarray | None    # host [R, V] float32: the rows of plan.score_rows (None when R = 0)
     prompt_logprobs: LogprobRows | None = None   # host, the rows of plan.prompt_rows (None when Q = 0)
@@ -62,39 +64,38 @@ class ModelRunner:
             logits_indices=be.as_index_array(plan.logits_indices), num_tokens=plan.num_tokens,
             max_query_len=plan.max_query_len, max_context_len=plan.max_context_len)
 
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan) -> RunnerOutput:
         """Copy-on-write copies, then the forward pass (a decode graph where the plan names one)."""
         self.backend.begin_step()
         if plan.copies:
             kv = self.model.pool.kv
             self.backend.copy_blocks(kv.k, kv.v, list(plan.copies))
         if plan.graph_bucket is not None and self.use_graphs and self.graphs is not None:
-            return StepOutput(self.graphs.run(plan), None)
+            return RunnerOutput(self.graphs.run(plan), None)
         flat = self.flat_batch(plan)
         self.model.forward_hidden(flat)
         score = self._host_logits(plan.score_rows) if plan.score_rows.size else None
         prompt = self._prompt_logprobs(plan) if plan.prompt_rows.size else None
-        return StepOutput(self.model.compute_logits(flat.logits_indices), score, prompt)
+        return RunnerOutput(self.model.compute_logits(flat.logits_indices), score, prompt)
 
     def _prompt_logprobs(self, plan: StepPlan) -> LogprobRows:
         """Log-probabilities of plan.prompt_targets under the logits of hidden rows plan.prompt_rows (and
-        plan.prompt_top alternatives), the LM head run in pieces of the workspace's logits rows."""
-        piece = self.model.pool.logits_rows
-        parts = []
-        for a in range(0, plan.prompt_rows.shape[0], piece):
-            idx = self.backend.as_index_array(plan.prompt_rows[a:a + piece])
-            targets = plan.prompt_targets[a:a + piece]
-            parts.append(self.backend.logprobs(self.model.compute_logits(idx), np.arange(targets.shape[0]),
-                                               targets, plan.prompt_top))
+        plan.prompt_top alternatives)."""
+        parts = [self.backend.logprobs(logits, np.arange(logits.shape[0]), plan.prompt_targets[a:a + logits.shape[0]],
+                                       plan.prompt_top) for a, logits in self._logits_pieces(plan.prompt_rows)]
         return LogprobRows(*(np.concatenate([getattr(p, f) for p in parts])
                              for f in ("logprobs", "ranks", "top_ids", "top_logprobs")))
 
     def _host_logits(self, rows: np.ndarray) -> np.ndarray:
-        """Host logits [R, V] float32 of hidden rows `rows` of the last forward pass, the LM head run in
-        pieces of the workspace's logits rows."""
-        piece = self.model.pool.logits_rows
+        """Host logits [R, V] float32 of hidden rows `rows` of the last forward pass."""
         out = np.empty((rows.shape[0], self.model.cfg.vocab_size), np.float32)
-        for a in range(0, rows.shape[0], piece):
-            idx = self.backend.as_index_array(rows[a:a + piece])
-            out[a:a + idx.shape[0]] = self.backend.to_host(self.model.compute_logits(idx))
+        for a, logits in self._logits_pieces(rows):
+            out[a:a + logits.shape[0]] = self.backend.to_host(logits)
         return out
+
+    def _logits_pieces(self, rows: np.ndarray):
+        """(a, device logits of hidden rows rows[a:a + n]) for the LM head run in pieces of the workspace's
+        logits rows; each piece is overwritten by the next."""
+        piece = self.model.pool.logits_rows
+        for a in range(0, rows.shape[0], piece):
+            yield a, self.model.compute_logits(self.backend.as_index_array(rows[a:a + piece]))

@@ -18,18 +18,16 @@ def make(num_blocks=64, block_size=4, **ecfg) -> Scheduler:
     return Scheduler(cfg, BlockManager(num_blocks, block_size, cfg.enable_prefix_caching))
 
 
-def seq(sid, n_prompt, start=0, **kw) -> Sequence:
+def seq(sid, n_prompt, start=0, params=None, **kw) -> Sequence:
     return Sequence(seq_id=sid, request_id=sid, index=0, prompt_token_ids=list(range(start, start + n_prompt)),
-                    params=SamplingParams(), **kw)
+                    params=params or SamplingParams(), **kw)
 
 
 def step(s: Scheduler, token=1) -> dict[str, int]:
-    """One step: schedule, 'run', advance, append a token to every sampled sequence."""
+    """One step: schedule, 'run', update, append a token to every sample that draws one."""
     batch = s.schedule()
-    s.advance(batch)
-    for x in batch.seqs:
-        if x.samples:
-            x.seq.append_token(token, 0.0)
+    for x, _ in s.update(batch).samples:
+        x.append_token(token, 0.0)
     s.check_invariants()
     return {x.seq.seq_id: x.num_new_tokens for x in batch.seqs}
 
@@ -58,7 +56,7 @@ def test_pool_exhaustion_preempts_the_newest_and_recomputes_it():
     assert [x.seq.seq_id for x in batch.seqs] == ["a"] and batch.preempted == [b]
     assert s.waiting == [b] and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert "b" not in s.bm and s.num_preemptions == 1
-    s.advance(batch)
+    s.update(batch)
     s.check_invariants()
     s.finish(a, FinishReason.LENGTH)
     # recomputed: its first block is still in the prefix cache (a took its second one), the rest of its
@@ -69,25 +67,43 @@ def test_pool_exhaustion_preempts_the_newest_and_recomputes_it():
 
 
 def test_forked_samples_share_blocks_and_respect_max_num_seqs():
+    """n = 4: the step that computes the prompt schedules three forks; they join in update(), sharing its
+    blocks, and draw from its logits row."""
     s = make(max_num_seqs=2)
-    p = seq("p", 10)
+    p = seq("p", 10, params=SamplingParams(n=4))
     s.add(p)
-    step(s)
-    children = [Sequence(seq_id=f"p#{i}", request_id="p", index=i, prompt_token_ids=p.token_ids[:10],
-                         params=p.params) for i in (1, 2, 3)]
-    for c in children:
-        s.fork(p, c)
-        c.append_token(7, 0.0)
-    assert all(s.bm.block_table(c.seq_id) == s.bm.block_table("p") for c in children)
+    batch = s.schedule()
+    (sp,) = batch.seqs
+    assert [(c.seq_id, c.index, c.token_ids) for c in sp.forks] == [(("p", i), i, p.token_ids) for i in (1, 2, 3)]
+    assert not any(c.seq_id in s.bm for c in sp.forks)                 # nothing is forked before the pass
+    upd = s.update(batch)
+    assert [(x.seq_id, row) for x, row in upd.samples] == [("p", 0)] + [(("p", i), 0) for i in (1, 2, 3)]
+    for x, _ in upd.samples:
+        x.append_token(7, 0.0)
+    assert all(s.bm.block_table(c.seq_id) == s.bm.block_table("p") for c in sp.forks)
+    assert all(c.num_computed_tokens == 10 and c.timings.scheduled == p.timings.scheduled for c in sp.forks)
     s.check_invariants()
     first = step(s)
-    assert len(first) == 2 and first == {"p": 1, "p#1": 1}                # oldest two of four
+    assert len(first) == 2 and first == {"p": 1, ("p", 1): 1}          # oldest two of four
     batch = s.schedule()
-    assert [x.seq.seq_id for x in batch.seqs] == ["p", "p#1"]
+    assert [x.seq.seq_id for x in batch.seqs] == ["p", ("p", 1)] and not any(x.forks for x in batch.seqs)
     assert batch.plan.copies == ()                     # the shared partial block was copied the step before
-    with pytest.raises(ValueError, match="prompt was just computed"):
-        s.fork(p, Sequence(seq_id="p#9", request_id="p", index=9, prompt_token_ids=p.token_ids[:10],
-                           params=p.params))
+
+
+def test_a_prompt_only_request_and_a_scored_sequence_finish_in_update():
+    """max_tokens 0 (prompt log-probabilities, a K/V export) and a scored sequence computed to its end: update()
+    finishes them (length), forks none and draws nothing; their blocks go back."""
+    s = make()
+    p = seq("p", 6, params=SamplingParams(max_tokens=0, n=3))
+    scored = seq("s", 5, start=50, chunk_sizes=(5,))
+    s.add(p)
+    s.add(scored)
+    batch = s.schedule()
+    assert [x.forks for x in batch.seqs] == [(), ()]
+    upd = s.update(batch)
+    assert upd.samples == [] and upd.finished == [p, scored]
+    assert p.finish_reason == scored.finish_reason == FinishReason.LENGTH and s.bm.num_used_blocks == 0
+    s.check_invariants()
 
 
 def test_scoring_takes_exact_chunks_and_no_prefix_hits():
@@ -107,7 +123,7 @@ def test_scoring_takes_exact_chunks_and_no_prefix_hits():
     batch = s.schedule()                                   # the 20-chunk: what is left of the sequence
     assert [(x.seq.seq_id, x.num_new_tokens, x.samples) for x in batch.seqs] == [("o", 1, True), ("s", 6, False)]
     assert batch.plan.score_rows.tolist() == list(range(1, 7)) and batch.plan.logits_indices.tolist() == [0]
-    s.advance(batch)
+    s.update(batch)
     assert scored.num_computed_tokens == 12 and scored.chunk_index == 3
     s.check_invariants()
 

@@ -94,7 +94,7 @@ def test_attention_term_shortens_chunks_deep_into_a_prompt():
                            s.running[-1].num_computed_tokens)
         assert s.step_cost.predict(shape) <= 0.1 < s.step_cost.predict(longer)
         chunks.append(n)
-        s.advance(batch)
+        s.update(batch)
         s.running[0].append_token(1, 0.0)
     assert chunks[0] > chunks[-1] > 0
 
@@ -154,11 +154,9 @@ def test_random_traffic_keeps_the_invariants_and_the_target(seed):
                 within += 1
             else:
                 assert len(prefill) <= 1 and sum(prefill) <= 4
-            cut += batch.num_tokens < 48 and any(x.num_new_tokens < x.seq.num_uncomputed_tokens for x in batch.seqs)
-        s.advance(batch)
-        for x in batch.seqs:
-            if x.samples:
-                x.seq.append_token(1, 0.0)
+            cut += batch.plan.num_tokens < 48 and any(x.num_new_tokens < x.seq.num_uncomputed_tokens for x in batch.seqs)
+        for x, _ in s.update(batch).samples:
+            x.append_token(1, 0.0)
         for x in list(live):
             if x.num_output_tokens >= rng.randrange(4, 12):
                 s.finish(x, FinishReason.LENGTH)

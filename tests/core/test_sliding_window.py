@@ -21,10 +21,8 @@ def seq(sid, n_prompt, start=0) -> Sequence:
 
 def step(s: Scheduler, token=1) -> dict[str, int]:
     batch = s.schedule()
-    s.advance(batch)
-    for x in batch.seqs:
-        if x.samples:
-            x.seq.append_token(token, 0.0)
+    for x, _ in s.update(batch).samples:
+        x.append_token(token, 0.0)
     s.check_invariants()
     return {x.seq.seq_id: x.num_new_tokens for x in batch.seqs}
 
