@@ -183,6 +183,13 @@ class Backend(ABC):
     def add_rmsnorm(self, x, residual, weight, eps: float, out) -> None:
         """residual[T, C] += x[T, C]; out[T, C] = rmsnorm(residual) * weight   (fused, in place)."""
 
+    def norm_add_rmsnorm(self, x, x_weight, residual, weight, eps: float, out) -> None:
+        """residual[T, C] += rmsnorm(x) * x_weight; out[T, C] = rmsnorm(residual) * weight (sandwich norms:
+        the attention or MLP output normalised before its residual add). x's contents afterwards are
+        unspecified. By default rmsnorm() in place on x, then add_rmsnorm(); a backend may fuse the two."""
+        self.rmsnorm(x, x_weight, eps, x)
+        self.add_rmsnorm(x, residual, weight, eps, out)
+
     @abstractmethod
     def linear(self, x, w, out, bias=None, scratch=None) -> None:
         """out[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]).  w is row-major (out features x in features),
@@ -219,6 +226,18 @@ class Backend(ABC):
     def kv_write(self, qkv, k_cache, v_cache, slot_mapping, num_heads: int) -> None:
         """Scatter the k and v heads of qkv[T, (H+2Hkv)*D] into k_cache/v_cache[NB, Hkv, BS, D] at
         slot_mapping[T] (slot = block * BS + row)."""
+
+    def fused_rope_kv_write(self, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads: int,
+                            num_kv_heads: int, q_norm=None, k_norm=None, eps: float = 0.0) -> None:
+        """Everything between the QKV product and attention: head_rmsnorm(q_norm, k_norm) when given (qk_norm
+        families), rope() with cos_sin, kv_write() at slot_mapping, so qkv, k_cache and v_cache end as the
+        three ops leave them. By default the three in turn; a backend may do them in one pass."""
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("fused_rope_kv_write: give both q_norm and k_norm (qk_norm) or neither")
+        if q_norm is not None:
+            self.head_rmsnorm(qkv, q_norm, k_norm, eps, num_heads, num_kv_heads)
+        self.rope(qkv, positions, cos_sin, num_heads, num_kv_heads)
+        self.kv_write(qkv, k_cache, v_cache, slot_mapping, num_heads)
 
     def paged_attention(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                         scale: float, out, max_query_len: int, max_context_len: int, window: int = 0) -> None:

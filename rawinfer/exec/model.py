@@ -8,16 +8,20 @@ tokens mixed), writes their K/V into the paged cache, and returns logits for the
     ids[T] -> embedding (* embed_scale) -> residual[T, C] (float32)
     per layer:  x = rmsnorm(residual)              (fused with the residual add from layer 2 on)
                 qkv = x @ Wqkv^T (+ b)             [T, (H+2Hkv)*D]
-                head_rmsnorm(q, k)                 (qk_norm: Qwen3, Gemma 3)
-                rope(q, k) with the layer's table; kv_write(k, v) into k_cache/v_cache[NB, Hkv, BS, D]
+                head_rmsnorm(q, k)                 (qk_norm: Qwen3, Gemma 3)      \  one op:
+                rope(q, k) with the layer's table                                  > fused_rope_kv_write
+                kv_write(k, v) into k_cache/v_cache[NB, Hkv, BS, D]               /
                 a = paged_attention(q, cache)      [T, H*D], the layer's sliding window if it has one
                 h = a @ Wo^T                       [T, C]
-                h = rmsnorm(h)                     (sandwich_norms: Gemma 3)
-                x = add_rmsnorm(h, residual)
+                h = rmsnorm(h)                     (sandwich_norms: Gemma 3)      \  one op (norm_add_rmsnorm)
+                x = add_rmsnorm(h, residual)                                      /  with sandwich norms
                 gu = x @ Wgate_up^T                [T, 2F]
                 h = (act(g) * u) @ Wdown^T         [T, C]  act: silu (SwiGLU) or gelu_tanh (GeGLU)
-                h = rmsnorm(h)                     (sandwich_norms)
+                h = rmsnorm(h)                     (sandwich_norms: joined to the next residual add)
     final add_rmsnorm; rows at logits_indices -> lm_head -> logits[S, V]
+
+The fused ops' defaults in backend/base.py are the separate ops in this order, so a backend without
+its own fused kernels runs exactly the op sequence above.
 """
 
 from __future__ import annotations
@@ -87,14 +91,25 @@ class DecoderModel:
         if fused and self.fused_plan is not None:         # decode batches: one call for all layers
             be.decoder_layers(self.fused_plan, a, T, batch, self.cos_sin, eps, self.scale, cfg.num_heads,
                               cfg.num_kv_heads)
+            be.add_rmsnorm(a.hidden[:T], res, self.final_norm, eps, x)   # decoder_layers applied every norm
         else:
+            out_norm = None          # the previous layer's MLP output norm (sandwich_norms), not yet applied
             for i, L in enumerate(self.layers):
-                self._layer(i, L, batch, T)
-        be.add_rmsnorm(a.hidden[:T], res, self.final_norm, eps, x)
+                out_norm = self._layer(i, L, batch, T, out_norm)
+            self._add_norm(a.hidden[:T], out_norm, res, self.final_norm, x)
         return x
 
-    def _layer(self, i: int, L: LayerWeights, batch: FlatBatch, T: int) -> None:
-        """One decoder layer, op by op, over the activation rows [:T]."""
+    def _add_norm(self, h, h_norm, res, weight, out) -> None:
+        """res += h (normalised with h_norm first, where the family has sandwich norms); out = rmsnorm(res)."""
+        eps = self.cfg.rms_norm_eps
+        if h_norm is None:
+            self.backend.add_rmsnorm(h, res, weight, eps, out)
+        else:
+            self.backend.norm_add_rmsnorm(h, h_norm, res, weight, eps, out)
+
+    def _layer(self, i: int, L: LayerWeights, batch: FlatBatch, T: int, h_norm=None):
+        """One decoder layer, op by op, over the activation rows [:T]; h_norm: the previous layer's MLP
+        output norm, applied here with the residual add. Returns this layer's (None without sandwich norms)."""
         cfg, be, a, kv = self.cfg, self.backend, self.acts, self.pool.kv
         eps = cfg.rms_norm_eps
         h, res, x = a.hidden[:T], a.residual[:T], a.normed[:T]
@@ -102,27 +117,22 @@ class DecoderModel:
         if i == 0:
             be.rmsnorm(res, L.input_norm, eps, x)
         else:
-            be.add_rmsnorm(h, res, L.input_norm, eps, x)
+            self._add_norm(h, h_norm, res, L.input_norm, x)
         be.linear(x, L.qkv_proj, qkv, bias=L.qkv_bias, scratch=self.scratch)
-        if L.q_norm is not None:
-            be.head_rmsnorm(qkv, L.q_norm, L.k_norm, eps, cfg.num_heads, cfg.num_kv_heads)
-        be.rope(qkv, batch.positions, L.cos_sin, cfg.num_heads, cfg.num_kv_heads)
-        be.kv_write(qkv, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads)
+        be.fused_rope_kv_write(qkv, batch.positions, L.cos_sin, kv.k[i], kv.v[i], batch.slot_mapping, cfg.num_heads,
+                               cfg.num_kv_heads, L.q_norm, L.k_norm, eps)
         be.paged_attention(qkv, kv.k[i], kv.v[i], batch.block_tables, batch.context_lens,
                            batch.query_start_loc, self.scale, attn, batch.max_query_len, batch.max_context_len,
                            L.window)
         be.linear(attn, L.o_proj, h, scratch=self.scratch)
-        if L.attn_out_norm is not None:
-            be.rmsnorm(h, L.attn_out_norm, eps, h)
-        be.add_rmsnorm(h, res, L.post_attn_norm, eps, x)
+        self._add_norm(h, L.attn_out_norm, res, L.post_attn_norm, x)
         if cfg.hidden_act == "gelu_tanh":
             be.linear(x, L.gate_up_proj, gu, scratch=self.scratch)
             be.gelu_tanh_mul(gu, act)
         else:
             be.linear_silu_mul(x, L.gate_up_proj, gu, act, scratch=self.scratch)
         be.linear(act, L.down_proj, h, scratch=self.scratch)
-        if L.mlp_out_norm is not None:
-            be.rmsnorm(h, L.mlp_out_norm, eps, h)
+        return L.mlp_out_norm
 
     def compute_logits(self, indices):
         """LM head over rows `indices` [S] of the last forward_hidden -> logits view [S, V] float32."""

@@ -51,6 +51,7 @@ from rawinfer.backend.cuda.sampling import DeviceSampling
 from rawinfer.quant import Int8Weight
 
 HEAD_RMSNORM_HEADS_PER_BLOCK = 4   # HEADS_PER_BLOCK in cuda/head_rmsnorm.cu: one warp per head
+FUSED_HEADS_PER_BLOCK = 4          # FUSED_HEADS_PER_BLOCK in cuda/fused_rope_kv_write.cu: one warp per head
 
 try:
     from ml_dtypes import bfloat16 as _BF16
@@ -194,6 +195,15 @@ class CUDABackend(PagedAttention, DeviceSampling, Backend):
             self._launch("add_rmsnorm_kernel", (ks.element_type(weight.dtype), ks.element_type(residual.dtype)),
                          (n,), (row_threads(hidden),), 0, out, residual, x, weight, hidden, eps)
 
+    def norm_add_rmsnorm(self, x, x_weight, residual, weight, eps: float, out) -> None:
+        """One pass (rmsnorm.cu's norm_add_rmsnorm_kernel); x is only read."""
+        n, hidden = shapes.norm("norm_add_rmsnorm", x, weight, out, residual)
+        if tuple(x_weight.shape) != (hidden,):
+            raise shapes.shape_error("norm_add_rmsnorm", "x_weight", x_weight.shape, f"(C,) = ({hidden},)")
+        if n:
+            self._launch("norm_add_rmsnorm_kernel", (ks.element_type(weight.dtype), ks.element_type(residual.dtype)),
+                         (n,), (row_threads(hidden),), 0, out, residual, x, x_weight, weight, hidden, eps)
+
     def linear(self, x, w, out, bias=None, scratch=None) -> None:
         """out[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]) through cuBLAS (the call in the module docstring).
         `scratch` is unused: it exists for the CPU's int8 path, and int8 weights are refused here."""
@@ -254,6 +264,26 @@ class CUDABackend(PagedAttention, DeviceSampling, Backend):
             self._launch("kv_write_kernel", (ks.element_type(qkv.dtype),), (n,),
                          (row_threads(num_kv_heads * head_dim),), 0, k_cache, v_cache, qkv, slot_mapping,
                          num_heads, num_kv_heads, head_dim, k_cache.shape[2])
+
+    def fused_rope_kv_write(self, qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads: int,
+                            num_kv_heads: int, q_norm=None, k_norm=None, eps: float = 0.0) -> None:
+        """fused_rope_kv_write.cu: one warp per q, k or v head of a token, grid (T, ceil((H + 2Hkv) / 4))."""
+        n, head_dim = shapes.rope(qkv, positions, cos_sin, num_heads, num_kv_heads)
+        _, cache_heads, _ = shapes.kv_write(qkv, k_cache, v_cache, slot_mapping, num_heads)
+        if cache_heads != num_kv_heads:
+            raise shapes.shape_error("fused_rope_kv_write", "k_cache", k_cache.shape,
+                                     f"(NB, Hkv, BS, D) with Hkv = {num_kv_heads}")
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("fused_rope_kv_write: give both q_norm and k_norm (qk_norm) or neither")
+        norm = () if q_norm is None else (q_norm, k_norm)
+        if norm:
+            shapes.head_rmsnorm(qkv, q_norm, k_norm, num_heads, num_kv_heads)
+        if n:
+            grid = (n, -(-(num_heads + 2 * num_kv_heads) // FUSED_HEADS_PER_BLOCK))
+            kernel = "fused_norm_rope_kv_write_kernel" if norm else "fused_rope_kv_write_kernel"
+            self._launch(kernel, (ks.element_type(qkv.dtype),), grid, (32 * FUSED_HEADS_PER_BLOCK,), 0,
+                         qkv, k_cache, v_cache, *norm, positions, cos_sin, slot_mapping, num_heads, num_kv_heads,
+                         head_dim, k_cache.shape[2], *((eps,) if norm else ()))
 
     # ---- cache maintenance and gathers ----------------------------------------------------------
     def copy_blocks(self, k_caches, v_caches, pairs: list[tuple[int, int]]) -> None:

@@ -130,6 +130,8 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
     _with_residual("rmsnorm_kernel", "rmsnorm.cu", "T* out, const R* x, const T* weight, int hidden, float eps"),
     _with_residual("add_rmsnorm_kernel", "rmsnorm.cu",
                    "T* out, R* residual, const T* x, const T* weight, int hidden, float eps"),
+    _with_residual("norm_add_rmsnorm_kernel", "rmsnorm.cu",
+                   "T* out, R* residual, const T* x, const T* x_weight, const T* weight, int hidden, float eps"),
     _each_float("rope_kernel", "rope.cu",
                 "T* qkv, const int* positions, const float* cos_sin, int num_heads, int num_kv_heads, "
                 "int head_dim"),
@@ -141,6 +143,13 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
     _each_float("kv_write_kernel", "kv_write.cu",
                 "T* k_cache, T* v_cache, const T* qkv, const int* slot_mapping, int num_heads, "
                 "int num_kv_heads, int head_dim, int block_size"),
+    _each_float("fused_rope_kv_write_kernel", "fused_rope_kv_write.cu",
+                "T* qkv, T* k_cache, T* v_cache, const int* positions, const float* cos_sin, "
+                "const int* slot_mapping, int num_heads, int num_kv_heads, int head_dim, int block_size"),
+    _each_float("fused_norm_rope_kv_write_kernel", "fused_rope_kv_write.cu",
+                "T* qkv, T* k_cache, T* v_cache, const T* q_weight, const T* k_weight, const int* positions, "
+                "const float* cos_sin, const int* slot_mapping, int num_heads, int num_kv_heads, int head_dim, "
+                "int block_size, float eps"),
     _each_float("paged_attention_decode_kernel", "paged_attention_decode.cu",
                 "float* part_out, float* part_max, float* part_sum, const T* qkv, const T* k_cache, "
                 "const T* v_cache, const int* block_tables, const int* context_lens, "
