@@ -16,9 +16,9 @@
 // argument list is paged_attention_prefill's).
 //
 // Launch: grid (ceil(max_query_len / 64), H, B), block (128, 1, 1), dynamic shared memory
-// 2 * BK * (D + 8) * sizeof(T).  Block (qt, h, b) owns query rows qt*64 ... qt*64 + 63 of sequence b and
-// query head h (KV head h / (H / Hkv)); blocks past the sequence's q_len return at once.  Warp w owns
-// 16 of those rows, the M of one m16n8k16 tile, and keeps them in registers for the whole walk:
+// 2 * BK * (D + 8) * sizeof(T).  Block (x, h, b) owns query rows qt*64 ... qt*64 + 63 (qt = gridDim.x - 1 - x)
+// of sequence b and query head h (KV head h / (H / Hkv)); blocks past the sequence's q_len return at once.
+// Warp w owns 16 of those rows, the M of one m16n8k16 tile, and keeps them in registers for the whole walk:
 //
 //   Q  as A fragments   qa[D/16][4]   (16 rows x D, loaded once from global memory; D = 256: per k-step)
 //   S  = Q K^T          s[BK/8][4]    float accumulators of 16 x BK scores
@@ -195,7 +195,9 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
   const int seq = blockIdx.z;
   const int q_first = query_start_loc[seq];
   const int q_len = query_start_loc[seq + 1] - q_first;
-  const int row0 = blockIdx.x * FLASH_ROWS;
+  // The last query tiles of a causal prompt walk the most keys: they get the lowest block indices, so
+  // the GPU starts the long blocks first and the short ones fill in behind them.
+  const int row0 = (gridDim.x - 1 - blockIdx.x) * FLASH_ROWS;
   if (row0 >= q_len) return;  // the whole block leaves together
 
   const int ctx = context_lens[seq];

@@ -160,3 +160,43 @@ def test_gpu_attention_bench_runs_on_the_shim(shim_libraries):
     names = [launch[0].split("<")[0] for launch in backend._launcher.launches]
     assert names[0] == "flash_attention_prefill_kernel" and names[-1] == "paged_attention_prefill_kernel"
     assert "TFLOP/s" in bench.table(result)
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral_bf16(tmp_path_factory):
+    from conftest import _convert_tiny
+    return _convert_tiny(tmp_path_factory, "tiny-mistral-swa", dtype="bfloat16")
+
+
+def test_bf16_engine_steps_on_the_tensor_core_kernel(monkeypatch, tiny_mistral_bf16, staggered_generation):
+    """The whole bf16 model on the CUDA backend (host shim), with the tiny Mistral's sliding window and
+    GQA: prompts longer than a 64-row query tile go in chunks of 32 tokens beside decode rows (mixed
+    steps).  Every prefill call of the engine runs the tensor-core kernel on the engine's own buffers, and
+    each output is within the dtype's tolerance of the float64 reference.  (Greedy tokens are not compared
+    with the FMA kernel's: this checkpoint's attention outputs reach 14, where one bf16 unit is 0.06, and
+    its argmax margins are smaller than that.)"""
+    from rawinfer import LLMEngine
+    from rawinfer.config import EngineConfig
+
+    backend = CUDABackend(launcher=harness.ShimLauncher(harness.build_all()))
+    real = backend.paged_attention_prefill
+    checked = []
+
+    def checked_prefill(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
+                        max_query_len, window=0):
+        real(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out, max_query_len, window)
+        rows = int(query_start_loc[-1])
+        ref = paged_attention_ref(qkv[:rows], k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                  out.shape[1] // k_cache.shape[3], window=window)
+        assert_close(out[:rows], ref, bfloat16, f"engine step {list(query_start_loc)} / {list(context_lens)}")
+        checked.append((backend._launcher.launches[-1][0], rows, window))
+    backend.paged_attention_prefill = checked_prefill
+    monkeypatch.setattr("rawinfer.engine.engine.get_backend", lambda *args, **kwargs: backend)
+    engine = LLMEngine(tiny_mistral_bf16, EngineConfig(device="cuda", kv_cache_memory="2MiB",
+                                                       max_num_batched_tokens=32, max_num_seqs=4,
+                                                       max_model_len=256, use_cuda_graphs=False, itl_target_ms=0))
+    checked.clear()  # the warm-up's steps were checked too; count the requests' own
+    out = staggered_generation(engine, {"a": list(range(3, 80)), "b": [5, 6, 7], "c": list(range(200, 290))}, 4)
+    assert all(len(tokens) == 4 for tokens in out.values())
+    assert checked and all(name == "flash_attention_prefill_kernel<bf16, 16>" for name, _, _ in checked)
+    assert {window for _, _, window in checked} == {24} and max(rows for _, rows, _ in checked) == 32
