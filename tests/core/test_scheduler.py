@@ -185,3 +185,31 @@ def test_long_prefill_threshold_lets_short_prompts_start_beside_a_long_one():
     assert run(6, steps=3)[1:] == [{"long": 6, "s1": 1, "s2": 1}] * 2 + [{"long": 6, "s1": 1, "s2": 1, "late": 5}]
     with pytest.raises(ValueError, match="long_prefill_token_threshold=0 is invalid"):
         EngineConfig(long_prefill_token_threshold=0).validate()
+
+
+def test_remote_prefill_hooks():
+    """can_reserve_remote: only a new waiting request that samples and wants no prompt log-probabilities, in a model
+    that keeps its blocks; reserve_remote -> receiving with blocks for P - 1 tokens, complete_remote -> running
+    with them computed, cancel_remote -> waiting again with none."""
+    s = make()
+    a, b = seq("a", 10), seq("b", 10, start=50)
+    lp = seq("lp", 10, start=100, params=SamplingParams(prompt_logprobs=0))
+    scored = seq("s", 10, start=150, chunk_sizes=(10,))
+    for x in (a, b, lp, scored):
+        s.add(x)
+    assert [s.can_reserve_remote(x) for x in (a, b, lp, scored)] == [True, True, False, False]
+    with pytest.raises(ValueError, match="cannot prefill remotely"):
+        s.reserve_remote(lp)
+    r = s.reserve_remote(a)
+    assert r.start_block == 0 and len(r.block_ids) == 3 and r.num_tokens == 9 and s.receiving == {"a": a}
+    assert not s.can_reserve_remote(a) and s.reserve_remote(b, min_tokens=10) is None
+    s.check_invariants()
+    s.complete_remote(a)
+    assert a in s.running and a.num_computed_tokens == 9
+    r = s.reserve_remote(b)
+    s.cancel_remote(b)
+    assert b in s.waiting and b.num_computed_tokens == 0 and "b" not in s.bm
+    s.check_invariants()
+    windowed = Scheduler(s.ecfg, BlockManager(64, 4), sliding_window=8)
+    windowed.add(c := seq("c", 10))
+    assert not windowed.can_reserve_remote(c)
