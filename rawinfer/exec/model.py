@@ -8,13 +8,13 @@ tokens mixed), writes their K/V into the paged cache, and returns logits for the
     ids[T] -> embedding (* embed_scale) -> residual[T, C] (float32)
     per layer:  x = rmsnorm(residual)              (fused with the residual add from layer 2 on)
                 qkv = x @ Wqkv^T (+ b)             [T, (H+2Hkv)*D]
-                head_rmsnorm(q, k)                 (qk_norm: Qwen3, Gemma 3)      \  one op:
-                rope(q, k) with the layer's table                                  > fused_rope_kv_write
-                kv_write(k, v) into k_cache/v_cache[NB, Hkv, BS, D]               /
+                head_rmsnorm(q, k)                 (qk_norm: Qwen3, Gemma 3)      |  one op:
+                rope(q, k) with the layer's table                                 |  fused_rope_kv_write
+                kv_write(k, v) into k_cache/v_cache[NB, Hkv, BS, D]               |
                 a = paged_attention(q, cache)      [T, H*D], the layer's sliding window if it has one
                 h = a @ Wo^T                       [T, C]
-                h = rmsnorm(h)                     (sandwich_norms: Gemma 3)      \  one op (norm_add_rmsnorm)
-                x = add_rmsnorm(h, residual)                                      /  with sandwich norms
+                h = rmsnorm(h)                     (sandwich_norms: Gemma 3)      |  one op with sandwich
+                x = add_rmsnorm(h, residual)                                      |  norms: norm_add_rmsnorm
                 gu = x @ Wgate_up^T                [T, 2F]
                 h = (act(g) * u) @ Wdown^T         [T, C]  act: silu (SwiGLU) or gelu_tanh (GeGLU)
                 h = rmsnorm(h)                     (sandwich_norms: joined to the next residual add)
