@@ -45,9 +45,11 @@ import json
 import math
 import numbers
 import os
-import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from rawinfer.settings import (TEMPLATES, check_options, chat_template_file, env_flag, float_argument, int_argument,
+                               option, parse_size, size_argument, user_cache_dir)
 
 VERSION = "0.1.0"                                   # rawinfer's version (pyproject.toml says the same)
 DEFAULT_MODEL = "weights/smollm2-135m-instruct"   # where tools/fetch_default_model.sh converts SmolLM2
@@ -290,111 +292,101 @@ def resolve_max_model_len(model: ModelConfig, engine: "EngineConfig") -> int:
     return engine.max_model_len or model.max_position_embeddings
 
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2, "MIB": 1024**2,
-          "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4, "TB": 1000**4, "TIB": 1024**4,
-          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+def _optional(ok):
+    return lambda v: v is None or ok(v)
 
 
-def parse_size(text: str | int) -> int:
-    """'2GiB' -> 2147483648, '512MB' -> 512000000, 1024 -> 1024. Raises ValueError naming the format."""
-    if is_int(text):
-        if text <= 0:
-            raise ValueError(f"memory size must be positive, got {text}")
-        return text
-    m = _SIZE_RE.match(str(text))
-    unit = (m.group(2) or "").upper() if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(f"cannot read memory size {text!r}; write it like 2GiB, 512MiB or 1500000000")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"memory size must be positive, got {text!r}")
-    return value
+def _cores() -> int:
+    return os.cpu_count() or 1
 
 
-# Environment switches: read here and nowhere else, as the defaults of EngineConfig fields.
-ENV_SWITCHES = {
-    "RAWINFER_CPU_INT_GEMM": "0 runs int8 and q4 models' products on their older kernels: dequantized float32 weights for BLAS, matrix-vector kernels for a few rows (EngineConfig.cpu_int_gemm)",
-    "RAWINFER_CACHE": "the user cache: compiled CPU kernels (and the tools' downloads); default ~/.cache/rawinfer (EngineConfig.cache_dir)",
-}
-DEFAULT_CACHE_DIR = "~/.cache/rawinfer"
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """An ENV_SWITCHES flag: unset means `default`, "0" / "false" / "no" / "off" mean False."""
-    if name not in ENV_SWITCHES:
-        raise KeyError(f"{name} is not a documented switch (config.ENV_SWITCHES)")
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
-
-
-def env_path(name: str, default: str) -> str:
-    """An ENV_SWITCHES path: its value, or `default`, with ~ expanded."""
-    if name not in ENV_SWITCHES:
-        raise KeyError(f"{name} is not a documented switch (config.ENV_SWITCHES)")
-    return os.path.expanduser(os.environ.get(name) or default)
+_positive = (lambda v: is_int(v) and v >= 1)
+_switch = {"check": lambda v: isinstance(v, bool), "what": "true or false"}
 
 
 @dataclass
 class EngineConfig:
-    """Knobs of one engine instance. Every field is validated by `validate()`."""
+    """Knobs of one engine instance, each declared once (settings.option): its default, check and flag.
+    `validate()` checks every field."""
 
-    block_size: int = 16                    # BS: tokens per KV block
-    kv_cache_memory: int | None = None      # bytes of the pool given to KV blocks; None: 1 GiB on the
-                                            # CPU, on CUDA what gpu_memory_utilization x free device
-                                            # memory leaves after the weights and the workspace
-    kv_cache_dtype: str = "auto"            # "auto" | "float32" | "float16" | "int8" (CPU: one float32 scale per
-                                            # token and kv head): element type of K/V blocks; auto: the model's
-                                            # dtype on CUDA; on the CPU int8 for int8 models, float32 for float models
-    max_num_batched_tokens: int = 2048      # token budget of one step (also sizes the workspace)
-    max_num_seqs: int = 128                 # sequences in one step at most
-    long_prefill_token_threshold: int | None = None   # longest prefill chunk (None: the step's budget)
-    itl_target_ms: float | None = None      # a step with decodes takes prefill within this (None: auto, 0: off)
-    max_model_len: int | None = None        # cap on prompt + output; defaults to the model's context
-    enable_prefix_caching: bool = True
-    device: str = "cpu"                     # "auto" | "cpu" | "cuda"
-    num_threads: int | None = None          # CPU backend threads (None: all cores, fewer while other
-                                            # processes keep cores busy: backend/cpu/threads.py)
-    gpu_memory_utilization: float = 0.9     # CUDA: share of free device memory for the pool
-    use_cuda_graphs: bool = True            # CUDA: replay pure decode steps as captured CUDA graphs
-    seed: int = 0                           # default seed for requests that set none
-    cpu_int_gemm: bool = field(default_factory=lambda: env_flag("RAWINFER_CPU_INT_GEMM", True))
-                                            # CPU, int8 and q4 models: integer GEMMs on int16-quantized activations for
-                                            # every row count (False: dequantized weights on BLAS, few rows: GEMV)
-    int8_activations: bool = False          # CPU, int8 and q4 models: activations in 8 bits per block of 32 (a8gemm.py):
-                                            # faster prefill and batches, coarser numerics (docs/kernels.md)
-    cache_dir: str | None = field(default_factory=lambda: env_path("RAWINFER_CACHE", DEFAULT_CACHE_DIR))
-                                            # user cache for compiled kernels (None: Numba's own places)
-    warmup: bool = True                     # compile every step shape at start (no request waits for it)
-    batch_invariant: bool = False           # CPU: one attention kernel for every query count (docs/kernels.md)
-    chat_template: str | None = None        # a Jinja chat template file used instead of the model's own
+    device: str = option("cpu", flag="--device", parse=str, choices=("auto", "cpu", "cuda"), cli_default="auto",
+                         check=lambda v: v in ("auto", "cpu", "cuda"), what="one of auto, cpu, cuda",
+                         help="where to run; auto takes CUDA when CuPy finds a GPU (the Python API's default: cpu)")
+    kv_cache_memory: int | None = option(
+        None, parse=size_argument, metavar="SIZE", check=_optional(_positive),
+        what="a positive size such as 2GiB, or None (sized automatically)",
+        help="memory for KV blocks, e.g. 2GiB (default: 1GiB on the CPU; on CUDA what --gpu-memory-utilization "
+             "of the free GPU memory leaves after weights and workspace)")
+    kv_cache_dtype: str = option(
+        "auto", parse=str, choices=KV_CACHE_DTYPES, check=lambda v: v in KV_CACHE_DTYPES,
+        what="one of " + ", ".join(KV_CACHE_DTYPES),
+        help="element type of the KV cache: auto = the model's dtype on CUDA; on the CPU int8 for int8 models, "
+             "float16 for q4 models, float32 for float models; int8 is CPU only, with a float32 scale per token "
+             "and kv head")
+    block_size: int = option(16, parse=int_argument, check=lambda v: is_int(v) and 1 <= v <= 1024,
+                             what="an integer from 1 to 1024", help="tokens per KV block")
+    max_num_batched_tokens: int = option(2048, parse=int_argument, check=_positive, what="a positive integer",
+                                         help="token budget of one step; also sizes the activation workspace")
+    max_num_seqs: int = option(128, parse=int_argument, check=_positive, what="a positive integer",
+                               help="sequences in one step at most")
+    long_prefill_token_threshold: int | None = option(
+        None, parse=int_argument, check=_optional(_positive), what="a positive integer or None",
+        help="while other requests wait, prefill a prompt at most N tokens per step, so that short prompts start "
+             "beside a long one instead of after it (default: none, a chunk fills the step's budget)")
+    itl_target_ms: float | None = option(
+        None, parse=float_argument, metavar="MS", check=_optional(lambda v: is_number(v) and v >= 0),
+        what="a number of milliseconds >= 0 (0: off) or None (auto)",
+        help="a step that carries decoding streams takes only the prompt tokens that keep it within MS "
+             "milliseconds, as estimated from the engine's measured steps, so that no stream waits behind a whole "
+             "prompt; 0 turns this off (prompts fill the step's token budget) (default: twice the estimated decode "
+             "step of the requests running and waiting, counted as at least half of --max-num-seqs)")
+    max_model_len: int | None = option(None, parse=int_argument, check=_optional(_positive),
+                                       what="a positive integer or None",
+                                       help="cap on prompt + output tokens (default: the model's context length)")
+    enable_prefix_caching: bool = option(True, flag="--no-prefix-caching", **_switch,
+                                         help="turn prefix caching off (default: on, identical prompt prefixes "
+                                              "share KV blocks)")
+    batch_invariant: bool = option(False, **_switch,
+                                   help="CPU: every query through one attention kernel, so that a request's greedy "
+                                        "output does not depend on prefix-cache hits, chunking or preemption; "
+                                        "prefill is slower (docs/kernels.md) (default: off, each sequence's query "
+                                        "count picks its kernel)")
+    int8_activations: bool = option(False, **_switch,
+                                    help="CPU, int8 and q4 models: quantize the activations to 8 bits per block of "
+                                         "32 (as llama.cpp's q8_0) for GEMMs with twice the products per "
+                                         "instruction (vpdpbusd on AVX-512 VNNI, vpmaddubsw for q4 on AVX2): faster "
+                                         "prefill and batches, coarser numerics (docs/kernels.md) (default: off, "
+                                         "16-bit activations)")
+    num_threads: int | None = option(
+        None, flag="--threads", parse=int_argument, check=_optional(lambda v: _positive(v) and v <= _cores()),
+        what=f"a positive integer up to the {_cores()} CPU cores of this machine, or None (all of them)",
+        help="CPU threads (default: all cores, fewer while other processes keep cores busy)")
+    gpu_memory_utilization: float = option(0.9, parse=float_argument, metavar="F",
+                                           check=lambda v: is_number(v) and 0 < v <= 1, what="a number in (0, 1]",
+                                           help="CUDA: share of the free device memory for the pool")
+    use_cuda_graphs: bool = option(True, flag="--no-cuda-graphs", **_switch,
+                                   help="CUDA: run decode steps eagerly (default: replay them as CUDA graphs)")
+    chat_template: str | None = option(
+        None, parse=chat_template_file, metavar="FILE",
+        check=_optional(lambda v: isinstance(v, str) and os.path.isfile(v)), what="an existing file",
+        help="a Jinja chat template used instead of the model's own, for a model whose template lacks tools or "
+             f"that has none; or the name of one shipped with rawinfer ({', '.join(TEMPLATES)}: SmolLM2's with "
+             "Hermes-style tool calls) (default: the model's own)")
+    seed: int = option(0, flag=None, check=lambda v: is_int(v) and 0 <= v < 2**63, what="an integer in [0, 2**63)",
+                       help="the seed of requests that set none")
+    cpu_int_gemm: bool = option(default_factory=lambda: env_flag("RAWINFER_CPU_INT_GEMM", True), flag=None, **_switch,
+                                help="CPU, int8 and q4 models: integer GEMMs on int16-quantized activations for "
+                                     "every row count (False: dequantized weights on BLAS, few rows: GEMV)")
+    cache_dir: str | None = option(default_factory=user_cache_dir, flag=None,
+                                   check=_optional(lambda v: isinstance(v, str)), what="a folder path or None",
+                                   help="user cache for compiled kernels (None: Numba's own places)")
+    warmup: bool = option(True, flag=None, **_switch,
+                          help="compile every step shape at start (no request waits for it)")
 
     def validate(self) -> "EngineConfig":
         """Every field's type and range checked; a ValueError names the first bad one (bools are no integers)."""
         if isinstance(self.kv_cache_memory, str):
-            with contextlib.suppress(ValueError):   # left a string: the check below names the option
+            with contextlib.suppress(ValueError):   # left a string: the check names the option
                 self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        pos, optional = (lambda v: is_int(v) and v >= 1), (lambda ok: lambda v: v is None or ok(v))
-        one_of = (lambda names: (lambda v: isinstance(v, str) and v in names, "one of " + ", ".join(names)))
-        checks = {
-            "block_size": (lambda v: is_int(v) and 1 <= v <= 1024, "an integer from 1 to 1024 (16 is the default)"),
-            "kv_cache_memory": (optional(pos), "a positive size such as 2GiB, or None (sized automatically)"),
-            "kv_cache_dtype": one_of(KV_CACHE_DTYPES), "device": one_of(("auto", "cpu", "cuda")),
-            "max_num_batched_tokens": (pos, "a positive integer"), "max_num_seqs": (pos, "a positive integer"),
-            **dict.fromkeys(("max_model_len", "num_threads", "long_prefill_token_threshold"),
-                            (optional(pos), "a positive integer or None")),
-            "gpu_memory_utilization": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
-            "itl_target_ms": (optional(lambda v: is_number(v) and v >= 0), "0 (off), milliseconds, or None (auto)"),
-            "seed": (lambda v: is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
-            "cache_dir": (optional(lambda v: isinstance(v, str)), "a folder path or None"),
-            "chat_template": (optional(lambda v: isinstance(v, str) and os.path.isfile(v)), "an existing file"),
-            **dict.fromkeys(("enable_prefix_caching", "use_cuda_graphs", "cpu_int_gemm", "warmup", "batch_invariant",
-                             "int8_activations"), (lambda v: isinstance(v, bool), "true or false")),
-        }
-        for f in fields(self):              # a field missing from checks fails here, not silently
-            ok, what = checks[f.name]
-            if not ok(getattr(self, f.name)):
-                raise ValueError(f"engine option {f.name}={getattr(self, f.name)!r} is invalid: it must be {what}")
+        check_options(self, "engine option")
         return self

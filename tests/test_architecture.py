@@ -4,7 +4,7 @@ readable, and comments explain rather than record measurements (docs/architectur
     public entry points (rawinfer/__init__, __main__, server.py)
       -> frontends (options -> server -> bench -> cli)
         -> engine -> exec -> core | backend (cpu | cuda) | convert
-          -> shared vocabulary (config, sampling, quant)
+          -> shared vocabulary (settings, config, sampling, quant)
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def group(module: str) -> str:
     parts = module.split(".")
     if module in ("rawinfer", "rawinfer.__main__", "rawinfer.server"):
         return "public"
-    if parts[1] in ("config", "sampling", "quant"):
+    if parts[1] in ("config", "settings", "sampling", "quant"):
         return "shared"
     return parts[1]
 

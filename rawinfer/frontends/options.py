@@ -17,7 +17,8 @@ import logging
 import os
 import sys
 
-from rawinfer.config import DEFAULT_MODEL, EngineConfig, parse_size
+from rawinfer.config import DEFAULT_MODEL, EngineConfig
+from rawinfer.settings import add_options, options_from_args, parse_size
 from rawinfer.sampling import SamplingParams
 
 log = logging.getLogger("rawinfer")
@@ -92,25 +93,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-def fraction(text: str) -> float:
-    """A number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction in (0, 1]") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def size(text: str) -> int:
-    """A memory size such as 2GiB, 512MiB or 1500000000 (bytes)."""
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def size_cpu_pool(threads: int | None) -> None:
     """With --threads N, make Numba's thread pool N workers (NUMBA_NUM_THREADS, read when Numba is
     imported), not every core narrowed to N: a pool with idle workers makes each parallel region several
@@ -118,29 +100,6 @@ def size_cpu_pool(threads: int | None) -> None:
     two cores (docs/kernels.md). A no-op once Numba is imported, and where the user set the variable."""
     if threads and "numba" not in sys.modules:
         os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
-
-
-TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "templates")
-TEMPLATES = ("smollm2-tools",)      # the chat templates shipped in rawinfer/templates/, by name
-
-
-def chat_template_file(text: str) -> str:
-    """--chat-template: a file, or the name of a template shipped with rawinfer (its path)."""
-    if os.path.isfile(text):
-        return text
-    if text in TEMPLATES:
-        return os.path.join(TEMPLATES_DIR, text + ".jinja")
-    raise argparse.ArgumentTypeError(f"no file {text!r}; give a Jinja chat template file, or one of the templates "
-                                     f"shipped with rawinfer: {', '.join(TEMPLATES)}")
-
-
-def cpu_threads(text: str) -> int:
-    value = positive_int(text)
-    cores = os.cpu_count() or 1
-    if value > cores:
-        raise argparse.ArgumentTypeError(f"{value} threads is more than the {cores} CPU cores of this machine; "
-                                         f"give at most {cores}, or leave it out to use them all")
-    return value
 
 
 # ---- the engine ------------------------------------------------------------------------------------------
@@ -155,82 +114,24 @@ def add_model_arg(p: argparse.ArgumentParser, group=None) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """The engine's options, each as EngineConfig declares it (settings.option), and --model."""
     g = p.add_argument_group("engine")
     if model:
         add_model_arg(p, g)
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where to run; auto takes CUDA when CuPy finds a GPU (default: auto)")
-    g.add_argument("--kv-cache-memory", default=None, type=size, metavar="SIZE",
-                   help="memory for KV blocks, e.g. 2GiB (default: 1GiB on the CPU; on CUDA what "
-                        "--gpu-memory-utilization of the free GPU memory leaves after weights and workspace)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "int8"],
-                   help="element type of the KV cache: auto = the model's dtype on CUDA; on the CPU int8 for "
-                        "int8 models, float16 for q4 models, float32 for float models; int8 is CPU only, with a "
-                        "float32 scale per token and kv head (default: auto)")
-    g.add_argument("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block (default: 16)")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, metavar="N",
-                   help="token budget of one step; also sizes the activation workspace (default: 2048)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=128, metavar="N",
-                   help="sequences in one step at most (default: 128)")
-    g.add_argument("--long-prefill-token-threshold", type=positive_int, default=None, metavar="N",
-                   help="while other requests wait, prefill a prompt at most N tokens per step, so that short "
-                        "prompts start beside a long one instead of after it (default: none, a chunk fills "
-                        "the step's budget)")
-    g.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
-                   help="a step that carries decoding streams takes only the prompt tokens that keep it within MS "
-                        "milliseconds, as estimated from the engine's measured steps, so that no stream waits behind "
-                        "a whole prompt; 0 turns this off (prompts fill the step's token budget) (default: twice the "
-                        "estimated decode step of the requests running and waiting, counted as at least half of "
-                        "--max-num-seqs)")
-    g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
-                   help="cap on prompt + output tokens (default: the model's context length)")
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   help="turn prefix caching off (default: on, identical prompt prefixes share KV blocks)")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="CPU: every query through one attention kernel, so that a request's greedy output does "
-                        "not depend on prefix-cache hits, chunking or preemption; prefill is slower "
-                        "(docs/kernels.md) (default: off, each sequence's query count picks its kernel)")
-    g.add_argument("--int8-activations", action="store_true",
-                   help="CPU, int8 and q4 models: quantize the activations to 8 bits per block of 32 (as "
-                        "llama.cpp's q8_0) for GEMMs with twice the products per instruction (vpdpbusd on AVX-512 "
-                        "VNNI, vpmaddubsw for q4 on AVX2): faster prefill and batches, coarser numerics "
-                        "(docs/kernels.md) (default: off, 16-bit activations)")
-    g.add_argument("--threads", type=cpu_threads, default=None, metavar="N",
-                   help="CPU threads (default: all cores, fewer while other processes keep cores busy)")
-    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
-                   help="CUDA: share of the free device memory for the pool (default: 0.9)")
-    g.add_argument("--no-cuda-graphs", action="store_true",
-                   help="CUDA: run decode steps eagerly (default: replay them as CUDA graphs)")
-    g.add_argument("--chat-template", type=chat_template_file, default=None, metavar="FILE",
-                   help="a Jinja chat template used instead of the model's own, for a model whose template lacks "
-                        f"tools or that has none; or the name of one shipped with rawinfer ({', '.join(TEMPLATES)}: "
-                        "SmolLM2's with Hermes-style tool calls) (default: the model's own)")
+    add_options(g, EngineConfig)
 
 
 def engine_config_from_args(args) -> EngineConfig:
-    kv = args.kv_cache_memory
-    if isinstance(kv, str):                  # set by a caller that skipped the parser
+    """The EngineConfig of add_engine_args's options; a bad value is a CLIError naming its flag."""
+    if isinstance(getattr(args, "kv_cache_memory", None), str):     # set by a caller that skipped the parser
         try:
-            kv = parse_size(kv)
+            args.kv_cache_memory = parse_size(args.kv_cache_memory)
         except ValueError as e:
             raise CLIError(f"--kv-cache-memory: {e}") from None
-    cfg = EngineConfig(block_size=args.block_size, kv_cache_memory=kv, kv_cache_dtype=args.kv_cache_dtype,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                       long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
-                       itl_target_ms=getattr(args, "itl_target_ms", None),
-                       max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                       device=args.device, num_threads=args.threads,
-                       gpu_memory_utilization=args.gpu_memory_utilization,
-                       use_cuda_graphs=not args.no_cuda_graphs,
-                       batch_invariant=getattr(args, "batch_invariant", False),
-                       int8_activations=getattr(args, "int8_activations", False),
-                       chat_template=getattr(args, "chat_template", None))
     try:
-        return cfg.validate()
-    except ValueError as e:              # "engine option block_size=0 is invalid" -> "--block-size=0 is invalid"
-        msg = str(e)
-        name = msg.removeprefix("engine option ").partition("=")[0]
-        raise CLIError(msg.replace(f"engine option {name}", "--" + name.replace("_", "-"))) from None
+        return options_from_args(EngineConfig, args, "engine option")
+    except ValueError as e:
+        raise CLIError(str(e)) from None
 
 
 # ---- sampling --------------------------------------------------------------------------------------------

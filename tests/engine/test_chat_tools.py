@@ -19,7 +19,8 @@ from rawinfer.engine.chat_messages import check_tools, template_messages
 from rawinfer.engine.tokenizer import ChatTemplateError, Tokenizer, load_chat_template, render_chat
 from rawinfer.engine.tool_calls import parse_tool_calls
 from rawinfer.engine.tool_grammar import tool_call_grammar
-from rawinfer.frontends.options import TEMPLATES_DIR, Parser, add_engine_args, engine_config_from_args
+from rawinfer.frontends.options import Parser, add_engine_args, engine_config_from_args
+from rawinfer.settings import TEMPLATES_DIR
 from rawinfer.frontends.server import protocol as P
 
 TOOLS_TEMPLATE = os.path.join(TEMPLATES_DIR, "smollm2-tools.jinja")

@@ -11,7 +11,7 @@ import pytest
 from rawinfer import LLM, SamplingParams
 from rawinfer.engine.chat_output import parse_chat_output
 from rawinfer.engine.tool_grammar import tool_call_grammar
-from rawinfer.frontends.options import TEMPLATES_DIR
+from rawinfer.settings import TEMPLATES_DIR
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},

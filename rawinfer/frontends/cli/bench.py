@@ -18,11 +18,11 @@ from rawinfer.frontends.cli.models import open_engine
 from rawinfer.frontends.options import (EXIT_FAILED, CLIError, add_command, add_engine_args, is_quiet,
                                         nonnegative_int, positive_float, positive_int)
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
+from rawinfer.settings import api_key_default, user_cache_dir
 
 
 def default_output_dir() -> str:
-    from rawinfer.config import EngineConfig
-    return os.path.join(EngineConfig().cache_dir or os.path.expanduser("~/.cache/rawinfer"), "bench")
+    return os.path.join(user_cache_dir(), "bench")
 
 
 def _range_ratio(text: str) -> float:
@@ -139,7 +139,7 @@ def add_parser(sub) -> None:
                    help=f"server endpoint of --backend zmq (default: {DEFAULT_ADDR})")
     s.add_argument("--base-url", default="http://127.0.0.1:8000", metavar="URL",
                    help="server of --backend openai, without /v1 (default: http://127.0.0.1:8000)")
-    s.add_argument("--api-key", default=os.environ.get("RAWINFER_API_KEY"), metavar="KEY",
+    s.add_argument("--api-key", default=api_key_default(), metavar="KEY",
                    help="API key of --backend openai (default: $RAWINFER_API_KEY, else none)")
     s.add_argument("--server-key", default=None, metavar="FILE",
                    help="the server's public key when it uses CurveZMQ (default: none)")

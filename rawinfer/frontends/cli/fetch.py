@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from rawinfer.frontends.options import EXIT_FAILED, CLIError, add_command, is_quiet
 from rawinfer.quant import QUANT_TYPES
+from rawinfer.settings import user_cache_dir
 
 log = logging.getLogger("rawinfer")
 
@@ -127,7 +128,6 @@ def model_file(model: Fetchable, cache: str, quiet: bool) -> str:
 
 
 def cmd_fetch(args) -> int:
-    from rawinfer.config import EngineConfig
     from rawinfer.convert import ConversionWarning, convert
     model = CATALOG.get(args.name)
     if model is None or not model.ready:
@@ -139,7 +139,7 @@ def cmd_fetch(args) -> int:
     if os.path.isfile(os.path.join(dst, "config.json")) and not args.force:
         print(f"{model.name} is already converted in {dst} (--force converts it again)")
         return 0
-    cache = EngineConfig().cache_dir or os.path.expanduser("~/.cache/rawinfer")
+    cache = user_cache_dir()
     os.makedirs(cache, exist_ok=True)
     src = model_file(model, cache, is_quiet(args))
     with warnings.catch_warnings(record=True) as caught:

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="rawinfer: %(message)s", stream=sys.stderr)
-    size_cpu_pool(getattr(args, "threads", None))
+    size_cpu_pool(getattr(args, "num_threads", None))
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ import warnings
 from rawinfer.config import DEFAULT_MODEL, FORMAT_NAME, EngineConfig, ModelFormatError
 from rawinfer.frontends.cli.fetch import CATALOG, fetchable
 from rawinfer.frontends.options import CLIError, add_command, engine_config_from_args, is_quiet
+from rawinfer.settings import user_cache_dir
 
 log = logging.getLogger("rawinfer")
 
@@ -46,8 +47,7 @@ def weights_dirs() -> list[str]:
 
 def cache_models_dir() -> str | None:
     from rawinfer.convert.cache import MODELS_DIR
-    root = EngineConfig().cache_dir
-    return os.path.join(root, MODELS_DIR) if root else None
+    return os.path.join(user_cache_dir(), MODELS_DIR)
 
 
 def _read_config(folder: str) -> dict | None:
@@ -122,10 +122,7 @@ def resolve_model(arg: str | None, progress: bool = True, device: str = "auto") 
 def _convert_into_cache(src: str, progress: bool) -> str:
     from rawinfer.convert import ConversionWarning
     from rawinfer.convert.cache import cached_conversion
-    root = EngineConfig().cache_dir
-    if not root:
-        raise CLIError("no user cache to convert the model into: set RAWINFER_CACHE, or convert it yourself with "
-                       "`rawinfer convert SRC DST` and give --model DST")
+    root = user_cache_dir()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConversionWarning)
         dst = cached_conversion(src, root, progress=progress)

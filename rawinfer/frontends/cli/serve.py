@@ -16,7 +16,8 @@ from rawinfer.frontends.cli.serve_roles import add_role_args, check_role_args, d
 from rawinfer.frontends.cli.stream import client_events, print_stream
 from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args,
                                         check_system_flag, is_quiet, plain_text_prompt, positive_float,
-                                        positive_int, read_prompt, sampling_params_from_args, size)
+                                        positive_int, read_prompt, sampling_params_from_args)
+from rawinfer.settings import api_key_default, size_argument
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
 log = logging.getLogger("rawinfer")
@@ -38,7 +39,7 @@ def add_parsers(sub) -> None:
                         "(default: any client that knows the server key)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --bind without CurveZMQ (anyone who can reach it can use it)")
-    p.add_argument("--max-message-size", default="1MiB", type=size, metavar="SIZE",
+    p.add_argument("--max-message-size", default="1MiB", type=size_argument, metavar="SIZE",
                    help="a client that sends a larger message is dropped (default: 1MiB)")
     p.add_argument("--heartbeat-interval", type=positive_float, default=1.0, metavar="SECONDS",
                    help="seconds between heartbeats to clients with requests in flight (default: 1)")
@@ -56,7 +57,7 @@ def add_parsers(sub) -> None:
                    help=f"port of the HTTP API; one in use stops the start with exit status 2, as a busy --bind "
                         f"does (default: {DEFAULT_HTTP_PORT})")
     h.add_argument("--no-http", dest="http", action="store_false", help="serve ZeroMQ only (default: both)")
-    h.add_argument("--api-key", default=os.environ.get("RAWINFER_API_KEY"), metavar="KEY",
+    h.add_argument("--api-key", default=api_key_default(), metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every HTTP route but /health and /version "
                         "(default: $RAWINFER_API_KEY, else none)")
     h.add_argument("--api-workers", type=_workers, default=1, metavar="N",
@@ -121,7 +122,7 @@ def _add_http_limits(h) -> None:
                         "worker, and whenever one ends the waiting client holding the fewest goes next (a client "
                         "is its address) (default: 2 x --max-num-seqs x the most replicas, at least "
                         "--max-prompts-per-request)")
-    h.add_argument("--max-request-body", type=size, default="16MiB", metavar="SIZE",
+    h.add_argument("--max-request-body", type=size_argument, default="16MiB", metavar="SIZE",
                    help="a larger request body is refused with 413 while it arrives, before it is parsed "
                         "(default: 16MiB)")
     h.add_argument("--http-read-timeout", type=positive_float, default=30.0, metavar="SECONDS",

@@ -91,8 +91,8 @@ def _replica_options(args, model_path: str, cpus: float, device: str, prefill: l
     opts = {k: v for k, v in vars(args).items() if k != "func"}
     opts.update(model=model_path, device=device, http=False, role="decode" if prefill else "colocated",
                 prefill=list(prefill))
-    if device == "cpu" and opts.get("threads") is None:
-        opts["threads"] = max(1, int(cpus))
+    if device == "cpu" and opts.get("num_threads") is None:
+        opts["num_threads"] = max(1, int(cpus))
     return opts
 
 

@@ -182,7 +182,7 @@ def _actor_setup(options: dict, name: str, bind_host: str | None) -> str:
     import ray
 
     from rawinfer.frontends.options import size_cpu_pool
-    size_cpu_pool(options.get("threads"))           # before anything of the engine imports Numba
+    size_cpu_pool(options.get("num_threads"))           # before anything of the engine imports Numba
     level = logging.DEBUG if options.get("verbose") else logging.WARNING if options.get("quiet") else logging.INFO
     logging.basicConfig(level=level, format=f"rawinfer {name}: %(message)s", force=True)
     return bind_host or ray.util.get_node_ip_address()
