@@ -15,10 +15,13 @@
 // head_dim must equal the template's D and kv_tile the tile BK below (the host passes both, so the
 // argument list is paged_attention_prefill's).
 //
-// Launch: grid (ceil(max_query_len / 64), H, B), block (128, 1, 1), dynamic shared memory
-// 2 * BK * (D + 8) * sizeof(T).  Block (x, h, b) owns query rows qt*64 ... qt*64 + 63 (qt = gridDim.x - 1 - x)
-// of sequence b and query head h (KV head h / (H / Hkv)); blocks past the sequence's q_len return at once.
-// Warp w owns 16 of those rows, the M of one m16n8k16 tile, and keeps them in registers for the whole walk:
+// Launch: grid (ceil(max_query_len * G / 64), Hkv, B), G = H / Hkv, block (128, 1, 1), dynamic shared memory
+// 2 * BK * (D + 8) * sizeof(T) + 64 * sizeof(FlashRow).  The G query heads that share a KV head are packed into the rows of one
+// tile (as FlashInfer and FlashAttention's pack-GQA do): packed row r of sequence b and KV head kh is query
+// r / G of query head kh * G + r % G, so every K/V tile a block loads serves all G heads, and a decode
+// row of a mixed step fills G rows instead of one.  Block (x, kh, b) owns packed rows qt*64 ... qt*64 + 63
+// (qt = gridDim.x - 1 - x); blocks past the sequence's q_len * G rows return at once.  Warp w owns 16 of
+// those rows, the M of one m16n8k16 tile, and keeps them in registers for the whole walk:
 //
 //   Q  as A fragments   qa[D/16][4]   (16 rows x D, loaded once from global memory; D = 256: per k-step)
 //   S  = Q K^T          s[BK/8][4]    float accumulators of 16 x BK scores
@@ -29,9 +32,11 @@
 // sum with two xor-shuffles.  Scores are kept in log2 units (scale * log2(e) folded in), so exp is exp2.
 //
 // Key tiles: BK positions (64, or 32 for D = 256, so that Q, S and O stay in registers) from the first
-// position any row of the block may see to the last one (causal), in shared memory as
+// position any row of the block may see to the last one (causal; the block's queries are r / G for its
+// packed rows r), in shared memory as
 //
-//   k_s [BK, D + 8] T      v_s [BK, D + 8] T
+//   k_s [BK, D + 8] T      v_s [BK, D + 8] T      rows_s [64] FlashRow (each packed row's query and
+//                                                  output offsets and position, written once)
 //
 // the 8-element pad putting the 8 rows one ldmatrix phase reads in 8 different bank groups.  K rows
 // are [key][d], read with ldmatrix as the B fragments of Q K^T; V rows are [key][d] too, read with
@@ -46,7 +51,7 @@
 // and V(j+1) v_s only after every warp has read V(j) (the barriers in the loop).
 //
 // Masking: a key at position k is visible to the query at position p when k <= p and, with a sliding
-// window W > 0, k > p - W.  The walk starts at kv_begin = max(0, past + row0 - W + 1) (W > 0): keys
+// window W > 0, k > p - W.  The walk starts at kv_begin = max(0, past + row0 / G - W + 1) (W > 0): keys
 // before it are visible to no row of the block and neither they nor their block table entries (which
 // may be stale) are read.  A warp whose rows see nothing of a tile skips its math for that tile (warp-
 // uniform: every lane of a warp takes the same branch); the mask itself is applied only on tiles that
@@ -87,13 +92,21 @@ RAWINFER_DEVICE void flash_q_fragment(unsigned (&qa)[4], const T* q0, const T* q
   qa[3] = has1 ? pack2(q1[d + 8], q1[d + 9]) : 0u;
 }
 
-// A warp's query rows: pointers to rows g and g + 8, and the fragments kept in registers (Q_IN_REGS).
-template <typename T, int D>
-struct FlashQuery {
-  const T* q0;
-  const T* q1;
-  bool has0, has1;
-  unsigned qa[FlashTile<D>::Q_STEPS][4];
+// Where packed row r (query r / G of head kv_head * G + r % G) starts in a [T, row_len] array whose head
+// h sits at columns h * D; row 0, head 0 for a row past the end (has = false), which is never read.
+RAWINFER_DEVICE long long flash_row_offset(bool has, int r, int group, int q_first, int kv_head, long long row_len,
+                                           int d) {
+  if (!has) return 0;
+  return (q_first + r / group) * row_len + static_cast<long long>(kv_head * group + r % group) * d;
+}
+
+// One packed row of a block: where its query starts in qkv and its output in out, and its position.  The
+// block's 64 live in shared memory, filled once, so that the walk's registers hold accumulators only.
+struct FlashRow {
+  long long q_offset;    // elements into qkv
+  long long out_offset;  // elements into out
+  int pos;               // the query's position in its sequence
+  int valid;             // 0: a row past the sequence's end (offsets 0, never read or written)
 };
 
 // One K or V tile of BK positions starting at k0 into shared memory (cp.async, uncommitted): thread t
@@ -119,11 +132,13 @@ RAWINFER_DEVICE void flash_load_tile(T* tile, const T* cache, const int* table, 
 
 // S = Q K^T for one warp's 16 rows and the BK keys of k_s (log2-scaled by the caller).
 template <typename T, int D>
-RAWINFER_DEVICE void flash_scores(float (&s)[FlashTile<D>::BK / 8][4], const FlashQuery<T, D>& q, const T* k_s,
-                                  int lane) {
+RAWINFER_DEVICE void flash_scores(float (&s)[FlashTile<D>::BK / 8][4], const unsigned (&q_regs)[FlashTile<D>::Q_STEPS][4],
+                                  const T* qkv, const FlashRow* warp_rows, const T* k_s, int lane) {
   constexpr int BK = FlashTile<D>::BK;
   const int mat = lane / 8;
   const int r = lane % 8;
+  const FlashRow& row0 = warp_rows[lane / 4];
+  const FlashRow& row1 = warp_rows[lane / 4 + 8];
 #pragma unroll
   for (int nt = 0; nt < BK / 8; ++nt) {
 #pragma unroll
@@ -134,9 +149,9 @@ RAWINFER_DEVICE void flash_scores(float (&s)[FlashTile<D>::BK / 8][4], const Fla
     unsigned qa[4];
     if constexpr (FlashTile<D>::Q_IN_REGS) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) qa[i] = q.qa[kk][i];
+      for (int i = 0; i < 4; ++i) qa[i] = q_regs[kk][i];
     } else {
-      flash_q_fragment(qa, q.q0, q.q1, q.has0, q.has1, kk, lane % 4);
+      flash_q_fragment(qa, qkv + row0.q_offset, qkv + row1.q_offset, row0.valid, row1.valid, kk, lane % 4);
     }
 #pragma unroll
     for (int np = 0; np < BK / 16; ++np) {
@@ -191,51 +206,62 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
     const int* __restrict__ query_start_loc, float scale, int num_heads, int num_kv_heads, int head_dim,
     int block_size, int max_blocks_per_seq, int kv_tile, int window) {
   constexpr int BK = FlashTile<D>::BK;
-  const int head = blockIdx.y;
+  const int kv_head = blockIdx.y;
   const int seq = blockIdx.z;
+  const int group = num_heads / num_kv_heads;
   const int q_first = query_start_loc[seq];
   const int q_len = query_start_loc[seq + 1] - q_first;
+  const int rows = q_len * group;  // packed rows (query i, head kv_head * G + j) at i * G + j
   // The last query tiles of a causal prompt walk the most keys: they get the lowest block indices, so
   // the GPU starts the long blocks first and the short ones fill in behind them.
   const int row0 = (gridDim.x - 1 - blockIdx.x) * FLASH_ROWS;
-  if (row0 >= q_len) return;  // the whole block leaves together
+  if (row0 >= rows) return;  // the whole block leaves together
 
   const int ctx = context_lens[seq];
   const int past = ctx - q_len;  // query i sits at position past + i
-  const int kv_head = head / (num_heads / num_kv_heads);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;
   const int c = lane % 4;
-  const int kv_begin = window > 0 ? imax(0, past + row0 - window + 1) : 0;
-  const int kv_end = past + imin(row0 + FLASH_ROWS, q_len);  // keys [kv_begin, kv_end) are visible to some row
+  const int kv_begin = window > 0 ? imax(0, past + row0 / group - window + 1) : 0;
+  const int kv_end = past + (imin(row0 + FLASH_ROWS, rows) - 1) / group + 1;  // keys [kv_begin, kv_end) are
+                                                                              // visible to some row of the block
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
   const long long row_len = static_cast<long long>(num_heads + 2 * num_kv_heads) * D;
 
-  const int wrow0 = row0 + warp * 16;                  // the warp's first query row
-  const bool warp_active = wrow0 < q_len;
-  const int w_first = past + wrow0;                    // positions of its first and last query
-  const int w_last = past + imin(wrow0 + 15, q_len - 1);
-  const int pos0 = w_first + g;                        // this lane's two rows
-  const int pos1 = pos0 + 8;
-  const bool has0 = wrow0 + g < q_len;
-  const bool has1 = wrow0 + g + 8 < q_len;
+  const int wrow0 = row0 + warp * 16;                  // the warp's first packed row
+  const bool warp_active = wrow0 < rows;
+  const int w_first = past + wrow0 / group;            // positions of its first and last query
+  const int w_last = past + imin(wrow0 + 15, rows - 1) / group;
 
   DYNAMIC_SHARED(T, smem);
-  T* k_s = smem;                                       // [BK, D + 8]
-  T* v_s = smem + BK * FlashTile<D>::STRIDE;           // [BK, D + 8]
+  T* k_s = smem;                                                               // [BK, D + 8]
+  T* v_s = smem + BK * FlashTile<D>::STRIDE;                                   // [BK, D + 8]
+  FlashRow* rows_s = reinterpret_cast<FlashRow*>(v_s + BK * FlashTile<D>::STRIDE);  // [64]
+  const FlashRow* warp_rows = rows_s + warp * 16;
 
   flash_load_tile<T, D>(k_s, k_cache, table, kv_begin, kv_end, kv_head, num_kv_heads, block_size);
   cp_async_commit();
+  if (threadIdx.x < FLASH_ROWS) {
+    const int r = row0 + threadIdx.x;
+    const bool valid = r < rows;
+    FlashRow row;
+    row.q_offset = flash_row_offset(valid, r, group, q_first, kv_head, row_len, D);
+    row.out_offset = flash_row_offset(valid, r, group, q_first, kv_head, static_cast<long long>(num_heads) * D, D);
+    row.pos = past + r / group;
+    row.valid = valid;
+    rows_s[threadIdx.x] = row;
+  }
+  __syncthreads();
 
-  FlashQuery<T, D> q;
-  q.q0 = qkv + static_cast<long long>(q_first + (has0 ? wrow0 + g : 0)) * row_len + head * D;
-  q.q1 = qkv + static_cast<long long>(q_first + (has1 ? wrow0 + g + 8 : 0)) * row_len + head * D;
-  q.has0 = has0;
-  q.has1 = has1;
+  unsigned q_regs[FlashTile<D>::Q_STEPS][4];
   if constexpr (FlashTile<D>::Q_IN_REGS) {
+    const FlashRow& row_a = warp_rows[g];
+    const FlashRow& row_b = warp_rows[g + 8];
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) flash_q_fragment(q.qa[kk], q.q0, q.q1, has0, has1, kk, c);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      flash_q_fragment(q_regs[kk], qkv + row_a.q_offset, qkv + row_b.q_offset, row_a.valid, row_b.valid, kk, c);
+    }
   }
 
   float o[D / 8][4];
@@ -256,7 +282,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
 
     const bool work = warp_active && k0 <= w_last && (window <= 0 || k0 + BK - 1 > w_first - window);
     float s[BK / 8][4];
-    if (work) flash_scores<T, D>(s, q, k_s, lane);
+    if (work) flash_scores<T, D>(s, q_regs, qkv, warp_rows, k_s, lane);
     __syncthreads();  // k_s is free
     if (k0 + BK < kv_end) {
       flash_load_tile<T, D>(k_s, k_cache, table, k0 + BK, kv_end, kv_head, num_kv_heads, block_size);
@@ -274,7 +300,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
           float v = s[nt][i] * scale_log2;
           if (!full) {
             const int key = k0 + nt * 8 + 2 * c + (i & 1);
-            const int p = i < 2 ? pos0 : pos1;
+            const int p = warp_rows[i < 2 ? g : g + 8].pos;
             if (key > p || (window > 0 && key <= p - window)) v = neg_inf();
           }
           s[nt][i] = v;
@@ -323,18 +349,20 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
 
   l0 = quad_sum(l0);
   l1 = quad_sum(l1);
-  const float inv0 = has0 ? 1.0f / l0 : 0.0f;  // l >= 1: the row's own position is always visible
-  const float inv1 = has1 ? 1.0f / l1 : 0.0f;
-  T* dst0 = out + static_cast<long long>(q_first + wrow0 + g) * num_heads * D + static_cast<long long>(head) * D;
-  T* dst1 = dst0 + static_cast<long long>(8) * num_heads * D;
+  const FlashRow& out_a = warp_rows[g];
+  const FlashRow& out_b = warp_rows[g + 8];
+  const float inv0 = 1.0f / l0;  // l >= 1 on a valid row: the row's own position is always visible
+  const float inv1 = 1.0f / l1;
+  T* dst0 = out + out_a.out_offset;
+  T* dst1 = out + out_b.out_offset;
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
     const int d = nt * 8 + 2 * c;
-    if (has0) {
+    if (out_a.valid) {
       dst0[d] = from_float<T>(o[nt][0] * inv0);
       dst0[d + 1] = from_float<T>(o[nt][1] * inv0);
     }
-    if (has1) {
+    if (out_b.valid) {
       dst1[d] = from_float<T>(o[nt][2] * inv1);
       dst1[d + 1] = from_float<T>(o[nt][3] * inv1);
     }

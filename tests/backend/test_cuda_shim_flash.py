@@ -71,7 +71,7 @@ def test_flash_prefill_matches_reference(backend, dtype, case):
     out, ref = run_prefill(backend, dtype, heads, kv_heads, head_dim, block_size, q_lens, ctx_lens)
     name, grid, block, smem = backend._launcher.launches[-1]
     assert name == f"flash_attention_prefill_kernel<{ks.element_type(dtype)}, {head_dim}>"
-    assert grid == (-(-max(q_lens) // 64), heads, len(q_lens)) and block == (128, 1, 1)
+    assert grid == (-(-max(q_lens) * (heads // kv_heads) // 64), kv_heads, len(q_lens)) and block == (128, 1, 1)
     assert smem == backend.flash_kv_tile(head_dim)[1]
     assert_close(out, ref, dtype, "flash prefill attention")
 

@@ -5,9 +5,10 @@ Backend.paged_attention (base.py) checks the shapes and sends a pure decode batc
 (cuda/paged_attention_decode.cu, cuda/paged_attention_prefill.cu) give their layouts and shared memory.
 
 Prefill on f16 / bf16 with a head dim of `kernel_specs.FLASH_HEAD_DIMS` runs on tensor cores
-(cuda/flash_attention_prefill.cu: 64 query rows per block, mma.sync, cp.async K/V tiles); float32, other
-head dims and caches not 16-byte aligned run cuda/paged_attention_prefill.cu, which takes the same
-arguments (`flash_prefill = False` sends everything there).
+(cuda/flash_attention_prefill.cu: 64 (query, head) rows of one KV head's query heads per block,
+mma.sync, cp.async K/V tiles); float32, other head dims and caches not 16-byte aligned run
+cuda/paged_attention_prefill.cu, which takes the same arguments (`flash_prefill = False` sends
+everything there).
 
 Decode splits each sequence's context into partitions of P positions, P a whole number of KV blocks
 (split-K, one thread block per split, KV head and sequence), and merges the splits in a second kernel.
@@ -154,9 +155,10 @@ class PagedAttention(KernelLaunches):
     @staticmethod
     def flash_kv_tile(head_dim: int) -> tuple[int, int]:
         """(key positions per tile, shared memory bytes) of the tensor-core prefill kernel (FlashTile in
-        cuda/flash_attention_prefill.cu): k_s and v_s [tile, D + 8] of a 2-byte type."""
+        cuda/flash_attention_prefill.cu): k_s and v_s [tile, D + 8] of a 2-byte type, then the block's 64
+        FlashRow records of 24 bytes."""
         tile = 64 if head_dim <= 128 else 32
-        return tile, 2 * tile * (head_dim + FLASH_PAD) * 2
+        return tile, 2 * tile * (head_dim + FLASH_PAD) * 2 + FLASH_ROWS * 24
 
     def uses_flash_prefill(self, dtype, head_dim: int, k_cache, v_cache) -> bool:
         """Whether paged_attention_prefill runs on tensor cores for these caches: f16 / bf16, an
@@ -166,8 +168,9 @@ class PagedAttention(KernelLaunches):
 
     def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                 scale: float, out, max_query_len: int, window: int = 0) -> None:
-        """Tensor cores (`uses_flash_prefill`): grid (ceil(max_query_len / 64), H, B), one block per 64 query
-        rows of one head and sequence.  Else grid (ceil(max_query_len / 16), H, B), one block per 16 rows."""
+        """Tensor cores (`uses_flash_prefill`): grid (ceil(max_query_len * G / 64), Hkv, B), one block per 64
+        (query, head) rows of the G = H / Hkv heads that share a KV head.  Else grid
+        (ceil(max_query_len / 16), H, B), one block per 16 query rows of one head."""
         window = _check_window("paged_attention_prefill", window)
         batch, num_heads, num_kv_heads, block_size, head_dim = self._attention_sizes(
             "paged_attention_prefill", qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, out)
@@ -176,7 +179,8 @@ class PagedAttention(KernelLaunches):
         if self.uses_flash_prefill(qkv.dtype, head_dim, k_cache, v_cache):
             tile, smem = self.flash_kv_tile(head_dim)
             self._launch("flash_attention_prefill_kernel", (ks.element_type(qkv.dtype), str(head_dim)),
-                         (-(-max_query_len // FLASH_ROWS), num_heads, batch), (FLASH_THREADS,), smem,
+                         (-(-max_query_len * (num_heads // num_kv_heads) // FLASH_ROWS), num_kv_heads, batch),
+                         (FLASH_THREADS,), smem,
                          out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, num_heads,
                          num_kv_heads, head_dim, block_size, block_tables.shape[1], tile, window)
             return
