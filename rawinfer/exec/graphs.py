@@ -15,9 +15,16 @@ one query, context 1, every block-table entry and the K/V slot in the pool's pad
 block manager never hands out), so they compute garbage no real sequence reads.  The first rows of
 logits_indices are the rows whose logits the step returns, in batch order.
 
-Graphs are captured lazily: the first decode step that needs bucket b runs the forward pass once
-eagerly (compiling and warming cuBLAS), captures it, and replays it; later steps only replay.  Start-up
-stays as fast as without graphs, and only the buckets a workload reaches cost capture time.
+Every bucket is captured at once, by the first pure decode step (the engine's warm-up runs one, so a
+server has them all before its first request; without a warm-up the first request's first decode step
+pays): each bucket's forward pass runs once eagerly on a step of padding rows only (compiling and
+warming cuBLAS), is captured, and the real step then replays its bucket.  So no decode step after that
+runs eagerly, whatever batch sizes the load later reaches.  One log line says what the graphs cost:
+capture time, the pool memory they use (their inputs region and the padding KV block, both carved by
+the pool: MemoryPool(padding_block=True, extra_workspace=workspace_request(...))), and, on a GPU, the
+device memory the graphs themselves took beside the pool (kernel parameters and launch records; every
+buffer a graph touches is in the pool, so this is small: it comes out of the 1 - gpu_memory_utilization
+share of the device the pool leaves).
 
 NOTE: a graph replays its bucket's shapes, and cuBLAS may pick another algorithm for B rows than for
 the bucket's, so graph and eager logits of the same real rows agree to rounding, not bit for bit;
@@ -26,6 +33,8 @@ replaying a bucket's graph and running the same padded batch eagerly give identi
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -37,6 +46,8 @@ from rawinfer.core.step_plan import StepPlan
 from rawinfer.exec.model import DecoderModel
 
 REGION = "decode_inputs"     # the workspace region of the graphs' inputs
+
+log = logging.getLogger("rawinfer")
 
 
 def graph_buckets(largest: int) -> tuple[int, ...]:
@@ -75,6 +86,21 @@ def decode_layout(bucket: int, max_blocks: int) -> dict[str, tuple[slice, tuple[
     return layout
 
 
+def padding_decode_inputs(bucket: int, max_blocks: int, block_size: int, padding_block: int) -> np.ndarray:
+    """The packed int32 host buffer [decode_input_words(bucket, MB)] of a step of padding rows only (see
+    the module docstring): every row reads and writes the padding block alone."""
+    buf = np.empty(decode_input_words(bucket, max_blocks), np.int32)
+    f = {name: buf[words].reshape(shape) for name, (words, shape) in decode_layout(bucket, max_blocks).items()}
+    f["block_tables"][...] = padding_block
+    f["token_ids"][:] = 0
+    f["positions"][:] = 0
+    f["slot_mapping"][:] = padding_block * block_size         # row 0 of the padding block
+    f["context_lens"][:] = 1
+    f["query_start_loc"][:] = np.arange(bucket + 1, dtype=np.int32)
+    f["logits_indices"][:] = np.arange(bucket, dtype=np.int32)
+    return buf
+
+
 def build_decode_inputs(token_ids: Sequence[int], positions: Sequence[int], slot_mapping: Sequence[int],
                         block_tables: Sequence[Sequence[int]], logits_rows: Sequence[int], bucket: int,
                         max_blocks: int, block_size: int, padding_block: int) -> np.ndarray:
@@ -89,26 +115,19 @@ def build_decode_inputs(token_ids: Sequence[int], positions: Sequence[int], slot
                          f"and {len(block_tables)} block tables for a bucket of {bucket} rows")
     if len(logits_rows) > bucket:
         raise ValueError(f"decode inputs: {len(logits_rows)} logits rows for a bucket of {bucket} rows")
-    buf = np.empty(decode_input_words(bucket, max_blocks), np.int32)
+    buf = padding_decode_inputs(bucket, max_blocks, block_size, padding_block)
     f = {name: buf[words].reshape(shape) for name, (words, shape) in decode_layout(bucket, max_blocks).items()}
     pos = np.asarray(positions, np.int32)
     tables = f["block_tables"]
-    tables[...] = padding_block
     for b, table in enumerate(block_tables):
         if len(table) > max_blocks:
             raise ValueError(f"decode inputs: row {b} owns {len(table)} blocks, more than the {max_blocks} a "
                              "sequence may own")
         tables[b, :len(table)] = table
     f["token_ids"][:B] = token_ids
-    f["token_ids"][B:] = 0
     f["positions"][:B] = pos
-    f["positions"][B:] = 0
     f["slot_mapping"][:B] = slot_mapping
-    f["slot_mapping"][B:] = padding_block * block_size         # row 0 of the padding block
     f["context_lens"][:B] = pos + 1
-    f["context_lens"][B:] = 1
-    f["query_start_loc"][:] = np.arange(bucket + 1, dtype=np.int32)
-    f["logits_indices"][:] = np.arange(bucket, dtype=np.int32)
     f["logits_indices"][:len(logits_rows)] = logits_rows
     return buf
 
@@ -139,6 +158,11 @@ class DecodeGraphs:
         self.block_size = pool.kv.block_size
         self.padding_block = pool.kv.padding_block
         self.region = pool.workspace.extra[REGION]          # int32 [decode_input_words(largest bucket, MB)]
+        kv = pool.kv
+        # what the graphs hold in the pool: their inputs and the padding block of every layer's K and V
+        self.pool_bytes = int(self.region.nbytes) + sum(int(c[kv.padding_block].nbytes) for c in kv.k + kv.v)
+        self.device_bytes: int | None = None   # device memory the captures took beside the pool (GPU only)
+        self.capture_seconds = 0.0
         self._graphs: dict[int, BucketGraph] = {}
 
     @property
@@ -151,6 +175,8 @@ class DecodeGraphs:
         bucket = plan.graph_bucket
         if bucket is None or plan.score_rows.size:
             raise ValueError("only a pure decode step with a graph bucket replays a decode graph")
+        if len(self._graphs) < len(self.buckets):
+            self.capture_all()
         host = build_decode_inputs(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables,
                                    plan.logits_indices, bucket, self.max_blocks, self.block_size,
                                    self.padding_block)
@@ -174,3 +200,37 @@ class DecodeGraphs:
             graph = self.backend.capture_graph(lambda: written.append(self.model.forward(flat)))
             self._graphs[bucket] = BucketGraph(graph, written[0])
         return self._graphs[bucket]
+
+    def capture_all(self) -> None:
+        """Capture every bucket not captured yet, each on a step of padding rows only (which writes nothing
+        but the padding block and the workspace), and log what the graphs cost."""
+        missing = [b for b in self.buckets if b not in self._graphs]
+        if not missing:
+            return
+        t0 = time.perf_counter()
+        free_before = self._free_device_bytes()
+        for bucket in missing:
+            host = padding_decode_inputs(bucket, self.max_blocks, self.block_size, self.padding_block)
+            self.backend.upload(self.region[:host.size], host)
+            self.graph_for(bucket)
+        self.backend.synchronize()
+        free_after = self._free_device_bytes()
+        if free_before is not None and free_after is not None:
+            self.device_bytes = (self.device_bytes or 0) + max(0, free_before - free_after)
+        self.capture_seconds += time.perf_counter() - t0
+        log.info(self.describe())
+
+    def describe(self) -> str:
+        """One line: the buckets captured, the time it took and the memory the graphs use."""
+        mib = 1024**2
+        outside = (f"; {self.device_bytes / mib:.1f} MiB of device memory beside the pool"
+                   if self.device_bytes is not None else "")
+        return (f"decode graphs: batch sizes {', '.join(map(str, self.captured)) or 'none'} captured in "
+                f"{self.capture_seconds:.2f} s; {self.pool_bytes / mib:.2f} MiB in the pool (inputs and the "
+                f"padding KV block){outside}")
+
+    def _free_device_bytes(self) -> int | None:
+        if not self.backend.capabilities.on_gpu:
+            return None
+        self.backend.synchronize()
+        return self.backend.device_memory_info()[0]
