@@ -232,6 +232,29 @@ RAWINFER_DEVICE unsigned pack2(T lo, T hi) {
   return static_cast<unsigned>(lo.bits) | (static_cast<unsigned>(hi.bits) << 16);
 }
 
+// Two consecutive 16-bit elements as one fragment register, and back: one 32-bit access (p 4-byte aligned,
+// which the shim checks).
+template <typename T>
+RAWINFER_DEVICE unsigned load_pair(const T* p) {
+#ifdef RAWINFER_SHIM
+  if (reinterpret_cast<unsigned long long>(p) % 4 != 0) shim::fail("load_pair: address not 4-byte aligned");
+  return pack2(p[0], p[1]);
+#else
+  return *reinterpret_cast<const unsigned*>(p);
+#endif
+}
+
+template <typename T>
+RAWINFER_DEVICE void store_pair(T* p, T lo, T hi) {
+#ifdef RAWINFER_SHIM
+  if (reinterpret_cast<unsigned long long>(p) % 4 != 0) shim::fail("store_pair: address not 4-byte aligned");
+  p[0] = lo;
+  p[1] = hi;
+#else
+  *reinterpret_cast<unsigned*>(p) = pack2(lo, hi);
+#endif
+}
+
 // The 32-bit shared-memory address of a generic pointer into shared memory (what ldmatrix and cp.async take).
 #ifndef RAWINFER_SHIM
 RAWINFER_DEVICE unsigned smem_address(const void* p) {

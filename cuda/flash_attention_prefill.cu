@@ -61,7 +61,8 @@
 // adds the rounded values, so the weights that multiply V are exactly the ones normalised.
 //
 // Requirements checked by the host: T f16 or bf16, D one of the instantiated head dims (multiples of
-// 16), H a multiple of Hkv, k_cache and v_cache 16-byte aligned.
+// 16), H a multiple of Hkv, k_cache and v_cache 16-byte aligned, qkv and out 4-byte aligned (Q is read
+// and O written two elements at a time).
 #include "common.cuh"
 
 #define FLASH_WARPS 4
@@ -86,10 +87,10 @@ template <typename T>
 RAWINFER_DEVICE void flash_q_fragment(unsigned (&qa)[4], const T* q0, const T* q1, bool has0, bool has1, int kk,
                                       int c) {
   const int d = kk * 16 + 2 * c;
-  qa[0] = has0 ? pack2(q0[d], q0[d + 1]) : 0u;
-  qa[1] = has1 ? pack2(q1[d], q1[d + 1]) : 0u;
-  qa[2] = has0 ? pack2(q0[d + 8], q0[d + 9]) : 0u;
-  qa[3] = has1 ? pack2(q1[d + 8], q1[d + 9]) : 0u;
+  qa[0] = has0 ? load_pair(q0 + d) : 0u;
+  qa[1] = has1 ? load_pair(q1 + d) : 0u;
+  qa[2] = has0 ? load_pair(q0 + d + 8) : 0u;
+  qa[3] = has1 ? load_pair(q1 + d + 8) : 0u;
 }
 
 // Where packed row r (query r / G of head kv_head * G + r % G) starts in a [T, row_len] array whose head
@@ -132,8 +133,9 @@ RAWINFER_DEVICE void flash_load_tile(T* tile, const T* cache, const int* table, 
 
 // S = Q K^T for one warp's 16 rows and the BK keys of k_s (log2-scaled by the caller).
 template <typename T, int D>
-RAWINFER_DEVICE void flash_scores(float (&s)[FlashTile<D>::BK / 8][4], const unsigned (&q_regs)[FlashTile<D>::Q_STEPS][4],
-                                  const T* qkv, const FlashRow* warp_rows, const T* k_s, int lane) {
+RAWINFER_DEVICE void flash_scores(float (&s)[FlashTile<D>::BK / 8][4],
+                                  const unsigned (&q_regs)[FlashTile<D>::Q_STEPS][4], const T* qkv,
+                                  const FlashRow* warp_rows, const T* k_s, int lane) {
   constexpr int BK = FlashTile<D>::BK;
   const int mat = lane / 8;
   const int r = lane % 8;
@@ -358,13 +360,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
     const int d = nt * 8 + 2 * c;
-    if (out_a.valid) {
-      dst0[d] = from_float<T>(o[nt][0] * inv0);
-      dst0[d + 1] = from_float<T>(o[nt][1] * inv0);
-    }
-    if (out_b.valid) {
-      dst1[d] = from_float<T>(o[nt][2] * inv1);
-      dst1[d + 1] = from_float<T>(o[nt][3] * inv1);
-    }
+    if (out_a.valid) store_pair(dst0 + d, from_float<T>(o[nt][0] * inv0), from_float<T>(o[nt][1] * inv0));
+    if (out_b.valid) store_pair(dst1 + d, from_float<T>(o[nt][2] * inv1), from_float<T>(o[nt][3] * inv1));
   }
 }

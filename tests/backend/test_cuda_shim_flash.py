@@ -122,18 +122,30 @@ def test_prefill_kernel_selection(shim_libraries, dtype, head_dim, flash, expect
     assert_close(out, ref, dtype, "prefill attention")
 
 
-def test_misaligned_cache_takes_the_fma_kernel(backend):
-    """cp.async moves 16 aligned bytes: caches at an address that is not a multiple of 16 go to the other kernel."""
+def misaligned_copy(a: np.ndarray, modulus: int) -> np.ndarray:
+    """A copy of a whose first element's address is not a multiple of `modulus` bytes."""
+    buf = np.zeros(a.size + modulus, a.dtype)
+    start = next(i for i in range(modulus) if (buf.ctypes.data + a.itemsize * i) % modulus)
+    copy = buf[start:start + a.size].reshape(a.shape)
+    copy[...] = a
+    return copy
+
+
+@pytest.mark.parametrize("which,modulus", [("k_cache", 16), ("qkv", 4)])
+def test_misaligned_arrays_take_the_fma_kernel(backend, which, modulus):
+    """cp.async moves 16 aligned bytes and Q / O move in aligned pairs: arrays off those alignments go to
+    the other kernel, with the same result."""
     rng = np.random.default_rng(5)
     qkv, k_cache, v_cache, tables, ctx, qsl = make_paged_batch(rng, np.float16, [9], [12], 2, 1, 64, 16)
-    buf = np.zeros(k_cache.size + 8, np.float16)
-    start = next(i for i in range(8) if (buf.ctypes.data + 2 * i) % 16)
-    k_odd = buf[start:start + k_cache.size].reshape(k_cache.shape)
-    k_odd[...] = k_cache
+    ref = paged_attention_ref(qkv, k_cache, v_cache, tables, ctx, qsl, 0.125, 2)
+    if which == "k_cache":
+        k_cache = misaligned_copy(k_cache, modulus)
+    else:
+        qkv = misaligned_copy(qkv, modulus)
     out = np.zeros((9, 128), np.float16)
-    backend.paged_attention(qkv, k_odd, v_cache, tables, ctx, qsl, 0.125, out, 9, 12)
+    backend.paged_attention(qkv, k_cache, v_cache, tables, ctx, qsl, 0.125, out, 9, 12)
     assert backend._launcher.launches[-1][0].startswith("paged_attention_prefill_kernel<")
-    assert_close(out, paged_attention_ref(qkv, k_cache, v_cache, tables, ctx, qsl, 0.125, 2), np.float16)
+    assert_close(out, ref, np.float16)
 
 
 def test_flash_tiles_fit_shared_memory():

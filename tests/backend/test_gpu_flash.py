@@ -52,8 +52,8 @@ def test_prefill_kernels_on_device(gpu, flash, dtype, case):
     gpu.flash_prefill = flash
     try:
         args = [dev(gpu, a) for a in paged]
-        assert gpu.uses_flash_prefill(args[1].dtype, head_dim, args[1], args[2]) == flash
         out = gpu.empty((paged[0].shape[0], heads * head_dim), dtype)
+        assert gpu.uses_flash_prefill(args[0], args[1], args[2], out, head_dim) == flash
         gpu.paged_attention_prefill(*args, scale, out, max(q_lens), window)
         gpu.synchronize()
         assert_close(gpu.to_host(out), ref, dtype, "prefill attention")

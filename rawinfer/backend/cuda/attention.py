@@ -160,11 +160,13 @@ class PagedAttention(KernelLaunches):
         tile = 64 if head_dim <= 128 else 32
         return tile, 2 * tile * (head_dim + FLASH_PAD) * 2 + FLASH_ROWS * 24
 
-    def uses_flash_prefill(self, dtype, head_dim: int, k_cache, v_cache) -> bool:
-        """Whether paged_attention_prefill runs on tensor cores for these caches: f16 / bf16, an
-        instantiated head dim, caches 16-byte aligned (cp.async copies 16 bytes at a time)."""
-        return (self.flash_prefill and ks.element_type(dtype) in ks.FLASH_TYPES and head_dim in ks.FLASH_HEAD_DIMS
-                and address(k_cache) % 16 == 0 and address(v_cache) % 16 == 0)
+    def uses_flash_prefill(self, qkv, k_cache, v_cache, out, head_dim: int) -> bool:
+        """Whether paged_attention_prefill runs on tensor cores for these arrays: f16 / bf16, an
+        instantiated head dim, caches 16-byte aligned (cp.async copies 16 bytes at a time), qkv and out
+        4-byte aligned (pairs of elements)."""
+        return (self.flash_prefill and ks.element_type(qkv.dtype) in ks.FLASH_TYPES
+                and head_dim in ks.FLASH_HEAD_DIMS and address(k_cache) % 16 == 0 and address(v_cache) % 16 == 0
+                and address(qkv) % 4 == 0 and address(out) % 4 == 0)
 
     def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                 scale: float, out, max_query_len: int, window: int = 0) -> None:
@@ -176,7 +178,7 @@ class PagedAttention(KernelLaunches):
             "paged_attention_prefill", qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, out)
         if batch == 0 or max_query_len < 1:
             return
-        if self.uses_flash_prefill(qkv.dtype, head_dim, k_cache, v_cache):
+        if self.uses_flash_prefill(qkv, k_cache, v_cache, out, head_dim):
             tile, smem = self.flash_kv_tile(head_dim)
             self._launch("flash_attention_prefill_kernel", (ks.element_type(qkv.dtype), str(head_dim)),
                          (-(-max_query_len * (num_heads // num_kv_heads) // FLASH_ROWS), num_kv_heads, batch),
