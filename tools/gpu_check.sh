@@ -7,8 +7,8 @@
 #     tools/gpu_check.sh /tmp/gpu-out          (PYTHON=/path/to/python3 to pick the interpreter)
 #
 # 1. nvidia-smi summary and package versions      -> OUTDIR/nvidia-smi.txt, OUTDIR/versions.txt
-# 2. the GPU test suite: pytest -m gpu tests/backend/test_gpu*.py (the K/V transfer between two CUDA
-#    processes over ZeroMQ, test_gpu_disagg.py, needs pyzmq; it skips without)
+# 2. the GPU test suite: pytest -m gpu tests/backend/test_gpu*.py tests/backend/test_cuda_fused_gpu.py (the
+#    K/V transfer between two CUDA processes over ZeroMQ, test_gpu_disagg.py, needs pyzmq; it skips without)
 #    -> OUTDIR/gpu-tests.log, gpu-tests.xml (kernels incl. the Gemma 3 / Qwen3 ops and sliding-window
 #    attention; decode CUDA graphs vs eager, device sampler, pool sizing, whole models)
 # 3. tools/gpu_attention_bench.py: prefill attention of one 2,048-token prompt at Llama-3-8B's shape
@@ -17,9 +17,13 @@
 # 4. tools/gpu_bench.py (Llama-3-8B-shaped, bf16, pool sized from free memory, decode CUDA graphs on;
 #    decode tokens/s at batch 1 with graphs and eagerly, at batch 64, prefill, bandwidth)
 #                                                  -> OUTDIR/bench.log, bench.json, bench-table.txt
-# and prints a short summary last.  Each step has a timeout (165 s + 40 s + 115 s, or GPU_CHECK_TESTS_S,
-# GPU_CHECK_ATTENTION_S and GPU_CHECK_BENCH_S), so the whole run stays under 5.5 minutes by default.
-# Exit status: 0 when the tests passed, the attention kernels agreed and the benchmark ran.
+# 5. tools/gpu_fused_bench.py: the fused ops (fused_rope_kv_write with and without the q/k norm,
+#    norm_add_rmsnorm) against the separate ops at 1, 64 and 2,048 rows, as graphs and eagerly; the decode
+#    forward pass at batch 1 and 64 eager / as a graph x fused / separate, the engine's decode step with
+#    graphs on and off, and what capturing every bucket cost   -> OUTDIR/fused.log, fused.json, fused-table.txt
+# and prints a short summary last.  Each step has a timeout (165 s + 40 s + 115 s + 100 s, or GPU_CHECK_TESTS_S,
+# GPU_CHECK_ATTENTION_S, GPU_CHECK_BENCH_S and GPU_CHECK_FUSED_S), so the whole run stays under 7 minutes by
+# default.  Exit status: 0 when the tests passed, the attention kernels agreed and both benchmarks ran.
 set -uo pipefail
 
 out=${1:?usage: tools/gpu_check.sh OUTDIR}
@@ -50,7 +54,7 @@ EOF
 per_test=()
 "$py" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${GPU_CHECK_PER_TEST_S:-100}")
 echo "[gpu_check] running the GPU tests (log: $out/gpu-tests.log)"
-timeout "${GPU_CHECK_TESTS_S:-165}" "$py" -m pytest -m gpu tests/backend/test_gpu*.py \
+timeout "${GPU_CHECK_TESTS_S:-165}" "$py" -m pytest -m gpu tests/backend/test_gpu*.py tests/backend/test_cuda_fused_gpu.py \
   -q -rs -p no:cacheprovider --durations=15 "${per_test[@]}" --junitxml="$out/gpu-tests.xml" > "$out/gpu-tests.log" 2>&1
 tests_rc=$?
 
@@ -61,6 +65,10 @@ attention_rc=$?
 echo "[gpu_check] running the benchmark (log: $out/bench.log)"
 timeout "${GPU_CHECK_BENCH_S:-115}" "$py" tools/gpu_bench.py --out "$out" > "$out/bench.log" 2>&1
 bench_rc=$?
+
+echo "[gpu_check] timing the fused ops and decode graphs (log: $out/fused.log)"
+timeout "${GPU_CHECK_FUSED_S:-100}" "$py" tools/gpu_fused_bench.py --out "$out" > "$out/fused.log" 2>&1
+fused_rc=$?
 
 echo
 echo "==================== rawinfer gpu_check $(date -u +%Y-%m-%dT%H:%MZ) ===================="
@@ -74,4 +82,6 @@ echo "attention: exit $attention_rc"
 if [ -f "$out/attention-table.txt" ]; then cat "$out/attention-table.txt"; else tail -5 "$out/attention.log"; fi
 echo "benchmark: exit $bench_rc"
 if [ -f "$out/bench-table.txt" ]; then cat "$out/bench-table.txt"; else tail -15 "$out/bench.log"; fi
-[ "$tests_rc" -eq 0 ] && [ "$attention_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "fused ops and decode graphs: exit $fused_rc"
+if [ -f "$out/fused-table.txt" ]; then cat "$out/fused-table.txt"; else tail -15 "$out/fused.log"; fi
+[ "$tests_rc" -eq 0 ] && [ "$attention_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$fused_rc" -eq 0 ]
