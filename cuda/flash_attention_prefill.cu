@@ -110,11 +110,29 @@ struct FlashRow {
   int valid;             // 0: a row past the sequence's end (offsets 0, never read or written)
 };
 
+// How a position splits into (logical block, row in block): a shift and a mask when the block size is a
+// power of two (the usual 16), else a division.
+struct FlashBlocks {
+  int size;
+  int shift;  // log2(size), or -1
+};
+
+RAWINFER_DEVICE FlashBlocks flash_blocks(int block_size) {
+  FlashBlocks b;
+  b.size = block_size;
+  b.shift = -1;
+  if ((block_size & (block_size - 1)) == 0) {
+    b.shift = 0;
+    while ((1 << b.shift) < block_size) ++b.shift;
+  }
+  return b;
+}
+
 // One K or V tile of BK positions starting at k0 into shared memory (cp.async, uncommitted): thread t
 // copies chunks t, t + 128, ... of the tile's BK * D / 8.
 template <typename T, int D>
 RAWINFER_DEVICE void flash_load_tile(T* tile, const T* cache, const int* table, int k0, int kv_end, int kv_head,
-                                     int num_kv_heads, int block_size) {
+                                     int num_kv_heads, FlashBlocks blocks) {
   constexpr int BK = FlashTile<D>::BK;
   constexpr int CHUNKS = FlashTile<D>::CHUNKS;
   for (int i = threadIdx.x; i < BK * CHUNKS; i += FLASH_THREADS) {
@@ -124,8 +142,10 @@ RAWINFER_DEVICE void flash_load_tile(T* tile, const T* cache, const int* table, 
     const bool valid = pos < kv_end;
     const T* src = cache;
     if (valid) {
-      const long long blk = table[pos / block_size];
-      src = cache + ((blk * num_kv_heads + kv_head) * block_size + pos % block_size) * D + chunk * 8;
+      const int logical = blocks.shift >= 0 ? pos >> blocks.shift : pos / blocks.size;
+      const int row = pos - logical * blocks.size;
+      const long long blk = table[logical];
+      src = cache + ((blk * num_kv_heads + kv_head) * blocks.size + row) * D + chunk * 8;
     }
     cp_async_16(tile + j * FlashTile<D>::STRIDE + chunk * 8, src, valid);
   }
@@ -229,6 +249,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
   const int kv_end = past + (imin(row0 + FLASH_ROWS, rows) - 1) / group + 1;  // keys [kv_begin, kv_end) are
                                                                               // visible to some row of the block
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
+  const FlashBlocks blocks = flash_blocks(block_size);
   const long long row_len = static_cast<long long>(num_heads + 2 * num_kv_heads) * D;
 
   const int wrow0 = row0 + warp * 16;                  // the warp's first packed row
@@ -242,7 +263,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
   FlashRow* rows_s = reinterpret_cast<FlashRow*>(v_s + BK * FlashTile<D>::STRIDE);  // [64]
   const FlashRow* warp_rows = rows_s + warp * 16;
 
-  flash_load_tile<T, D>(k_s, k_cache, table, kv_begin, kv_end, kv_head, num_kv_heads, block_size);
+  flash_load_tile<T, D>(k_s, k_cache, table, kv_begin, kv_end, kv_head, num_kv_heads, blocks);
   cp_async_commit();
   if (threadIdx.x < FLASH_ROWS) {
     const int r = row0 + threadIdx.x;
@@ -277,7 +298,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
   const float scale_log2 = scale * 1.4426950408889634f;
 
   for (int k0 = kv_begin; k0 < kv_end; k0 += BK) {
-    flash_load_tile<T, D>(v_s, v_cache, table, k0, kv_end, kv_head, num_kv_heads, block_size);
+    flash_load_tile<T, D>(v_s, v_cache, table, k0, kv_end, kv_head, num_kv_heads, blocks);
     cp_async_commit();
     cp_async_wait<1>();  // K(j) has landed (V(j) may still be in flight)
     __syncthreads();
@@ -287,13 +308,15 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
     if (work) flash_scores<T, D>(s, q_regs, qkv, warp_rows, k_s, lane);
     __syncthreads();  // k_s is free
     if (k0 + BK < kv_end) {
-      flash_load_tile<T, D>(k_s, k_cache, table, k0 + BK, kv_end, kv_head, num_kv_heads, block_size);
+      flash_load_tile<T, D>(k_s, k_cache, table, k0 + BK, kv_end, kv_head, num_kv_heads, blocks);
     }
     cp_async_commit();  // possibly empty: the group count stays the same on every path
 
     unsigned pa[BK / 16][4];
     if (work) {
       const bool full = k0 + BK - 1 <= w_first && (window <= 0 || k0 > w_last - window);
+      const int p0 = full ? 0 : warp_rows[g].pos;  // the positions of this lane's two rows
+      const int p1 = full ? 0 : warp_rows[g + 8].pos;
       float mx0 = m0, mx1 = m1;
 #pragma unroll
       for (int nt = 0; nt < BK / 8; ++nt) {
@@ -302,7 +325,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
           float v = s[nt][i] * scale_log2;
           if (!full) {
             const int key = k0 + nt * 8 + 2 * c + (i & 1);
-            const int p = warp_rows[i < 2 ? g : g + 8].pos;
+            const int p = i < 2 ? p0 : p1;
             if (key > p || (window > 0 && key <= p - window)) v = neg_inf();
           }
           s[nt][i] = v;
