@@ -209,10 +209,16 @@ class DecodeGraphs:
             return
         t0 = time.perf_counter()
         free_before = self._free_device_bytes()
-        for bucket in missing:
-            host = padding_decode_inputs(bucket, self.max_blocks, self.block_size, self.padding_block)
-            self.backend.upload(self.region[:host.size], host)
-            self.graph_for(bucket)
+        try:
+            for bucket in missing:
+                host = padding_decode_inputs(bucket, self.max_blocks, self.block_size, self.padding_block)
+                self.backend.upload(self.region[:host.size], host)
+                self.graph_for(bucket)
+        except (MemoryError, RuntimeError) as e:
+            if not isinstance(e, MemoryError) and "out of memory" not in str(e).lower():
+                raise
+            raise RuntimeError(f"capturing the decode graph of {bucket} rows ran out of device memory beside the "
+                               f"pool ({e}); lower --gpu-memory-utilization, or run with --no-cuda-graphs") from e
         self.backend.synchronize()
         free_after = self._free_device_bytes()
         if free_before is not None and free_after is not None:

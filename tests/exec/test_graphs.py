@@ -181,3 +181,19 @@ def test_capture_all_is_idempotent_and_graph_for_still_captures_one_bucket(monke
     # the padding steps wrote nothing outside the padding block
     for c, old in zip(kv.k + kv.v, before):
         np.testing.assert_array_equal(np.asarray(c[:kv.padding_block]), old)
+
+
+@needs_shim
+def test_a_capture_out_of_device_memory_names_the_fix(monkeypatch, gemma_dir):
+    launcher = CapturingShimLauncher(harness.build_all())
+    engine = shim_engine(monkeypatch, gemma_dir, device_reporting_backend(launcher), graphs=True)
+    real_capture = launcher.capture
+
+    def capture(fn):
+        if launcher.captures == 2:       # the third bucket's graph does not fit beside the pool
+            raise MemoryError("out of memory allocating 2097152 bytes")
+        return real_capture(fn)
+    launcher.capture = capture
+    with pytest.raises(RuntimeError, match="decode graph of 4 rows ran out of device memory beside the pool .*"
+                                           "lower --gpu-memory-utilization, or run with --no-cuda-graphs"):
+        _staggered_generation(engine, {"a": [5, 6, 7]}, 2)
