@@ -170,8 +170,8 @@ class DecodeGraphs:
         return tuple(sorted(self._graphs))
 
     def run(self, plan: StepPlan):
-        """Upload the plan's inputs, replay its bucket's graph (capturing it first if needed); logits
-        [S, V] of plan.logits_indices, in order."""
+        """Upload the plan's inputs and replay its bucket's graph (the first call captures every bucket
+        first); logits [S, V] of plan.logits_indices, in order."""
         bucket = plan.graph_bucket
         if bucket is None or plan.score_rows.size:
             raise ValueError("only a pure decode step with a graph bucket replays a decode graph")
