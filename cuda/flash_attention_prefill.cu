@@ -118,12 +118,9 @@ struct FlashBlocks {
 };
 
 RAWINFER_DEVICE FlashBlocks flash_blocks(int block_size) {
-  FlashBlocks b;
-  b.size = block_size;
-  b.shift = -1;
+  FlashBlocks b = {block_size, -1};
   if ((block_size & (block_size - 1)) == 0) {
-    b.shift = 0;
-    while ((1 << b.shift) < block_size) ++b.shift;
+    for (b.shift = 0; (1 << b.shift) < block_size;) ++b.shift;
   }
   return b;
 }
@@ -162,10 +159,7 @@ RAWINFER_DEVICE void flash_scores(float (&s)[FlashTile<D>::BK / 8][4],
   const FlashRow& row0 = warp_rows[lane / 4];
   const FlashRow& row1 = warp_rows[lane / 4 + 8];
 #pragma unroll
-  for (int nt = 0; nt < BK / 8; ++nt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s[nt][i] = 0.0f;
-  }
+  for (int nt = 0; nt < BK / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     unsigned qa[4];
@@ -219,6 +213,69 @@ RAWINFER_DEVICE float quad_max(float v) {
 RAWINFER_DEVICE float quad_sum(float v) {
   v += __shfl_xor_sync(RAWINFER_FULL_MASK, v, 1);
   return v + __shfl_xor_sync(RAWINFER_FULL_MASK, v, 2);
+}
+
+// The online softmax of a lane's two rows (g and g + 8): the running maxima (log2 units) and this lane's
+// share of the row sums.
+struct FlashSoftmax {
+  float m0, m1;
+  float l0, l1;
+};
+
+// One tile's softmax step for a warp: scale S to log2 units and mask it (masked: keys after a row's
+// position pos0 / pos1 or before its window), update the running maxima and sums, rescale O by
+// alpha = 2^(m_old - m_new), and return P = 2^(S - m_new) rounded to T as the A fragments of P V.
+template <typename T, int D>
+RAWINFER_DEVICE void flash_softmax(unsigned (&pa)[FlashTile<D>::BK / 16][4], float (&s)[FlashTile<D>::BK / 8][4],
+                                   float (&o)[D / 8][4], FlashSoftmax& st, float scale_log2, int k0, int c,
+                                   bool masked, int pos0, int pos1, int window) {
+  constexpr int BK = FlashTile<D>::BK;
+  float mx0 = st.m0, mx1 = st.m1;
+#pragma unroll
+  for (int nt = 0; nt < BK / 8; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v = s[nt][i] * scale_log2;
+      if (masked) {
+        const int key = k0 + nt * 8 + 2 * c + (i & 1);
+        const int pos = i < 2 ? pos0 : pos1;
+        if (key > pos || (window > 0 && key <= pos - window)) v = neg_inf();
+      }
+      s[nt][i] = v;
+    }
+    mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+  }
+  mx0 = quad_max(mx0);
+  mx1 = quad_max(mx1);
+  // A row that has seen no visible key yet (max -inf) keeps alpha = 1 and adds nothing.
+  const bool any0 = mx0 != neg_inf();
+  const bool any1 = mx1 != neg_inf();
+  const float alpha0 = any0 ? exp2f(st.m0 - mx0) : 1.0f;
+  const float alpha1 = any1 ? exp2f(st.m1 - mx1) : 1.0f;
+  st.m0 = mx0;
+  st.m1 = mx1;
+  float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+  for (int nt = 0; nt < BK / 8; ++nt) {
+    const T p0 = from_float<T>(any0 ? exp2f(s[nt][0] - mx0) : 0.0f);
+    const T p1 = from_float<T>(any0 ? exp2f(s[nt][1] - mx0) : 0.0f);
+    const T p2 = from_float<T>(any1 ? exp2f(s[nt][2] - mx1) : 0.0f);
+    const T p3 = from_float<T>(any1 ? exp2f(s[nt][3] - mx1) : 0.0f);
+    sum0 += to_float(p0) + to_float(p1);
+    sum1 += to_float(p2) + to_float(p3);
+    pa[nt / 2][(nt % 2) * 2] = pack2(p0, p1);      // row g:     keys 2c, 2c+1 (+8 for odd nt)
+    pa[nt / 2][(nt % 2) * 2 + 1] = pack2(p2, p3);  // row g + 8
+  }
+  st.l0 = st.l0 * alpha0 + sum0;
+  st.l1 = st.l1 * alpha1 + sum1;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    o[nt][0] *= alpha0;
+    o[nt][1] *= alpha0;
+    o[nt][2] *= alpha1;
+    o[nt][3] *= alpha1;
+  }
 }
 
 template <typename T, int D>
@@ -289,12 +346,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
 
   float o[D / 8][4];
 #pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[nt][i] = 0.0f;
-  }
-  float m0 = neg_inf(), m1 = neg_inf();   // running row maxima (log2 units)
-  float l0 = 0.0f, l1 = 0.0f;             // this lane's share of the row sums
+  for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  FlashSoftmax state = {neg_inf(), neg_inf(), 0.0f, 0.0f};
   const float scale_log2 = scale * 1.4426950408889634f;
 
   for (int k0 = kv_begin; k0 < kv_end; k0 += BK) {
@@ -315,54 +368,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
     unsigned pa[BK / 16][4];
     if (work) {
       const bool full = k0 + BK - 1 <= w_first && (window <= 0 || k0 > w_last - window);
-      const int p0 = full ? 0 : warp_rows[g].pos;  // the positions of this lane's two rows
-      const int p1 = full ? 0 : warp_rows[g + 8].pos;
-      float mx0 = m0, mx1 = m1;
-#pragma unroll
-      for (int nt = 0; nt < BK / 8; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float v = s[nt][i] * scale_log2;
-          if (!full) {
-            const int key = k0 + nt * 8 + 2 * c + (i & 1);
-            const int p = i < 2 ? p0 : p1;
-            if (key > p || (window > 0 && key <= p - window)) v = neg_inf();
-          }
-          s[nt][i] = v;
-        }
-        mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
-      }
-      mx0 = quad_max(mx0);
-      mx1 = quad_max(mx1);
-      // A row that has seen no visible key yet (max -inf) keeps alpha = 1 and adds nothing.
-      const bool any0 = mx0 != neg_inf();
-      const bool any1 = mx1 != neg_inf();
-      const float alpha0 = any0 ? exp2f(m0 - mx0) : 1.0f;
-      const float alpha1 = any1 ? exp2f(m1 - mx1) : 1.0f;
-      m0 = mx0;
-      m1 = mx1;
-      float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < BK / 8; ++nt) {
-        const T p0 = from_float<T>(any0 ? exp2f(s[nt][0] - mx0) : 0.0f);
-        const T p1 = from_float<T>(any0 ? exp2f(s[nt][1] - mx0) : 0.0f);
-        const T p2 = from_float<T>(any1 ? exp2f(s[nt][2] - mx1) : 0.0f);
-        const T p3 = from_float<T>(any1 ? exp2f(s[nt][3] - mx1) : 0.0f);
-        sum0 += to_float(p0) + to_float(p1);
-        sum1 += to_float(p2) + to_float(p3);
-        pa[nt / 2][(nt % 2) * 2] = pack2(p0, p1);      // row g:     keys 2c, 2c+1 (+8 for odd nt)
-        pa[nt / 2][(nt % 2) * 2 + 1] = pack2(p2, p3);  // row g + 8
-      }
-      l0 = l0 * alpha0 + sum0;
-      l1 = l1 * alpha1 + sum1;
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        o[nt][0] *= alpha0;
-        o[nt][1] *= alpha0;
-        o[nt][2] *= alpha1;
-        o[nt][3] *= alpha1;
-      }
+      flash_softmax<T, D>(pa, s, o, state, scale_log2, k0, c, !full, full ? 0 : warp_rows[g].pos,
+                          full ? 0 : warp_rows[g + 8].pos, window);
     }
 
     cp_async_wait<1>();  // V(j) has landed (K(j+1) may still be in flight)
@@ -372,8 +379,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_attention_prefill_kern
   }
   cp_async_wait<0>();  // the last, empty group
 
-  l0 = quad_sum(l0);
-  l1 = quad_sum(l1);
+  const float l0 = quad_sum(state.l0);
+  const float l1 = quad_sum(state.l1);
   const FlashRow& out_a = warp_rows[g];
   const FlashRow& out_b = warp_rows[g + 8];
   const float inv0 = 1.0f / l0;  // l >= 1 on a valid row: the row's own position is always visible
