@@ -3,7 +3,7 @@ paged_attention_ref, and which prefill kernel CUDABackend.paged_attention_prefil
 
 Launched through the real `CUDABackend` methods with the host launcher, whose mma.sync / ldmatrix /
 cp.async follow PTX's fragment layouts (test_cuda_shim_mma.py).  Query counts and context offsets are
-not multiples of the 64-row query tile, the 64- or 32-key tile or the KV block; GQA ratios 1, 4 and 8;
+not multiples of the 64-row query tile, the 64- or 32-key tile or the KV block; GQA ratios 1, 3, 4, 7, 8;
 every head dim the kernel is built for; sliding windows whose out-of-window blocks hold NaN (the kernel
 must never read them).  The tolerance is the storage dtype's (reference_ops.TOL): P rounded to f16 /
 bf16 before P V stays inside it.
@@ -61,6 +61,7 @@ CASES = [
     (4, 1, 96, 5, [17], [150]),                       # block size 5; offset 133, three key tiles
     (8, 2, 128, 16, [130, 1], [130, 77]),             # GQA 4, Llama's D: three query tiles beside a decode row
     (4, 1, 256, 32, [17, 40], [17, 107]),             # Gemma 3's D (32-key tiles, Q reloaded per k-step)
+    (14, 2, 64, 16, [37, 1], [37, 50]),               # Qwen2.5-0.5B's G = 7: a query's heads straddle warps
 ]
 
 
@@ -84,6 +85,7 @@ WINDOW_CASES = [
     (4, 4, 128, 16, [33, 3], [33, 90], 1),            # W = 1: each query sees itself only
     (8, 1, 16, 16, [80, 5, 17], [150, 5, 100], 70),   # GQA 8; chunks mid-block, mid-window; W > a key tile
     (2, 1, 256, 16, [40], [90], 33),                  # D = 256 with its 32-key tiles
+    (6, 2, 32, 16, [50, 2], [120, 9], 20),            # G = 3 does not divide the 64-row tile
 ]
 
 
