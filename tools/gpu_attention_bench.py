@@ -7,7 +7,8 @@
 Defaults: Llama-3-8B's attention shape, one 2,048-token prompt, bf16, KV blocks of 16 in shuffled order.
 Both kernels run through CUDABackend.paged_attention_prefill (flash_prefill on / off) on the same inputs;
 the run first checks that they agree (max |difference| against the storage dtype's tolerance), then
-times each (median of --repeats launches, CUDA events).  FLOPs counted: 4 H D per visible (query, key)
+times each (median of --repeats launches, CUDA events), and the device's own limit beside them: a cuBLAS
+GEMM of the same dtype through CUDABackend.linear, [T, --gemm] x [--gemm, --gemm] (Llama-3-8B's o_proj).  FLOPs counted: 4 H D per visible (query, key)
 pair (Q K^T and P V), i.e. 4 H D T (T + 1) / 2 for a causal prompt without a window.  tools/gpu_check.sh
 runs it and prints the table; OUTDIR gets attention.json and attention-table.txt.
 """
@@ -78,6 +79,12 @@ def run(backend, args, timer: Callable[[Callable[[], None], int], float]) -> dic
         outs[name] = np.asarray(backend.to_host(out), np.float64)
         seconds[name] = timer(call, args.repeats)
     backend.flash_prefill = True
+    x, w = backend.empty((args.tokens, args.gemm), dtype), backend.empty((args.gemm, args.gemm), dtype)
+    for a in (x, w):
+        backend.upload(a, np.random.default_rng(1).standard_normal(a.shape, np.float32).astype(dtype))
+    y = backend.empty((args.tokens, args.gemm), dtype)
+    gemm_s = timer(lambda: backend.linear(x, w, y), args.repeats)
+    gemm_tflops = 2.0 * args.tokens * args.gemm * args.gemm / gemm_s / 1e12
     flops = 4.0 * args.heads * args.head_dim * visible_pairs(args.tokens, args.window)
     diff = float(np.max(np.abs(outs["tensor cores"] - outs["FMA"]) / np.maximum(1.0, np.abs(outs["FMA"]))))
     return {
@@ -89,6 +96,8 @@ def run(backend, args, timer: Callable[[Callable[[], None], int], float]) -> dic
         "flash_tflops": flops / seconds["tensor cores"] / 1e12,
         "fma_tflops": flops / seconds["FMA"] / 1e12,
         "speedup": seconds["FMA"] / seconds["tensor cores"],
+        "gemm_tflops": gemm_tflops,
+        "flash_share_of_gemm": flops / seconds["tensor cores"] / 1e12 / gemm_tflops,
     }
 
 
@@ -97,7 +106,9 @@ def table(r: dict) -> str:
             ("kernels agree (max rel. difference)", f"{r['agree']} ({r['max_relative_difference']:.2g})"),
             ("tensor cores (flash_attention_prefill)", f"{r['flash_ms']:.3f} ms = {r['flash_tflops']:.1f} TFLOP/s"),
             ("FMA (paged_attention_prefill)", f"{r['fma_ms']:.3f} ms = {r['fma_tflops']:.1f} TFLOP/s"),
-            ("speed-up", f"{r['speedup']:.1f}x")]
+            ("speed-up", f"{r['speedup']:.1f}x"),
+            ("cuBLAS GEMM, same dtype (the limit)", f"{r['gemm_tflops']:.1f} TFLOP/s; tensor-core attention "
+                                                    f"at {100 * r['flash_share_of_gemm']:.0f} % of it")]
     return "\n".join(f"{k:<40s} {v}" for k, v in rows)
 
 
@@ -134,6 +145,7 @@ def parse(argv=None):
     ap.add_argument("--dtype", choices=["bf16", "f16"], default="bf16")
     ap.add_argument("--window", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--gemm", type=int, default=4096, help="K = N of the reference GEMM")
     ap.add_argument("--out", help="folder for attention.json and attention-table.txt")
     return ap.parse_args(argv)
 

@@ -13,7 +13,8 @@
 #    attention; decode CUDA graphs vs eager, device sampler, pool sizing, whole models)
 # 3. tools/gpu_attention_bench.py: prefill attention of one 2,048-token prompt at Llama-3-8B's shape
 #    (32 query heads, 8 KV heads, head_dim 128, bf16), the tensor-core kernel against the FMA kernel:
-#    agreement, ms and TFLOP/s of each          -> OUTDIR/attention.log, attention.json, attention-table.txt
+#    agreement, ms and TFLOP/s of each, beside a cuBLAS bf16 GEMM's TFLOP/s
+#                                               -> OUTDIR/attention.log, attention.json, attention-table.txt
 # 4. tools/gpu_bench.py (Llama-3-8B-shaped, bf16, pool sized from free memory, decode CUDA graphs on;
 #    decode tokens/s at batch 1 with graphs and eagerly, at batch 64, prefill, bandwidth)
 #                                                  -> OUTDIR/bench.log, bench.json, bench-table.txt

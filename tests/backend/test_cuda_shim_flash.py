@@ -167,13 +167,14 @@ def test_gpu_attention_bench_runs_on_the_shim(shim_libraries):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.visible_pairs(2048, 0) == 2048 * 2049 // 2 and bench.visible_pairs(5, 2) == 1 + 2 * 4
-    args = bench.parse(["--tokens", "70", "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--repeats", "1"])
+    args = bench.parse(["--tokens", "70", "--heads", "4", "--kv-heads", "1", "--head-dim", "64", "--repeats", "1",
+                       "--gemm", "32"])
     backend = CUDABackend(launcher=harness.ShimLauncher(shim_libraries))
     result = bench.run(backend, args, bench.host_timer)
     assert result["agree"], result
     names = [launch[0].split("<")[0] for launch in backend._launcher.launches]
     assert names[0] == "flash_attention_prefill_kernel" and names[-1] == "paged_attention_prefill_kernel"
-    assert "TFLOP/s" in bench.table(result)
+    assert "TFLOP/s" in bench.table(result) and result["gemm_tflops"] > 0
 
 
 @pytest.fixture(scope="module")
