@@ -35,30 +35,31 @@ def dev(gpu, a):
     return d
 
 
-@pytest.mark.parametrize("flash", [True, False], ids=["tensor-cores", "fma"])
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("case", [
     # heads, kv_heads, head_dim, block_size, q lens, context lengths, window
-    (32, 8, 128, 16, [600], [600], 0),                     # Llama-3-8B heads, one prompt: 10 query tiles
+    (32, 8, 128, 16, [600], [600], 0),                     # Llama-3-8B heads, one prompt: 38 packed tiles
     (32, 8, 128, 16, [100, 1, 37], [100, 300, 2000], 0),   # a mixed step: prompt, decode row, chunk
     (14, 2, 64, 16, [513], [513], 0),                      # Qwen2.5-0.5B-like, G = 7
     (4, 1, 256, 16, [300, 17], [300, 2000], 512),          # Gemma 3's local layers in prefill chunks
-    (32, 8, 128, 32, [100, 513], [5000, 513], 4096),       # Mistral's window, a past longer than it
-], ids=["llama3-prompt", "mixed", "g7", "gemma-window", "mistral-window"])
-def test_prefill_kernels_on_device(gpu, flash, dtype, case):
+    (32, 8, 128, 32, [100, 300], [1500, 300], 1024),       # a window, a past longer than it
+], ids=["llama3-prompt", "mixed", "g7", "gemma-window", "long-past-window"])
+def test_prefill_kernels_on_device(gpu, dtype, case):
+    """Each kernel in turn on the same batch (one float64 reference for both)."""
     heads, kv_heads, head_dim, block_size, q_lens, ctx_lens, window = case
     rng = np.random.default_rng(11)
     paged = make_paged_batch(rng, dtype, q_lens, ctx_lens, heads, kv_heads, head_dim, block_size)
     scale = head_dim ** -0.5
     ref = paged_attention_ref(*paged, scale, heads, window=window)
-    gpu.flash_prefill = flash
+    args = [dev(gpu, a) for a in paged]
     try:
-        args = [dev(gpu, a) for a in paged]
-        out = gpu.empty((paged[0].shape[0], heads * head_dim), dtype)
-        assert gpu.uses_flash_prefill(args[0], args[1], args[2], out, head_dim) == flash
-        gpu.paged_attention_prefill(*args, scale, out, max(q_lens), window)
-        gpu.synchronize()
-        assert_close(gpu.to_host(out), ref, dtype, "prefill attention")
+        for flash in (True, False):
+            gpu.flash_prefill = flash
+            out = gpu.empty((paged[0].shape[0], heads * head_dim), dtype)
+            assert gpu.uses_flash_prefill(args[0], args[1], args[2], out, head_dim) == flash
+            gpu.paged_attention_prefill(*args, scale, out, max(q_lens), window)
+            gpu.synchronize()
+            assert_close(gpu.to_host(out), ref, dtype, f"prefill attention ({'tensor cores' if flash else 'FMA'})")
     finally:
         gpu.flash_prefill = True
 
