@@ -229,8 +229,7 @@ class LLMEngine:
         return ids
 
     def score(self, token_ids: list[int], chunk_sizes: int | Iterable[int] | None = None) -> np.ndarray:
-        """add_score, then step until its logits [T, V] float32 come out: for an engine with no request in
-        flight (beside others, call add_score and read RequestOutput.scores from step())."""
+        """add_score, then step until its logits [T, V] float32 come out (alone; beside others: add_score)."""
         if self._requests:
             raise RuntimeError(f"score() runs alone and {len(self._requests)} request(s) are in flight; queue it "
                                "with add_score and read its final output's scores from step()")
@@ -240,8 +239,9 @@ class LLMEngine:
                 for out in self.step():
                     return out.scores
             raise RuntimeError("the KV pool is too small to score this sequence")
-        finally:
+        except BaseException:
             self.abort("score")                     # after an error: nothing of it stays
+            raise
 
     def _new_state(self, seq: Sequence) -> SampleState:
         if seq.is_scoring:
