@@ -69,8 +69,8 @@ def check_options(config: Any, what: str) -> None:
 
 def _default_text(f, spec: Spec) -> str:
     value = spec.cli_default if spec.cli_default is not AS_API else f.default
-    if isinstance(value, bool) or value is None or value is MISSING:
-        return ""                   # the help text says what happens by default
+    if isinstance(value, bool) or value is None or value is MISSING or "(default:" in spec.help:
+        return ""                   # the help text says what happens by default, or how to read it (1MiB)
     return f" (default: {value})"
 
 

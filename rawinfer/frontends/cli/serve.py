@@ -17,8 +17,8 @@ from rawinfer.frontends.cli.stream import client_events, print_stream
 from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, add_sampling_args,
                                         check_system_flag, is_quiet, plain_text_prompt, positive_float,
                                         positive_int, read_prompt, sampling_params_from_args)
-from rawinfer.settings import api_key_default, size_argument
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
+from rawinfer.settings import add_options, api_key_default, options_from_args, size_argument
 
 log = logging.getLogger("rawinfer")
 DEFAULT_HTTP_PORT = 8000
@@ -29,26 +29,8 @@ def add_parsers(sub) -> None:
                                   "library) and over HTTP with OpenAI's API")
     p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                    help="the model, as --model (vLLM's `vllm serve MODEL`); give it one way or the other")
-    p.add_argument("--bind", default=DEFAULT_ADDR, metavar="ENDPOINT",
-                   help=f"tcp://HOST:PORT or ipc://PATH (default: {DEFAULT_ADDR})")
-    p.add_argument("--curve-secret-key", metavar="FILE", default=None,
-                   help="encrypt with CurveZMQ using this server.key_secret (from `rawinfer keygen`); "
-                        "required for a non-loopback --bind (default: none, loopback only)")
-    p.add_argument("--curve-client-keys", metavar="DIR", default=None,
-                   help="with --curve-secret-key: admit only clients whose public .key files are in DIR "
-                        "(default: any client that knows the server key)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --bind without CurveZMQ (anyone who can reach it can use it)")
-    p.add_argument("--max-message-size", default="1MiB", type=size_argument, metavar="SIZE",
-                   help="a client that sends a larger message is dropped (default: 1MiB)")
-    p.add_argument("--heartbeat-interval", type=positive_float, default=1.0, metavar="SECONDS",
-                   help="seconds between heartbeats to clients with requests in flight (default: 1)")
-    p.add_argument("--client-timeout", type=positive_float, default=10.0, metavar="SECONDS",
-                   help="seconds a connected client may fail to answer ZMTP heartbeats before it counts as gone "
-                        "(default: 10)")
-    p.add_argument("--log-interval", type=positive_float, default=10.0, metavar="SECONDS",
-                   help="seconds between the log's throughput / KV / queue lines; each finished request also "
-                        "gets a line (default: 10; -q hides both)")
+    from rawinfer.frontends.server.config import ServerConfig
+    add_options(p, ServerConfig)
     h = p.add_argument_group("HTTP (OpenAI-compatible API)")
     h.add_argument("--http-host", "--host", default="127.0.0.1", metavar="HOST",
                    help="address of the HTTP API; any but a loopback one needs --api-key or --insecure "
@@ -236,11 +218,10 @@ def open_front(args):
     HTTP workers (None with --no-http). CLIError for an unsafe or busy address."""
     from rawinfer.frontends.server.server import (SecurityError, ServerConfig, check_bind_security,
                                                   is_loopback_endpoint, load_secret_key)
-    cfg = ServerConfig(bind=args.bind, curve_secret_key_file=args.curve_secret_key,
-                       curve_client_keys_dir=args.curve_client_keys, insecure=args.insecure,
-                       max_message_bytes=args.max_message_size, heartbeat_interval_s=args.heartbeat_interval,
-                       zmtp_heartbeat_timeout_s=args.client_timeout)
-    cfg.log_interval_s = args.log_interval
+    try:
+        cfg = options_from_args(ServerConfig, args, "server option")
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     try:
         check_bind_security(cfg)
         if cfg.curve_secret_key_file:
@@ -248,7 +229,7 @@ def open_front(args):
     except SecurityError as e:
         raise CLIError(str(e)) from None
     probe_endpoint(args.bind)
-    if args.insecure and not is_loopback_endpoint(args.bind) and not args.curve_secret_key:
+    if args.insecure and not is_loopback_endpoint(args.bind) and not args.curve_secret_key_file:
         log.warning("serving %s unencrypted (--insecure): anyone who can reach it can use the engine", args.bind)
     return cfg, _start_http(args)        # before the model loads: /health answers 503 meanwhile
 
@@ -262,7 +243,7 @@ def _start_http(args):
     if not args.http:
         return None
     from rawinfer.frontends.http.launcher import LaunchError, Workers, bind_http, check_http_security, connect_addr
-    if args.curve_client_keys:
+    if args.curve_client_keys_dir:
         log.warning("no HTTP API: --curve-client-keys admits only listed ZeroMQ clients, and the HTTP front end "
                     "would be one more client without a listed key (--no-http silences this)")
         return None
@@ -274,7 +255,7 @@ def _start_http(args):
     if args.insecure and not args.api_key and not _loopback(args.http_host):
         log.warning("serving HTTP on %s without an API key (--insecure): anyone who can reach it can use the "
                     "engine", args.http_host)
-    config = {"engine_addr": connect_addr(args.bind), "server_key": args.curve_secret_key, "api_key": args.api_key,
+    config = {"engine_addr": connect_addr(args.bind), "server_key": args.curve_secret_key_file, "api_key": args.api_key,
               "strict_api": args.strict_api, "served_names": served_model_names(args),
               "default_max_tokens": args.default_max_tokens, "tool_call_parser": args.tool_call_parser,
               "reasoning_parser": args.reasoning_parser, "max_prompts_per_request": args.max_prompts_per_request,

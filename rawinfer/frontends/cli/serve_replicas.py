@@ -129,7 +129,7 @@ def run_replicas(args, open_front) -> int:
     check_replica_args(args)
     model_path = os.path.abspath(resolve_model(args.model, progress=not args.quiet))
     local = args.ray_address is None
-    if not local and not args.curve_secret_key and not args.insecure:
+    if not local and not args.curve_secret_key_file and not args.insecure:
         raise CLIError("replicas on other machines are reached over the network: give --curve-secret-key FILE "
                        "(the same file on every node; the router and replicas use it), or --insecure on a "
                        "trusted network")
@@ -158,8 +158,8 @@ def run_replicas(args, open_front) -> int:
             log.info("prefill replicas serving on %s", " ".join(prefill))
         pool.options = _replica_options(args, model_path, cpus, device, prefill)
         curve = None
-        if args.curve_secret_key and not local:
-            public, _ = load_secret_key(args.curve_secret_key)
+        if args.curve_secret_key_file and not local:
+            public, _ = load_secret_key(args.curve_secret_key_file)
             curve = (public, *zmq.curve_keypair())
         auto = None
         if args.autoscale_max is not None:

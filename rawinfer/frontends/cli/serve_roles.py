@@ -76,8 +76,8 @@ def prefill_public_key(args) -> bytes | None:
     try:
         if getattr(args, "prefill_key", None):
             return load_public_key(args.prefill_key)
-        if args.curve_secret_key:
-            return load_secret_key(args.curve_secret_key)[0]
+        if args.curve_secret_key_file:
+            return load_secret_key(args.curve_secret_key_file)[0]
     except (ClientError, SecurityError) as e:
         raise CLIError(str(e)) from None
     return None
@@ -90,13 +90,13 @@ def run_prefill_role(args, engine) -> int:
     try:
         server = PrefillServer(engine, PrefillConfig(bind=args.prefill_bind, max_queued=args.prefill_max_queued,
                                                      insecure=args.insecure,
-                                                     curve_secret_key_file=args.curve_secret_key))
+                                                     curve_secret_key_file=args.curve_secret_key_file))
     except SecurityError as e:
         raise CLIError(str(e)) from None
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())
     log.info("prefill instance on %s (reached by decode instances only%s)", server.endpoint,
-             ", CurveZMQ" if args.curve_secret_key else "")
+             ", CurveZMQ" if args.curve_secret_key_file else "")
     server.run()
     log.info("prefill instance stopped: %s", server.counters)
     return 0

@@ -28,12 +28,11 @@ class ReplicaActor:
         command line's, passed in so that this package does not import the command line."""
         bind_host = _actor_setup(options, f"replica {slot}", bind_host)
         from rawinfer.frontends.server.server import Server, ServerConfig
+        from rawinfer.settings import options_from_args
         engine, connector = build(argparse.Namespace(**options))
-        cfg = ServerConfig(bind=f"tcp://{bind_host}:0", curve_secret_key_file=options.get("curve_secret_key"),
-                           insecure=bool(options.get("insecure")), max_message_bytes=options["max_message_size"],
-                           heartbeat_interval_s=options["heartbeat_interval"],
-                           zmtp_heartbeat_timeout_s=options["client_timeout"])
-        cfg.log_interval_s = options["log_interval"]
+        # the command's server options, on a port of this node; clients are the router, not the users
+        cfg = options_from_args(ServerConfig, argparse.Namespace(**options), "server option",
+                                bind=f"tcp://{bind_host}:0", curve_client_keys_dir=None)
         self.server = Server(engine, cfg, kv_connector=connector)
         self.thread = threading.Thread(target=self.server.run, name="rawinfer-replica", daemon=True)
         self.thread.start()
@@ -167,7 +166,7 @@ class PrefillActor:
         self.server = PrefillServer(engine, PrefillConfig(bind=f"tcp://{bind_host}:{port}",
                                                           max_queued=options["prefill_max_queued"],
                                                           insecure=bool(options.get("insecure")),
-                                                          curve_secret_key_file=options.get("curve_secret_key")))
+                                                          curve_secret_key_file=options.get("curve_secret_key_file")))
         self.thread = threading.Thread(target=self.server.run, kwargs={"warm": True}, name="rawinfer-prefill",
                                        daemon=True)
         self.thread.start()
