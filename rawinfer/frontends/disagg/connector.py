@@ -147,7 +147,7 @@ class DecodeConnector:
             return self._local(request_id, "the K/V bytes in flight are at their bound")
         peer = min(peers, key=lambda p: len(p.inflight) + p.queued)
         tid = f"{request_id}@{next(self._ids)}"
-        prompt = self.engine._requests[request_id][0].seq.prompt_token_ids
+        prompt = self.engine.sequences(request_id)[0].prompt_token_ids
         t = _Transfer(tid, request_id, peer, now + self.cfg.transfer_timeout_s, r.start_block,
                       len(r.block_ids), nbytes, now)
         _send(peer, wire.encode("prefill", id=tid, prompt=prompt, start_block=r.start_block,
