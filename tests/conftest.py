@@ -117,6 +117,26 @@ def fused_vs_per_op(llm, prompts, params):
     return fused, per_op, rows[:n], rows[n:]
 
 
+@pytest.fixture(scope="module")
+def gpu():
+    """The CUDA backend on the device, for the GPU suite (its modules skip where no GPU is usable)."""
+    from rawinfer.backend.cuda.backend import CUDABackend
+    return CUDABackend()
+
+
+def dev(gpu, a):
+    """A device copy of host array a (bf16 travels as its bits)."""
+    d = gpu.empty(a.shape, a.dtype)
+    gpu.upload(d, a)
+    return d
+
+
+def host(gpu, d):
+    """Host copy of device array d, once the device's queued work is done."""
+    gpu.synchronize()
+    return gpu.to_host(d)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     """tests/data/tiny-llama converted to rawinfer's format (float32, no tokenizer)."""

@@ -19,26 +19,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable
 
 from ml_dtypes import bfloat16  # noqa: E402
 
-from conftest import _convert_tiny, _staggered_generation  # noqa: E402
+from conftest import _convert_tiny, _staggered_generation, dev, host  # noqa: E402
 from reference_ops import (DTYPE_IDS, DTYPES, add_rmsnorm_ref, assert_close, cos_sin_table, head_rmsnorm_ref,  # noqa: E402
                            kv_write_ref, rand, rmsnorm_ref, rope_ref)
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    from rawinfer.backend.cuda.backend import CUDABackend
-    return CUDABackend()
-
-
-def dev(gpu, a):
-    d = gpu.empty(a.shape, a.dtype)
-    gpu.upload(d, a)
-    return d
-
-
-def host(gpu, d):
-    gpu.synchronize()
-    return gpu.to_host(d)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

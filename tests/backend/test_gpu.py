@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable
 
 from ml_dtypes import bfloat16  # noqa: E402
 
+from conftest import dev, host  # noqa: E402
 from reference_ops import (DTYPE_IDS, DTYPES, add_rmsnorm_ref, argmax_ref, assert_close, copy_blocks_ref,  # noqa: E402
                            cos_sin_table, embedding_ref, f64, gelu_tanh_mul_ref, head_rmsnorm_ref, kv_write_ref,
                            linear_ref, make_paged_batch, paged_attention_ref, rand, rmsnorm_ref, rope_ref,
@@ -28,24 +29,6 @@ from reference_ops import (DTYPE_IDS, DTYPES, add_rmsnorm_ref, argmax_ref, asser
 RESIDUAL_CASES = [(np.float32, np.float32), (np.float16, np.float16), (bfloat16, bfloat16),
                   (np.float16, np.float32), (bfloat16, np.float32)]
 RESIDUAL_IDS = ["f32", "f16", "bf16", "f16-res32", "bf16-res32"]
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    from rawinfer.backend.cuda.backend import CUDABackend
-    return CUDABackend()
-
-
-def dev(gpu, a):
-    """A device copy of host array a (bf16 travels as its bits)."""
-    d = gpu.empty(a.shape, a.dtype)
-    gpu.upload(d, a)
-    return d
-
-
-def host(gpu, d):
-    gpu.synchronize()
-    return gpu.to_host(d)
 
 
 # ---- kernels --------------------------------------------------------------------------------------

@@ -20,19 +20,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable
 
 from ml_dtypes import bfloat16  # noqa: E402
 
+from conftest import dev  # noqa: E402
 from reference_ops import assert_close, make_paged_batch, paged_attention_ref  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    from rawinfer.backend.cuda.backend import CUDABackend
-    return CUDABackend()
-
-
-def dev(gpu, a):
-    d = gpu.empty(a.shape, a.dtype)
-    gpu.upload(d, a)
-    return d
 
 
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["f16", "bf16"])

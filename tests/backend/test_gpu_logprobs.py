@@ -13,12 +13,6 @@ USABLE, WHY = cuda_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    from rawinfer.backend.cuda.backend import CUDABackend
-    return CUDABackend()
-
-
 @pytest.mark.parametrize("vocab, k", [(512, 0), (512, 20), (49152, 5), (262144, 20)])
 def test_logprobs_match_the_cpu_backend(gpu, vocab, k):
     from rawinfer.backend.cpu.backend import CPUBackend
