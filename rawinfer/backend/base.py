@@ -115,6 +115,7 @@ class Backend(ABC):
     name: str = "abstract"
     xp: Any = np                      # the array module (numpy or cupy)
     capabilities = Capabilities()
+    kernel_cache: str | None = None   # the folder its compiled kernels are kept in across runs (None: none)
 
     # ---- memory -------------------------------------------------------------------------------
     @abstractmethod

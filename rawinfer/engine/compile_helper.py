@@ -45,7 +45,7 @@ def why_not(engine, cores: int | None = None, memory: int | None = None) -> str 
     from rawinfer.backend.cpu.threads import available_cores
     from rawinfer.exec.memory import available_host_memory
     backend = engine.backend
-    if backend.name != "cpu" or getattr(backend, "kernel_cache", None) is None:
+    if backend.name != "cpu" or backend.kernel_cache is None:
         return "no CPU kernel cache to share"
     if not engine.model_dir or not os.path.isdir(engine.model_dir):
         return "no model folder to load again"

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
 def cmd_warmup(args) -> int:
     t0 = time.monotonic()
     engine = open_engine(args)
-    where = getattr(engine.backend, "kernel_cache", None)
+    where = engine.backend.kernel_cache
     print(f"{engine.backend.name} kernels for {engine.model_dir} ready in {time.monotonic() - t0:.1f} s"
           + (f" (cached in {where})" if where else ""))
     return 0
