@@ -33,15 +33,17 @@ class Spec:
     parse: Callable[[str], Any] | None = None    # the flag's text -> value (None: a switch without a value)
     choices: tuple | None = None
     metavar: str | None = None
-    cli_default: Any = AS_API      # where the command line's default differs from the Python API's (said in help)
+    cli_default: Any = AS_API      # where the command line's default differs from the Python API's (said in
+                                   # help); a function: called when the parser is built (an environment switch)
+    nargs: str | None = None       # "+": the flag takes one or more values, the field a list of them
 
 
 def option(default: Any = MISSING, *, help: str, check: Callable[[Any], bool], what: str, flag: str | None = "",
            parse: Callable[[str], Any] | None = None, choices: tuple | None = None, metavar: str | None = None,
-           default_factory: Any = MISSING, cli_default: Any = AS_API) -> Any:
+           default_factory: Any = MISSING, cli_default: Any = AS_API, nargs: str | None = None) -> Any:
     """A dataclass field with its Spec. flag "" derives --field-name; a bool field True by default is offered as
     the switch `flag` (--no-...) that turns it off, one False by default as a switch that turns it on."""
-    spec = Spec(help, check, what, flag, parse, choices, metavar, cli_default)
+    spec = Spec(help, check, what, flag, parse, choices, metavar, cli_default, nargs)
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata={"spec": spec})
     return field(default=default, metadata={"spec": spec})
@@ -69,18 +71,18 @@ def check_options(config: Any, what: str) -> None:
 
 def _default_text(f, spec: Spec) -> str:
     value = spec.cli_default if spec.cli_default is not AS_API else f.default
-    if isinstance(value, bool) or value is None or value is MISSING or "(default:" in spec.help:
+    if isinstance(value, bool) or value is None or value is MISSING or callable(value) or "(default:" in spec.help:
         return ""                   # the help text says what happens by default, or how to read it (1MiB)
     return f" (default: {value})"
 
 
 def _checked(spec: Spec) -> Callable[[str], Any]:
-    """The flag's argparse type: its text parsed, then the option's check, so that a bad value is argparse's
-    one line naming the flag."""
+    """The flag's argparse type: its text parsed, then the option's check (of a one-value list where the flag
+    takes several), so that a bad value is argparse's one line naming the flag."""
     def parse(text: str) -> Any:
         value = spec.parse(text)
-        if not spec.check(value):       # (a flag cannot give None: that part of the sentence is left out)
-            what = re.split(r",? or None\b", spec.what)[0]
+        if not spec.check([value] if spec.nargs else value):
+            what = re.split(r",? or None\b", spec.what)[0]        # a flag cannot give None: left out
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
     parse.__name__ = getattr(spec.parse, "__name__", "value")
@@ -101,7 +103,8 @@ def add_options(group, cls, skip: tuple[str, ...] = ()) -> None:
             continue
         default = spec.cli_default if spec.cli_default is not AS_API else (
             f.default if f.default is not MISSING else None)
-        group.add_argument(flag, dest=f.name, type=_checked(spec), default=default, choices=spec.choices,
+        group.add_argument(flag, dest=f.name, type=_checked(spec), choices=spec.choices, nargs=spec.nargs,
+                           default=default() if callable(default) else default,
                            metavar=None if spec.choices else spec.metavar or "N",
                            help=spec.help + _default_text(f, spec))
 

@@ -186,7 +186,7 @@ def test_served_model_name_defaults_to_the_models_own_name(tmp_path):
     from rawinfer.frontends.cli.serve import served_model_names
 
     def names(model, given=None):
-        return served_model_names(argparse.Namespace(model=model, served_model_name=given))
+        return served_model_names(argparse.Namespace(model=model, served_names=given))
     cached = tmp_path / "SmolLM2-135M-Instruct-Q4_K_M-0123456789abcdef-q4"
     cached.mkdir()
     (cached / "source.json").write_text(json.dumps({"source": "/models/SmolLM2-135M-Instruct-Q4_K_M.gguf"}))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 
-from rawinfer.engine.reasoning import REASONING_PARSERS
-from rawinfer.engine.tool_calls import TOOL_CALL_PARSERS
 from rawinfer.frontends.cli.connect import PING_TIMEOUT_S, ping_server, probe_endpoint
 from rawinfer.frontends.cli.generate import parse_token_ids
 from rawinfer.frontends.cli.models import open_engine
@@ -18,7 +17,7 @@ from rawinfer.frontends.options import (CLIError, add_command, add_engine_args, 
                                         check_system_flag, is_quiet, plain_text_prompt, positive_float,
                                         positive_int, read_prompt, sampling_params_from_args)
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
-from rawinfer.settings import add_options, api_key_default, options_from_args, size_argument
+from rawinfer.settings import add_options, options_from_args
 
 log = logging.getLogger("rawinfer")
 DEFAULT_HTTP_PORT = 8000
@@ -39,29 +38,10 @@ def add_parsers(sub) -> None:
                    help=f"port of the HTTP API; one in use stops the start with exit status 2, as a busy --bind "
                         f"does (default: {DEFAULT_HTTP_PORT})")
     h.add_argument("--no-http", dest="http", action="store_false", help="serve ZeroMQ only (default: both)")
-    h.add_argument("--api-key", default=api_key_default(), metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on every HTTP route but /health and /version "
-                        "(default: $RAWINFER_API_KEY, else none)")
     h.add_argument("--api-workers", type=_workers, default=1, metavar="N",
                    help="HTTP worker processes, each one more client of the engine (default: 1)")
-    h.add_argument("--strict-api", action="store_true",
-                   help="refuse a request with a field this server does not know (400 unknown_parameter) "
-                        "(default: ignore it, named in a warning line of the log, as vLLM does)")
-    h.add_argument("--served-model-name", nargs="+", type=_name, default=None, metavar="NAME",
-                   help="the model's names in the API: the first is the one responses and /v1/models report, "
-                        "any of them is accepted in a request's `model` (default: the model's folder or file "
-                        "name)")
-    h.add_argument("--default-max-tokens", type=positive_int, default=None, metavar="N",
-                   help="max_tokens of a request that leaves it out, at most what the context leaves after its "
-                        "prompt (default: OpenAI's: 16 for completions, what the context leaves for chats)")
-    h.add_argument("--tool-call-parser", default="auto", choices=("auto", "none", *TOOL_CALL_PARSERS),
-                   help="how tool calls are read from a chat answer into `tool_calls`: hermes (<tool_call> JSON: "
-                        "Hermes, Qwen2.5/3, --chat-template smollm2-tools), llama3_json (Llama 3.x), none "
-                        "(default: auto, the format the chat template teaches, if any)")
-    h.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
-                   help="return a chat answer's <think> block as `reasoning_content`: qwen3, deepseek_r1 "
-                        "(default: none, the block stays in the content)")
-    _add_http_limits(h)
+    from rawinfer.frontends.http.config import HTTPConfig
+    add_options(h, HTTPConfig)
     add_engine_args(p)
     add_role_args(p)
     add_replica_args(p)
@@ -93,39 +73,11 @@ def add_parsers(sub) -> None:
     s.set_defaults(func=cmd_scale)
 
 
-def _add_http_limits(h) -> None:
-    """The HTTP workers' limits, so that no one client, request or body holds the others up (docs/reliability.md)."""
-    from rawinfer.frontends.http.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
-    h.add_argument("--max-prompts-per-request", type=positive_int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                   metavar="N", help="a request whose prompts x n make more generations than N is refused with 400 "
-                                     f"(default: {DEFAULT_MAX_PROMPTS_PER_REQUEST})")
-    h.add_argument("--http-max-in-flight", type=positive_int, default=None, metavar="N",
-                   help="generations each HTTP worker keeps in the engine at once; further requests wait in the "
-                        "worker, and whenever one ends the waiting client holding the fewest goes next (a client "
-                        "is its address) (default: 2 x --max-num-seqs x the most replicas, at least "
-                        "--max-prompts-per-request)")
-    h.add_argument("--max-request-body", type=size_argument, default="16MiB", metavar="SIZE",
-                   help="a larger request body is refused with 413 while it arrives, before it is parsed "
-                        "(default: 16MiB)")
-    h.add_argument("--http-read-timeout", type=positive_float, default=30.0, metavar="SECONDS",
-                   help="a connection whose request line and headers are not all there this long after it opened "
-                        "(or after its last answer) is closed; a body that pauses this long gets 408 (default: 30)")
-    h.add_argument("--http-keep-alive", type=positive_float, default=5.0, metavar="SECONDS",
-                   help="an idle connection is closed this long after its last answer (default: 5)")
-
-
 def _port(text: str) -> int:
     import argparse
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {text}")
     return int(text)
-
-
-def _name(text: str) -> str:
-    import argparse
-    if not text.strip():
-        raise argparse.ArgumentTypeError("a served model name must not be empty")
-    return text
 
 
 def _workers(text: str) -> int:
@@ -197,8 +149,8 @@ def served_model_names(args) -> list[str] | None:
     """--served-model-name, else the name of the model's folder or GGUF file as the user gave it (a folder
     of the conversion cache given directly: its source's name, never the cache's digest); the default
     model by its name, whichever of its copies this device runs (models.py: default_model)."""
-    if args.served_model_name:
-        return list(args.served_model_name)
+    if args.served_names:
+        return list(args.served_names)
     if args.model is None:
         from rawinfer.config import DEFAULT_MODEL
         return [os.path.basename(DEFAULT_MODEL)]
@@ -242,6 +194,7 @@ def _start_http(args):
     """The HTTP workers of --http-* (None with --no-http); CLIError for an unsafe host or a busy port."""
     if not args.http:
         return None
+    from rawinfer.frontends.http.config import HTTPConfig
     from rawinfer.frontends.http.launcher import LaunchError, Workers, bind_http, check_http_security, connect_addr
     if args.curve_client_keys_dir:
         log.warning("no HTTP API: --curve-client-keys admits only listed ZeroMQ clients, and the HTTP front end "
@@ -255,19 +208,19 @@ def _start_http(args):
     if args.insecure and not args.api_key and not _loopback(args.http_host):
         log.warning("serving HTTP on %s without an API key (--insecure): anyone who can reach it can use the "
                     "engine", args.http_host)
-    config = {"engine_addr": connect_addr(args.bind), "server_key": args.curve_secret_key_file, "api_key": args.api_key,
-              "strict_api": args.strict_api, "served_names": served_model_names(args),
-              "default_max_tokens": args.default_max_tokens, "tool_call_parser": args.tool_call_parser,
-              "reasoning_parser": args.reasoning_parser, "max_prompts_per_request": args.max_prompts_per_request,
-              "max_in_flight": _http_max_in_flight(args), "max_body_bytes": args.max_request_body,
-              "read_timeout_s": args.http_read_timeout, "keep_alive_s": args.http_keep_alive}
-    return Workers(sock, args.api_workers, config, level=logging.getLogger().getEffectiveLevel())
+    try:
+        cfg = options_from_args(HTTPConfig, args, "HTTP option", engine_addr=connect_addr(args.bind),
+                                server_key=args.curve_secret_key_file, served_names=served_model_names(args),
+                                max_in_flight=_http_max_in_flight(args))
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return Workers(sock, args.api_workers, dataclasses.asdict(cfg), level=logging.getLogger().getEffectiveLevel())
 
 
 def _http_max_in_flight(args) -> int:
     """--http-max-in-flight, else enough to keep every engine's batch full with as many waiting."""
-    if args.http_max_in_flight is not None:
-        return args.http_max_in_flight
+    if args.max_in_flight is not None:
+        return args.max_in_flight
     engines = max(getattr(args, "replicas", None) or 1, getattr(args, "autoscale_max", None) or 1)
     return max(2 * args.max_num_seqs * engines, args.max_prompts_per_request)
 

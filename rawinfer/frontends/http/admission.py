@@ -19,7 +19,6 @@ from rawinfer.frontends.http.errors import APIError, invalid
 if TYPE_CHECKING:
     from rawinfer.frontends.http.params import Job
 
-DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 MAX_WAITING_PER_CLIENT = 4096       # engine requests one client may have waiting at one worker; as many as the
                                     # engine takes in flight from all its clients (ServerConfig), so a single
                                     # client's burst is held here as it was held in the engine before

@@ -9,7 +9,6 @@ import contextlib
 import hmac
 import logging
 import time
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,10 +17,11 @@ from starlette.responses import JSONResponse, Response
 
 from rawinfer.config import VERSION
 from rawinfer.frontends.http import metrics
-from rawinfer.frontends.http.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST, Gate, Ticket, check_size, job_size
-from rawinfer.frontends.http.bodies import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from rawinfer.frontends.http.admission import Gate, Ticket, check_size, job_size
+from rawinfer.frontends.http.bodies import BodyLimit
 from rawinfer.frontends.http.body_parsing import BodyParser
 from rawinfer.frontends.http.chat_shape import Parsers
+from rawinfer.frontends.http.config import HTTPConfig
 from rawinfer.frontends.http.engine_link import EngineLink
 from rawinfer.frontends.http.errors import APIError, from_validation, log_failure, unknown_field
 from rawinfer.frontends.http.params import chat_job, check_model, completion_job
@@ -36,26 +36,6 @@ DISCONNECT_POLL_S = 0.25     # how often a non-streaming request checks that its
 OPEN_PATHS = ("/health", "/version")        # answered without the API key (load balancers, probes)
 
 log = logging.getLogger("rawinfer")
-
-
-@dataclass
-class HTTPConfig:
-    """What a worker needs: where the engine is, and who may use the API."""
-    engine_addr: str
-    server_key: str | None = None           # the engine's Curve public key (or key file), when it uses CurveZMQ
-    api_key: str | None = None              # required as `Authorization: Bearer KEY` when set
-    timeout_s: float = 60.0                 # the engine silent this long during a request: 503
-    strict_api: bool = False                # refuse unknown request fields (default: ignore them, logged)
-    served_names: list[str] | None = None   # the model's names in the API, the first reported (None: the engine's)
-    default_max_tokens: int | None = None   # for requests without max_tokens (None: OpenAI's defaults)
-    tool_call_parser: str = "auto"          # how tool calls are read from answers: a parser's name, "none", or
-                                            # "auto": the format the engine's chat template teaches, if any
-    reasoning_parser: str | None = None     # <think> blocks returned as reasoning_content (None: left in content)
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST    # prompts x n of one request at most
-    max_in_flight: int = 256                # engine requests this worker keeps in the engine; more wait (admission.py)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES    # a larger request body is refused with 413 (bodies.py)
-    read_timeout_s: float = 30.0            # a request head not whole this long: closed; a body pausing this long: 408
-    keep_alive_s: float = 5.0               # an idle connection between requests is closed after this long
 
 
 class _ApiKey:

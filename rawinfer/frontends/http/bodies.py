@@ -9,7 +9,6 @@ from starlette.responses import JSONResponse
 
 from rawinfer.frontends.http.errors import APIError, log_failure
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DRAIN_S = 2.0                       # how long an oversized body is read and dropped before its 413 is sent, so a
                                     # client that sends it whole before reading can read the answer
 

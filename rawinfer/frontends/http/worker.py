@@ -30,7 +30,8 @@ def _follow_parent(parent: int) -> None:
 def main() -> int:
     import uvicorn
 
-    from rawinfer.frontends.http.app import HTTPConfig, create_app
+    from rawinfer.frontends.http.app import create_app
+    from rawinfer.frontends.http.config import HTTPConfig
     from rawinfer.frontends.http.connections import guarded
     from rawinfer.frontends.server.activity import log_with_time
     settings = json.loads(os.environ.pop(ENV))
