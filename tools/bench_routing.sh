@@ -23,7 +23,7 @@ for policy in $POLICIES; do
   trap 'kill -TERM $server 2>/dev/null || true' EXIT
   "$PY" - "$ADDR" "$REPLICAS" <<'PYEOF'
 import sys, time
-from rawinfer.frontends.server.client import Client, ServerTimeout
+from rawinfer.frontends.client.client import Client, ServerTimeout
 addr, n = sys.argv[1], int(sys.argv[2])
 deadline = time.monotonic() + 600
 with Client(addr, timeout_s=5) as c:

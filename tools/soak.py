@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from rawinfer.frontends.server import protocol as P  # noqa: E402
-from rawinfer.frontends.server.client import Client, ClientError  # noqa: E402
+from rawinfer.frontends.client.client import Client, ClientError  # noqa: E402
 
 CANARIES = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
             "List three primary colours:"]
@@ -44,7 +44,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 24}
 
 CHILD = """
 import sys, time
-from rawinfer.frontends.server.client import Client
+from rawinfer.frontends.client.client import Client
 c = Client(sys.argv[1], timeout_s=120)
 its = [c.generate("Tell me a long story about a lighthouse keeper.", params={"max_tokens": 200,
        "temperature": 0.8, "ignore_eos": True}, stream=i % 2 == 0) for i in range(3)]

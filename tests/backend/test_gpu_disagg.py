@@ -37,7 +37,7 @@ def bf16_llama(tmp_path_factory) -> str:
 def test_cuda_decode_server_with_a_cuda_prefill_process(bf16_llama):
     from rawinfer import LLM, LLMEngine, SamplingParams
     from rawinfer.frontends.disagg.connector import DecodeConfig, DecodeConnector
-    from rawinfer.frontends.server.client import Client
+    from rawinfer.frontends.client.client import Client
     from rawinfer.frontends.server.server import Server, ServerConfig
 
     addr, paddr = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rawinfer.frontends.server import protocol as P
-from rawinfer.frontends.server.client_core import (ClientCore, ClientError, Completion, RequestError, ServerTimeout,
+from rawinfer.frontends.client.core import (ClientCore, ClientError, Completion, RequestError, ServerTimeout,
                                                    finals_expected, make_generate)
 
 
@@ -178,7 +178,7 @@ def test_the_async_client_routes_a_burst_and_times_out_on_silence():
     import zmq
     import zmq.asyncio
 
-    from rawinfer.frontends.server.client import AsyncClient
+    from rawinfer.frontends.client.client import AsyncClient
 
     async def main():
         ctx = zmq.asyncio.Context()

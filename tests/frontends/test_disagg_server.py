@@ -12,7 +12,7 @@ import pytest
 
 from rawinfer import LLM, LLMEngine, SamplingParams
 from rawinfer.frontends.disagg.connector import DecodeConfig, DecodeConnector
-from rawinfer.frontends.server.client import Client
+from rawinfer.frontends.client.client import Client
 from rawinfer.frontends.server.server import Server, ServerConfig
 
 from conftest import free_port, start_prefill

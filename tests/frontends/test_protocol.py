@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rawinfer.sampling import SamplingParams
 from rawinfer.frontends.server import protocol as P
-from rawinfer.frontends.server.client import Completion, make_generate
+from rawinfer.frontends.client.client import Completion, make_generate
 
 
 def raw(obj) -> bytes:

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from rawinfer.frontends.server import protocol as P
-from rawinfer.frontends.server.client_core import ClientCore, destination, make_generate
+from rawinfer.frontends.client.core import ClientCore, destination, make_generate
 
 LP = P.Logprobs([5, 6], [-0.1, -2.5], [1, 3], [[5, 9], [7, 8]], [[-0.1, -3.0], [-0.5, -1.0]])
 LP0 = P.Logprobs([5], [-0.25], [2], [[]], [[]])

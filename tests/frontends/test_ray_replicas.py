@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from rawinfer.frontends.server.client import Client
+from rawinfer.frontends.client.client import Client
 
 from cli_util import Server as ServerProcess, env, run_concurrently  # noqa: E402
 from conftest import ROOT  # noqa: E402

@@ -22,7 +22,7 @@ import pytest
 
 from rawinfer.frontends.cluster.router import ReplicaRouter, RouterConfig
 from rawinfer.frontends.cluster.routing import TOKEN_PIECE, RoutingConfig
-from rawinfer.frontends.server.client import Client, RequestError
+from rawinfer.frontends.client.client import Client, RequestError
 from rawinfer.frontends.server.server import ServerConfig
 
 from cli_util import Server as ServerProcess, free_port, offline, run_concurrently  # noqa: E402

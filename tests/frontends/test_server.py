@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 from rawinfer.frontends.server import protocol as P
-from rawinfer.frontends.server.client import AsyncClient, Client, RequestError, ServerTimeout
+from rawinfer.frontends.client.client import AsyncClient, Client, RequestError, ServerTimeout
 from rawinfer.frontends.server.server import ServerConfig, SecurityError, check_bind_security, is_loopback_endpoint
 
 from cli_util import Server as ServerProcess, env, free_port, offline  # noqa: E402
@@ -184,7 +184,7 @@ def test_abort_mid_stream_frees_blocks(tiny_server):
 
 KILLED_CLIENT = """
 import sys, time
-from rawinfer.frontends.server.client import Client
+from rawinfer.frontends.client.client import Client
 c = Client(sys.argv[1], timeout_s=60)
 stream = sys.argv[2] == "stream"
 params = {"max_tokens": 1000, "temperature": 0.0, "ignore_eos": True, "n": int(sys.argv[4])}

@@ -26,7 +26,7 @@ import pytest
 import zmq
 
 from rawinfer.frontends.server import protocol as P
-from rawinfer.frontends.server.client import AsyncClient, Client
+from rawinfer.frontends.client.client import AsyncClient, Client
 from rawinfer.frontends.server.server import SecurityError, Server, ServerConfig, check_bind_security
 
 from cli_util import Server as ServerProcess, env, free_port  # noqa: E402
@@ -68,7 +68,7 @@ class InProcess:
 SIGNAL_CYCLES = """
 import signal, sys, threading, time
 from rawinfer import LLMEngine
-from rawinfer.frontends.server.client import Client
+from rawinfer.frontends.client.client import Client
 from rawinfer.frontends.server.server import Server, ServerConfig
 engine = LLMEngine(sys.argv[1], device="cpu", kv_cache_memory="16MiB")
 addr, cycles, worst = sys.argv[2], int(sys.argv[3]), 0.0
@@ -326,7 +326,7 @@ def test_a_failed_step_whose_abort_fails_too_leaves_the_server_serving(tiny_llam
     `internal` error), the engine starts over empty, and the next request is served; before, the engine
     thread died and the server exited without a word to any client."""
     from rawinfer import LLMEngine
-    from rawinfer.frontends.server.client_core import RequestError
+    from rawinfer.frontends.client.core import RequestError
     engine = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="16MiB")
     real_step, real_abort = engine.step, engine.abort
     faults = {"step": 1, "abort": 1}

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from rawinfer.frontends.server import protocol as P
-from rawinfer.frontends.server.client import Client, RequestError
+from rawinfer.frontends.client.client import Client, RequestError
 from rawinfer.frontends.server.server import Server, ServerConfig
 
 from conftest import free_port  # noqa: E402

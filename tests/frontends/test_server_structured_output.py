@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from rawinfer.frontends.server import protocol as P
-from rawinfer.frontends.server.client import Client, RequestError
+from rawinfer.frontends.client.client import Client, RequestError
 
 from cli_util import Server  # noqa: E402
 

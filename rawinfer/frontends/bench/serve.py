@@ -78,7 +78,7 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
 
 async def _one(client, rec: RequestRecord, prompt: list[int], delay: float, t0: float, bar) -> list[int]:
     """Send `prompt` at t0 + delay and fill `rec` from its stream; the token ids it generated."""
-    from rawinfer.frontends.server.client import ClientError
+    from rawinfer.frontends.client.client import ClientError
     await asyncio.sleep(max(0.0, t0 + delay - time.monotonic()))
     rec.sent = time.monotonic() - t0
     rec.prompt_tokens = len(prompt)
@@ -103,7 +103,7 @@ async def _one(client, rec: RequestRecord, prompt: list[int], delay: float, t0: 
 
 
 async def _poll_stats(client, t0: float, interval: float, samples: list[dict], stop: asyncio.Event) -> None:
-    from rawinfer.frontends.server.client import ClientError
+    from rawinfer.frontends.client.client import ClientError
     while not stop.is_set():
         try:
             s = await client.stats()
@@ -126,7 +126,7 @@ async def run_load(args, progress: bool = False) -> dict:
         return await run_http_load(args, progress)
     from tqdm import tqdm
 
-    from rawinfer.frontends.server.client import AsyncClient
+    from rawinfer.frontends.client.client import AsyncClient
     client = AsyncClient(args.addr, server_key=args.server_key, timeout_s=args.timeout)
     stats_client = AsyncClient(args.addr, server_key=args.server_key, timeout_s=args.timeout)
     try:

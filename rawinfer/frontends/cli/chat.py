@@ -197,7 +197,7 @@ def cmd_chat(args) -> int:
         refuse_a_model_without_chat(args)
         return loop(LocalModel(open_engine(args)), conv, params, is_quiet(args))
     from rawinfer.frontends.cli.connect import ping_server
-    from rawinfer.frontends.server.client import Client
+    from rawinfer.frontends.client.client import Client
     ping_server(args.addr, args.server_key, args.client_key)
     with Client(args.addr, server_key=args.server_key, client_key_file=args.client_key,
                 timeout_s=args.timeout) as client:

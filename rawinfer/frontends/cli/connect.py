@@ -19,7 +19,7 @@ PING_TIMEOUT_S = 1.5     # a loopback or LAN server answers a ping in millisecon
 def ping_server(addr: str, server_key=None, client_key_file: str | None = None,
                 timeout_s: float = PING_TIMEOUT_S) -> float:
     """Round-trip seconds of one ping, or a CLIError (exit status 1) saying that nothing answers at addr."""
-    from rawinfer.frontends.server.client import Client, ClientError, ServerTimeout
+    from rawinfer.frontends.client.client import Client, ClientError, ServerTimeout
     try:
         with Client(addr, server_key=server_key, client_key_file=client_key_file, timeout_s=timeout_s) as c:
             return c.ping()

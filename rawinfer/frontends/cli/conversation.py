@@ -108,7 +108,7 @@ class RemoteModel:
             self.context_len = min(self.context_len, int(info["kv_blocks_total"]) * int(info["block_size"]))
 
     def answer(self, messages: list[dict], params, stop: Callable[[], bool]) -> Iterator[Event]:
-        from rawinfer.frontends.server.client import RequestError
+        from rawinfer.frontends.client.client import RequestError
         try:
             raw = self.client.generate(messages=messages, params=params, stream=True)
         except UnicodeError:                # lone surrogates: undecodable bytes read as text

@@ -14,7 +14,7 @@ from rawinfer.config import VERSION, ModelFormatError
 from rawinfer.frontends.cli import bench, chat, convert, fetch, generate, models, serve, warmup
 from rawinfer.frontends.options import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, CLIError, Parser,
                                         size_cpu_pool)
-from rawinfer.frontends.server.client_core import RequestError
+from rawinfer.frontends.client.core import RequestError
 
 # the server's error codes for a request refused because of what the user sent (exit status 2, not 1)
 REFUSED_INPUT = ("rejected", "invalid_params", "invalid_prompt", "invalid_message", "duplicate_request_id")

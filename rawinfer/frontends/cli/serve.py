@@ -232,7 +232,7 @@ def _loopback(host: str) -> bool:
 
 def cmd_client(args) -> int:
     from rawinfer.engine.tokenizer import chat_messages
-    from rawinfer.frontends.server.client import Client
+    from rawinfer.frontends.client.client import Client
     params = sampling_params_from_args(args)
     check_system_flag(args)
     prompt = read_prompt(args)

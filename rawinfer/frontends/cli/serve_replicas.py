@@ -183,7 +183,7 @@ def run_replicas(args, open_front) -> int:
 
 def cmd_scale(args) -> int:
     from rawinfer.frontends.cli.connect import ping_server
-    from rawinfer.frontends.server.client import Client, RequestError
+    from rawinfer.frontends.client.client import Client, RequestError
     ping_server(args.addr, args.server_key, args.client_key)
     with Client(args.addr, server_key=args.server_key, client_key_file=args.client_key,
                 timeout_s=args.timeout) as client:

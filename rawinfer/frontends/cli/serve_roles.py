@@ -71,7 +71,7 @@ def decode_connector(args, engine):
 def prefill_public_key(args) -> bytes | None:
     """The Curve public key decode instances expect of the prefill instances (--prefill-key, else the public
     half of --curve-secret-key), or None for an unencrypted link."""
-    from rawinfer.frontends.server.client import ClientError, load_public_key
+    from rawinfer.frontends.client.client import ClientError, load_public_key
     from rawinfer.frontends.server.security import SecurityError, load_secret_key
     try:
         if getattr(args, "prefill_key", None):

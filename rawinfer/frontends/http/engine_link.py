@@ -13,7 +13,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from rawinfer.frontends.http.errors import APIError, from_engine
 from rawinfer.frontends.server import protocol as P
-from rawinfer.frontends.server.client import AsyncClient, ClientError, RequestError
+from rawinfer.frontends.client.client import AsyncClient, ClientError, RequestError
 
 READY_PING_S = 1.0      # a serving engine answers a ping from its I/O thread at once, also mid-step
 

@@ -16,7 +16,7 @@ for `timeout_s` (the server sends heartbeats while requests run), ServerTimeout 
 the server's message size limit is refused here, before it is sent (ValueError): the server would drop the
 connection, and every other request on it.
 
-Both classes are I/O shells over one ClientCore (client_core.py), which holds the requests in flight and
+Both classes are I/O shells over one ClientCore (core.py), which holds the requests in flight and
 routes what arrives: the Client receives in whichever call is waiting, the AsyncClient in a reader task.
 """
 
@@ -33,7 +33,7 @@ import zmq.auth
 
 from rawinfer.sampling import SamplingParams
 from rawinfer.frontends.server import protocol as P
-from rawinfer.frontends.server.client_core import (ClientCore, ClientError, Completion, RequestError, ServerTimeout,
+from rawinfer.frontends.client.core import (ClientCore, ClientError, Completion, RequestError, ServerTimeout,
                                                    make_generate, validate_generate)
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 
