@@ -83,42 +83,89 @@ def _refused(e: APIError, route: str) -> JSONResponse:
 
 
 def create_app(cfg: HTTPConfig) -> FastAPI:
-    state: dict = {}
-    gate, bodies = Gate(cfg.max_in_flight), BodyParser()
+    """The API of one HTTP worker: its routes over an `_Api` (the engine link, the admission gate, the body
+    parser), the error handlers, and the body limit and API key middleware."""
+    api = _Api(cfg)
+    app = FastAPI(title="rawinfer", version=VERSION, lifespan=api.lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    _add_error_handlers(app)
+    _add_info_routes(app, api)
+    _add_generation_routes(app, api)
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, read_timeout_s=cfg.read_timeout_s)
+    if cfg.api_key:                     # outermost: a client without the key is refused before its body is read
+        app.add_middleware(_ApiKey, key=cfg.api_key)
+    return app
+
+
+class _Api:
+    """What the routes share: the config, the engine link (opened for the app's lifetime), the fair
+    admission gate and the off-loop body parser."""
+
+    def __init__(self, cfg: HTTPConfig):
+        self.cfg = cfg
+        self.gate, self.bodies = Gate(cfg.max_in_flight), BodyParser()
+        self.link: EngineLink | None = None
+        self.started = 0
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        state["link"] = EngineLink(cfg.engine_addr, cfg.server_key, cfg.timeout_s)
-        state["started"] = int(time.time())
+    async def lifespan(self, _app):
+        self.link = EngineLink(self.cfg.engine_addr, self.cfg.server_key, self.cfg.timeout_s)
+        self.started = int(time.time())
         try:
             yield
         finally:
-            state["link"].close()
-            bodies.close()
+            self.link.close()
+            self.bodies.close()
 
-    app = FastAPI(title="rawinfer", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
-
-    def link() -> EngineLink:
-        return state["link"]
-
-    async def model_names() -> list[str]:
+    async def model_names(self) -> list[str]:
         """The names a request may give as `model`; the first is the one responses report."""
-        return cfg.served_names or [(await link().info()).get("model") or "rawinfer"]
+        return self.cfg.served_names or [(await self.link.info()).get("model") or "rawinfer"]
 
-    async def parsers() -> Parsers:
-        name = cfg.tool_call_parser
+    async def parsers(self) -> Parsers:
+        name = self.cfg.tool_call_parser
         if name == "auto":
-            name = (await link().info()).get("tool_call_parser")
-        return Parsers(tool_call=None if name == "none" else name, reasoning=cfg.reasoning_parser)
+            name = (await self.link.info()).get("tool_call_parser")
+        return Parsers(tool_call=None if name == "none" else name, reasoning=self.cfg.reasoning_parser)
 
-    async def model_name() -> str:
-        return (await model_names())[0]
-
-    def card(name: str, info: dict) -> dict:
-        return {"id": name, "object": "model", "created": state["started"], "owned_by": "rawinfer",
+    def card(self, name: str, info: dict) -> dict:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "rawinfer",
                 "max_model_len": info.get("max_model_len"), "vocab_size": info.get("vocab_size")}
 
+    async def body(self, request: Request, schema):
+        """The request's body as `schema`, its unknown fields refused by name under --strict-api, else ignored
+        and named once in the log (vLLM's warning), and its `model` checked; returns (body, model names)."""
+        body = await self.bodies.parse(request, schema)
+        names = unknown_fields(body)
+        if names and self.cfg.strict_api:
+            raise unknown_field(names[0])
+        if names:
+            log.warning("The following fields were present in the request but ignored: {%s} (%s)",
+                        ", ".join(map(repr, names)), _route(request))
+        served = await self.model_names()
+        check_model(body.model, served)
+        return body, served
+
+    async def run(self, job, request: Request):
+        """The job, once the gate admits it (a refused or waiting job has nothing in the engine)."""
+        check_size(job, self.cfg.max_prompts_per_request)
+        if not job.stream:
+            return await _unless_gone(_admitted(self.gate, job, request, lambda: whole_response(self.link, job)),
+                                      request)
+        ticket = await self.gate.enter(_client(request), job_size(job), request.is_disconnected)
+        if ticket is None:
+            return _gone(request)
+        try:
+            stream = ChunkStream(self.link, job, _route(request))
+            await stream.start()
+            response, ticket = _SSEResponse(EventStream(stream.events()), ticket), None
+            return response
+        finally:
+            if ticket is not None:
+                ticket.release()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal as OpenAI's error body, logged once (errors.log_failure)."""
     @app.exception_handler(APIError)
     async def _api_error(req: Request, e: APIError):
         return _refused(e, _route(req))
@@ -143,9 +190,12 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
         return _refused(APIError(500, f"internal error in the HTTP front end ({type(e).__name__}); see its log",
                                  code="internal_error"), _route(req))
 
+
+def _add_info_routes(app: FastAPI, api: _Api) -> None:
+    """/health, /version, the model cards and /metrics."""
     @app.get("/health")
     async def health():
-        if await link().ready():
+        if await api.link.ready():
             return Response(status_code=200)
         # an answer to a probe (polled while the model loads), not a refusal: not logged
         return _error(APIError(503, "the engine is not ready (loading, warming up or shutting down)",
@@ -157,81 +207,41 @@ def create_app(cfg: HTTPConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        info = await link().info()
-        return {"object": "list", "data": [card(name, info) for name in await model_names()]}
+        info = await api.link.info()
+        return {"object": "list", "data": [api.card(name, info) for name in await api.model_names()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        check_model(model_id, await model_names())
-        return card(model_id, await link().info())
+        check_model(model_id, await api.model_names())
+        return api.card(model_id, await api.link.info())
 
     @app.get("/metrics")
     async def metrics_page():
-        stats = await link().stats()
-        return Response(metrics.render(stats, await model_name()), media_type=metrics.CONTENT_TYPE)
+        stats = await api.link.stats()
+        return Response(metrics.render(stats, (await api.model_names())[0]), media_type=metrics.CONTENT_TYPE)
 
-    async def run(job, request: Request):
-        """The job, once the gate admits it (a refused or waiting job has nothing in the engine)."""
-        check_size(job, cfg.max_prompts_per_request)
-        if not job.stream:
-            return await _unless_gone(_admitted(gate, job, request, lambda: whole_response(link(), job)), request)
-        ticket = await gate.enter(_client(request), job_size(job), request.is_disconnected)
-        if ticket is None:
-            return _gone(request)
-        try:
-            stream = ChunkStream(link(), job, _route(request))
-            await stream.start()
-            response, ticket = _SSEResponse(EventStream(stream.events()), ticket), None
-            return response
-        finally:
-            if ticket is not None:
-                ticket.release()
 
-    def unknown(body, request: Request) -> None:
-        """The body's unknown fields: refused by name under --strict-api, else ignored and named once in
-        the log (vLLM's warning)."""
-        names = unknown_fields(body)
-        if not names:
-            return
-        if cfg.strict_api:
-            raise unknown_field(names[0])
-        log.warning("The following fields were present in the request but ignored: {%s} (%s)",
-                    ", ".join(map(repr, names)), _route(request))
-
+def _add_generation_routes(app: FastAPI, api: _Api) -> None:
+    """The completions and chat completions (through the gate), tokenize and detokenize."""
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await bodies.parse(request, CompletionRequest)
-        unknown(body, request)
-        names = await model_names()
-        check_model(body.model, names)
-        return await run(completion_job(body, names[0], cfg.default_max_tokens), request)
+        body, names = await api.body(request, CompletionRequest)
+        return await api.run(completion_job(body, names[0], api.cfg.default_max_tokens), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await bodies.parse(request, ChatCompletionRequest)
-        unknown(body, request)
-        names = await model_names()
-        check_model(body.model, names)
-        return await run(chat_job(body, names[0], cfg.default_max_tokens, await parsers()), request)
+        body, names = await api.body(request, ChatCompletionRequest)
+        return await api.run(chat_job(body, names[0], api.cfg.default_max_tokens, await api.parsers()), request)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
-        body = await bodies.parse(request, TokenizeRequest)
-        unknown(body, request)
-        check_model(body.model, await model_names())
-        return await tokenize(link(), body)
+        body, _ = await api.body(request, TokenizeRequest)
+        return await tokenize(api.link, body)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
-        body = await bodies.parse(request, DetokenizeRequest)
-        unknown(body, request)
-        check_model(body.model, await model_names())
-        return await detokenize(link(), body)
-
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, read_timeout_s=cfg.read_timeout_s)
-    if cfg.api_key:                     # outermost: a client without the key is refused before its body is read
-        app.add_middleware(_ApiKey, key=cfg.api_key)
-    return app
+        body, _ = await api.body(request, DetokenizeRequest)
+        return await detokenize(api.link, body)
 
 
 def _client(request: Request) -> str:
