@@ -15,6 +15,10 @@
 #    (32 query heads, 8 KV heads, head_dim 128, bf16), the tensor-core kernel against the FMA kernel:
 #    agreement, ms and TFLOP/s of each, beside a cuBLAS bf16 GEMM's TFLOP/s
 #                                               -> OUTDIR/attention.log, attention.json, attention-table.txt
+# 3b. tools/gpu_decode_bench.py: decode attention at Llama-3-8B's shape, batch 1 and 64 x contexts of
+#    2,048 and 8,192: today's kernel (GC = 8, splits shortened for small batches) against the former
+#    (GC = 4, fixed splits), agreement, us and achieved KV-read GB/s -> OUTDIR/decode.log, decode.json,
+#    decode-table.txt
 # 4. tools/gpu_bench.py (Llama-3-8B-shaped, bf16, pool sized from free memory, decode CUDA graphs on;
 #    decode tokens/s at batch 1 with graphs and eagerly, at batch 64, prefill, bandwidth)
 #                                                  -> OUTDIR/bench.log, bench.json, bench-table.txt
@@ -22,9 +26,10 @@
 #    norm_add_rmsnorm) against the separate ops at 1, 64 and 2,048 rows, as graphs and eagerly; the decode
 #    forward pass at batch 1 and 64 eager / as a graph x fused / separate, the engine's decode step with
 #    graphs on and off, and what capturing every bucket cost   -> OUTDIR/fused.log, fused.json, fused-table.txt
-# and prints a short summary last.  Each step has a timeout (165 s + 40 s + 115 s + 100 s, or GPU_CHECK_TESTS_S,
-# GPU_CHECK_ATTENTION_S, GPU_CHECK_BENCH_S and GPU_CHECK_FUSED_S), so the whole run stays under 7 minutes by
-# default.  Exit status: 0 when the tests passed, the attention kernels agreed and both benchmarks ran.
+# and prints a short summary last.  Each step has a timeout (165 s + 40 s + 60 s + 115 s + 100 s, or
+# GPU_CHECK_TESTS_S, GPU_CHECK_ATTENTION_S, GPU_CHECK_DECODE_S, GPU_CHECK_BENCH_S and GPU_CHECK_FUSED_S), so
+# the whole run stays under 8 minutes by default.  Exit status: 0 when the tests passed, the attention
+# kernels agreed (prefill and decode) and both benchmarks ran.
 set -uo pipefail
 
 out=${1:?usage: tools/gpu_check.sh OUTDIR}
@@ -63,6 +68,10 @@ echo "[gpu_check] timing the prefill attention kernels (log: $out/attention.log)
 timeout "${GPU_CHECK_ATTENTION_S:-40}" "$py" tools/gpu_attention_bench.py --out "$out" > "$out/attention.log" 2>&1
 attention_rc=$?
 
+echo "[gpu_check] timing the decode attention kernel (log: $out/decode.log)"
+timeout "${GPU_CHECK_DECODE_S:-60}" "$py" tools/gpu_decode_bench.py --out "$out" > "$out/decode.log" 2>&1
+decode_rc=$?
+
 echo "[gpu_check] running the benchmark (log: $out/bench.log)"
 timeout "${GPU_CHECK_BENCH_S:-115}" "$py" tools/gpu_bench.py --out "$out" > "$out/bench.log" 2>&1
 bench_rc=$?
@@ -81,8 +90,10 @@ if [ "$tests_rc" -ne 0 ]; then
 fi
 echo "attention: exit $attention_rc"
 if [ -f "$out/attention-table.txt" ]; then cat "$out/attention-table.txt"; else tail -5 "$out/attention.log"; fi
+echo "decode attention: exit $decode_rc"
+if [ -f "$out/decode-table.txt" ]; then cat "$out/decode-table.txt"; else tail -5 "$out/decode.log"; fi
 echo "benchmark: exit $bench_rc"
 if [ -f "$out/bench-table.txt" ]; then cat "$out/bench-table.txt"; else tail -15 "$out/bench.log"; fi
 echo "fused ops and decode graphs: exit $fused_rc"
 if [ -f "$out/fused-table.txt" ]; then cat "$out/fused-table.txt"; else tail -15 "$out/fused.log"; fi
-[ "$tests_rc" -eq 0 ] && [ "$attention_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$fused_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$attention_rc" -eq 0 ] && [ "$decode_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$fused_rc" -eq 0 ]

@@ -66,8 +66,8 @@ def test_paged_attention_decode(shim_libraries, dtype, case):
     backend.paged_attention(*paged, scale, out, 1, int(max(ctx_lens)))
     assert kernel_names(backend) == ["paged_attention_decode_kernel", "paged_attention_merge_kernel"]
     splits = backend._launcher.launches[0][1][0]
-    assert splits == -(-max(ctx_lens) // backend.decode_partition_size(heads // kv_heads, head_dim, block_size,
-                                                                        np.dtype(dtype).itemsize))
+    assert splits == backend.decode_splits(max(ctx_lens), backend.decode_split_range(
+        heads // kv_heads, head_dim, block_size, np.dtype(dtype).itemsize))
     ref = paged_attention_ref(qkv, k_cache, v_cache, block_tables, context_lens, qsl, scale, heads)
     assert_close(out, ref, dtype, "decode attention")
 
@@ -156,8 +156,8 @@ def test_paged_attention_decode_window(shim_libraries, dtype, case):
     bound = 2 * max(ctx_lens) + 7
     backend.paged_attention(*paged, scale, out, 1, bound, window)
     assert kernel_names(backend) == ["paged_attention_decode_kernel", "paged_attention_merge_kernel"]
-    size = backend.decode_partition_size(heads // kv_heads, head_dim, block_size, np.dtype(dtype).itemsize)
-    assert backend._launcher.launches[0][1][0] == -(-min(bound, window) // size)
+    split_range = backend.decode_split_range(heads // kv_heads, head_dim, block_size, np.dtype(dtype).itemsize)
+    assert backend._launcher.launches[0][1][0] == backend.decode_splits(min(bound, window), split_range)
     assert_close(out, ref, dtype, "decode attention with a window")
 
 

@@ -11,7 +11,11 @@ cuda/paged_attention_prefill.cu, which takes the same arguments (`flash_prefill 
 everything there).
 
 Decode splits each sequence's context into partitions of P positions, P a whole number of KV blocks
-(split-K, one thread block per split, KV head and sequence), and merges the splits in a second kernel.
+(split-K, one thread block per split, KV head and sequence: the block serves all G query heads of the
+KV head from one read of each K/V row), and merges the splits in a second kernel.  P is each
+sequence's own (decode_split_len: about its context / decode_target_splits, between the shortest and
+the longest split), so a long context of a lone sequence spreads over every SM (flash-decoding) and
+no sequence's rounding depends on the rest of the batch.
 On a sliding-window layer (window W > 0) the partitions cover the window only, from its first position:
 the positions before it are never read, and the grid needs ceil(min(bound, W) / P) splits.  Both
 kernels take the window as an argument (0: full causal attention).  The partial results live in a
@@ -31,7 +35,7 @@ from rawinfer.backend.cuda import kernel_specs as ks
 from rawinfer.backend.cuda.launch import MAX_SHARED_BYTES, KernelLaunches, address, round_up
 
 DECODE_THREADS = 128           # DECODE_THREADS in cuda/paged_attention_decode.cu
-DECODE_HEADS_PER_PASS = 4      # DECODE_HEADS_PER_PASS (GC) in cuda/paged_attention_decode.cu
+DECODE_REDUCE_HEADS = 4        # DECODE_REDUCE_HEADS (GR) in cuda/paged_attention_decode.cu
 PREFILL_ROWS = 16              # PREFILL_ROWS in cuda/paged_attention_prefill.cu
 PREFILL_THREADS = 128          # PREFILL_THREADS in cuda/paged_attention_prefill.cu
 MAX_HEAD_DIM = 256             # both kernels; PREFILL_MAX_D sizes the prefill kernel's per-lane accumulators
@@ -44,7 +48,10 @@ class PagedAttention(KernelLaunches):
     """Mixin of CUDABackend: paged_attention_decode / _prefill and the decode scratch they need."""
 
     xp: Any                        # numpy or cupy
-    decode_partition: int          # context positions per decode split, before rounding to whole blocks
+    decode_partition: int          # the longest decode split, positions, before rounding to whole blocks
+    decode_min_partition: int = 64  # the shortest decode split (capped at decode_partition), likewise
+    decode_target_splits: int = 16  # splits a sequence's context is cut into, between those two lengths
+    decode_heads_per_pass: int = 8  # GC of the decode kernel: 8 (4 is the baseline tools/gpu_decode_bench.py times)
     _workspace: Any = None         # float32 [n]: split-K partial results of decode attention
     _workspace_bound: bool = False
     flash_prefill: bool = True     # tensor-core prefill where it applies; False: always paged_attention_prefill
@@ -65,26 +72,47 @@ class PagedAttention(KernelLaunches):
 
     # ---- decode: split-K and merge ------------------------------------------------------------------
     def decode_partition_size(self, group: int, head_dim: int, block_size: int, itemsize: int) -> int:
-        """Positions per split of the decode kernel: whole KV blocks, near decode_partition, and small
-        enough that the block's shared memory fits."""
+        """The longest split of the decode kernel (its shared memory holds a score per position and head):
+        whole KV blocks, near decode_partition, and small enough that the block's shared memory fits."""
         partition = max(block_size, self.decode_partition // block_size * block_size)
         while partition > block_size and self._decode_smem(group, head_dim, partition, itemsize) > MAX_SHARED_BYTES:
             partition -= block_size
         return partition
 
+    def decode_split_range(self, group: int, head_dim: int, block_size: int, itemsize: int) -> tuple[int, int]:
+        """(shortest, longest) split of the decode kernel, whole KV blocks, shortest <= longest."""
+        longest = self.decode_partition_size(group, head_dim, block_size, itemsize)
+        shortest = min(longest, max(block_size, self.decode_min_partition // block_size * block_size))
+        return shortest, longest
+
+    def decode_split_len(self, span: int, block_size: int, split_range: tuple[int, int]) -> int:
+        """Positions per split of a sequence whose query sees `span` positions (decode_split_len in
+        cuda/paged_attention_decode.cu): about span / decode_target_splits in whole blocks, within
+        split_range.  A function of the sequence alone, so its result never depends on the batch."""
+        shortest, longest = split_range
+        length = -(-(-(-span // self.decode_target_splits)) // block_size) * block_size
+        return min(longest, max(shortest, length))
+
+    def decode_splits(self, bound: int, split_range: tuple[int, int]) -> int:
+        """The grid's split count: at least ceil(span / decode_split_len(span)) for every span <= bound.
+        A split is never shorter than span / target (at most target splits) unless it is the longest
+        (then ceil(bound / longest)), nor shorter than the shortest (at most ceil(bound / shortest))."""
+        shortest, longest = split_range
+        return min(-(-bound // shortest), max(self.decode_target_splits, -(-bound // longest)))
+
     @staticmethod
     def _decode_smem(group: int, head_dim: int, partition: int, itemsize: int) -> int:
-        """Dynamic shared memory of the decode kernel, bytes: q_s [G, D] | p_s [G, P] | red_s [NG, GC, D]
+        """Dynamic shared memory of the decode kernel, bytes: q_s [G, D] | p_s [G, P] | red_s [NG, GR, D]
         floats, NG = DECODE_THREADS / (threads per 16-byte-vector row of D)."""
         token_groups = DECODE_THREADS // (head_dim * itemsize // 16)
-        return 4 * (group * head_dim + group * partition + token_groups * DECODE_HEADS_PER_PASS * head_dim)
+        return 4 * (group * head_dim + group * partition + token_groups * DECODE_REDUCE_HEADS * head_dim)
 
     def attention_workspace_bytes(self, max_num_seqs: int, num_heads: int, head_dim: int, block_size: int,
                                   max_context_len: int, itemsize: int, num_kv_heads: int) -> int:
         """Bytes of split-K scratch a decode step of up to max_num_seqs sequences needs: per sequence,
         query head and split, D partial outputs, a max and a sum (float32)."""
-        partition = self.decode_partition_size(num_heads // num_kv_heads, head_dim, block_size, itemsize)
-        splits = -(-max_context_len // partition)
+        split_range = self.decode_split_range(num_heads // num_kv_heads, head_dim, block_size, itemsize)
+        splits = self.decode_splits(max_context_len, split_range)
         return 4 * max_num_seqs * num_heads * splits * (head_dim + 2)
 
     def bind_attention_workspace(self, buffer) -> None:
@@ -104,7 +132,7 @@ class PagedAttention(KernelLaunches):
 
     def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                scale: float, out, max_context_len: int, window: int = 0) -> None:
-        """Grid (S, Hkv, B), S = ceil(min(max_context_len, window) / P) (window 0: ceil(max_context_len / P)):
+        """Grid (S, Hkv, B), S = decode_splits(min(max_context_len, window)) (window 0: max_context_len):
         max_context_len is a bound, not the batch's longest context, so a captured graph may fix it at the
         longest context the engine allows.  The splits start at each sequence's window, so a sliding layer
         needs only the splits its window spans."""
@@ -122,22 +150,24 @@ class PagedAttention(KernelLaunches):
         if batch == 0 or max_context_len < 1:
             return
         group = num_heads // num_kv_heads
-        partition = self.decode_partition_size(group, head_dim, block_size, itemsize)
-        splits = -(-(min(max_context_len, window) if window else max_context_len) // partition)
+        shortest, longest = self.decode_split_range(group, head_dim, block_size, itemsize)
+        span = min(max_context_len, window) if window else max_context_len    # the most positions a query sees
+        splits = self.decode_splits(span, (shortest, longest))
         stats = batch * num_heads * splits
         scratch = self._scratch(stats * (head_dim + 2))
         part_out = scratch[:stats * head_dim]                          # [B, H, S, D]
         part_max = scratch[stats * head_dim:stats * (head_dim + 1)]    # [B, H, S]
         part_sum = scratch[stats * (head_dim + 1):stats * (head_dim + 2)]
         targs = (ks.element_type(qkv.dtype),)
-        self._launch("paged_attention_decode_kernel", targs, (splits, num_kv_heads, batch), (DECODE_THREADS,),
-                     self._decode_smem(group, head_dim, partition, itemsize),
+        self._launch("paged_attention_decode_kernel", targs + (str(self.decode_heads_per_pass),),
+                     (splits, num_kv_heads, batch), (DECODE_THREADS,),
+                     self._decode_smem(group, head_dim, longest, itemsize),
                      part_out, part_max, part_sum, qkv, k_cache, v_cache, block_tables, context_lens,
                      query_start_loc, scale, num_heads, num_kv_heads, head_dim, block_size,
-                     block_tables.shape[1], partition, splits, window)
+                     block_tables.shape[1], shortest, longest, self.decode_target_splits, splits, window)
         self._launch("paged_attention_merge_kernel", targs, (num_heads, batch), (min(1024, round_up(head_dim, 32)),),
                      0, out, part_out, part_max, part_sum, context_lens, query_start_loc, num_heads, head_dim,
-                     partition, splits, window)
+                     block_size, shortest, longest, self.decode_target_splits, splits, window)
 
     # ---- prefill: query tiles x key tiles -----------------------------------------------------------
     @staticmethod

@@ -120,6 +120,10 @@ RESIDUAL_PAIRS = (("float", "float"), ("f16", "f16"), ("bf16", "bf16"), ("f16", 
 FLASH_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 FLASH_TYPES = ("f16", "bf16")   # the tensor cores' input types
 
+# Query heads paged_attention_decode_kernel serves per read of a K / V row (template parameter GC): the
+# backend's 8 (one read for every GQA ratio up to 8), and 4, the baseline the decode bench times against.
+DECODE_HEADS_PER_PASS = ("8", "4")
+
 
 def _with_residual(name: str, source: str, params: str) -> KernelSpec:
     return KernelSpec(name, source, signature(params), ("T", "R"), RESIDUAL_PAIRS)
@@ -150,15 +154,18 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                 "T* qkv, T* k_cache, T* v_cache, const T* q_weight, const T* k_weight, const int* positions, "
                 "const float* cos_sin, const int* slot_mapping, int num_heads, int num_kv_heads, int head_dim, "
                 "int block_size, float eps"),
-    _each_float("paged_attention_decode_kernel", "paged_attention_decode.cu",
+    KernelSpec("paged_attention_decode_kernel", "paged_attention_decode.cu", signature(
                 "float* part_out, float* part_max, float* part_sum, const T* qkv, const T* k_cache, "
                 "const T* v_cache, const int* block_tables, const int* context_lens, "
                 "const int* query_start_loc, float scale, int num_heads, int num_kv_heads, int head_dim, "
-                "int block_size, int max_blocks_per_seq, int partition_size, int num_splits, int window"),
+                "int block_size, int max_blocks_per_seq, int min_partition, int max_partition, "
+                "int target_splits, int num_splits, int window"),
+               ("T", "GC"), tuple((t, gc) for t in FLOAT_TYPES for gc in DECODE_HEADS_PER_PASS)),
     _each_float("paged_attention_merge_kernel", "paged_attention_decode.cu",
                 "T* out, const float* part_out, const float* part_max, const float* part_sum, "
                 "const int* context_lens, const int* query_start_loc, int num_heads, int head_dim, "
-                "int partition_size, int num_splits, int window"),
+                "int block_size, int min_partition, int max_partition, int target_splits, int num_splits, "
+                "int window"),
     _each_float("paged_attention_prefill_kernel", "paged_attention_prefill.cu",
                 "T* out, const T* qkv, const T* k_cache, const T* v_cache, const int* block_tables, "
                 "const int* context_lens, const int* query_start_loc, float scale, int num_heads, "
