@@ -66,8 +66,9 @@ class CUDABackend(PagedAttention, DeviceSampling, Backend):
 
     def __init__(self, launcher: Any = None, *, device_id: int = 0, decode_partition: int = 512):
         """launcher None: the GPU (CuPy).  Otherwise an object with launch()/gemm() like CuPyLauncher,
-        and arrays are NumPy arrays (the host shim of the tests).  decode_partition: context positions
-        per split of the decode kernel (rounded to whole KV blocks)."""
+        and arrays are NumPy arrays (the host shim of the tests).  decode_partition: the longest split
+        of a sequence's context in the decode kernel, in positions (whole KV blocks; attention.py sizes each
+        sequence's splits from its own context, between decode_min_partition and this)."""
         if launcher is None:
             usable, why = cuda_status()
             if not usable:
