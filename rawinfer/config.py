@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from rawinfer.settings import (TEMPLATES, check_options, chat_template_file, env_flag, float_argument, int_argument,
-                               option, parse_size, size_argument, user_cache_dir)
+                               is_int, is_number, option, optional, parse_size, size_argument, user_cache_dir)
 
 VERSION = "0.1.0"                                   # rawinfer's version (pyproject.toml says the same)
 DEFAULT_MODEL = "weights/smollm2-135m-instruct"   # where tools/fetch_default_model.sh converts SmolLM2
@@ -59,16 +59,6 @@ SUPPORTED_FORMAT_VERSIONS = (1, 2)
 HIDDEN_ACTS, LAYER_TYPES = ("silu", "gelu_tanh"), ("full", "sliding")
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
-
-
-def is_int(v: Any) -> bool:
-    """An integer argument: int, but not bool (which Python counts as an int)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v: Any) -> bool:
-    """A finite int or float argument, bool excluded."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class ModelFormatError(ValueError):
@@ -292,10 +282,6 @@ def resolve_max_model_len(model: ModelConfig, engine: "EngineConfig") -> int:
     return engine.max_model_len or model.max_position_embeddings
 
 
-def _optional(ok):
-    return lambda v: v is None or ok(v)
-
-
 def _cores() -> int:
     return os.cpu_count() or 1
 
@@ -313,7 +299,7 @@ class EngineConfig:
                          check=lambda v: v in ("auto", "cpu", "cuda"), what="one of auto, cpu, cuda",
                          help="where to run; auto takes CUDA when CuPy finds a GPU (the Python API's default: cpu)")
     kv_cache_memory: int | None = option(
-        None, parse=size_argument, metavar="SIZE", check=_optional(_positive),
+        None, parse=size_argument, metavar="SIZE", check=optional(_positive),
         what="a positive size such as 2GiB, or None (sized automatically)",
         help="memory for KV blocks, e.g. 2GiB (default: 1GiB on the CPU; on CUDA what --gpu-memory-utilization "
              "of the free GPU memory leaves after weights and workspace)")
@@ -330,17 +316,17 @@ class EngineConfig:
     max_num_seqs: int = option(128, parse=int_argument, check=_positive, what="a positive integer",
                                help="sequences in one step at most")
     long_prefill_token_threshold: int | None = option(
-        None, parse=int_argument, check=_optional(_positive), what="a positive integer or None",
+        None, parse=int_argument, check=optional(_positive), what="a positive integer or None",
         help="while other requests wait, prefill a prompt at most N tokens per step, so that short prompts start "
              "beside a long one instead of after it (default: none, a chunk fills the step's budget)")
     itl_target_ms: float | None = option(
-        None, parse=float_argument, metavar="MS", check=_optional(lambda v: is_number(v) and v >= 0),
+        None, parse=float_argument, metavar="MS", check=optional(lambda v: is_number(v) and v >= 0),
         what="a number of milliseconds >= 0 (0: off) or None (auto)",
         help="a step that carries decoding streams takes only the prompt tokens that keep it within MS "
              "milliseconds, as estimated from the engine's measured steps, so that no stream waits behind a whole "
              "prompt; 0 turns this off (prompts fill the step's token budget) (default: twice the estimated decode "
              "step of the requests running and waiting, counted as at least half of --max-num-seqs)")
-    max_model_len: int | None = option(None, parse=int_argument, check=_optional(_positive),
+    max_model_len: int | None = option(None, parse=int_argument, check=optional(_positive),
                                        what="a positive integer or None",
                                        help="cap on prompt + output tokens (default: the model's context length)")
     enable_prefix_caching: bool = option(True, flag="--no-prefix-caching", **_switch,
@@ -358,7 +344,7 @@ class EngineConfig:
                                          "prefill and batches, coarser numerics (docs/kernels.md) (default: off, "
                                          "16-bit activations)")
     num_threads: int | None = option(
-        None, flag="--threads", parse=int_argument, check=_optional(lambda v: _positive(v) and v <= _cores()),
+        None, flag="--threads", parse=int_argument, check=optional(lambda v: _positive(v) and v <= _cores()),
         what=f"a positive integer up to the {_cores()} CPU cores of this machine, or None (all of them)",
         help="CPU threads (default: all cores, fewer while other processes keep cores busy)")
     gpu_memory_utilization: float = option(0.9, parse=float_argument, metavar="F",
@@ -368,7 +354,7 @@ class EngineConfig:
                                    help="CUDA: run decode steps eagerly (default: replay them as CUDA graphs)")
     chat_template: str | None = option(
         None, parse=chat_template_file, metavar="FILE",
-        check=_optional(lambda v: isinstance(v, str) and os.path.isfile(v)), what="an existing file",
+        check=optional(lambda v: isinstance(v, str) and os.path.isfile(v)), what="an existing file",
         help="a Jinja chat template used instead of the model's own, for a model whose template lacks tools or "
              f"that has none; or the name of one shipped with rawinfer ({', '.join(TEMPLATES)}: SmolLM2's with "
              "Hermes-style tool calls) (default: the model's own)")
@@ -378,7 +364,7 @@ class EngineConfig:
                                 help="CPU, int8 and q4 models: integer GEMMs on int16-quantized activations for "
                                      "every row count (False: dequantized weights on BLAS, few rows: GEMV)")
     cache_dir: str | None = option(default_factory=user_cache_dir, flag=None,
-                                   check=_optional(lambda v: isinstance(v, str)), what="a folder path or None",
+                                   check=optional(lambda v: isinstance(v, str)), what="a folder path or None",
                                    help="user cache for compiled kernels (None: Numba's own places)")
     warmup: bool = option(True, flag=None, **_switch,
                           help="compile every step shape at start (no request waits for it)")

@@ -12,10 +12,26 @@ helper) are handed the dataclass, never the parsed arguments.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
+
+def is_int(v: Any) -> bool:
+    """An integer argument: int, but not bool (which Python counts as an int)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    """A finite int or float argument, bool excluded."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """A check that also accepts None."""
+    return lambda v: v is None or ok(v)
+
 
 # ---- option fields --------------------------------------------------------------------------------------
 
@@ -172,6 +188,10 @@ def size_argument(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+SECONDS = {"parse": float_argument, "metavar": "SECONDS", "check": lambda v: is_number(v) and v > 0,
+           "what": "a positive number of seconds"}      # option(...) arguments of a duration flag
 
 
 TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")

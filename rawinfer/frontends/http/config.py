@@ -10,16 +10,10 @@ from dataclasses import dataclass
 from rawinfer.config import is_int, is_number
 from rawinfer.engine.reasoning import REASONING_PARSERS
 from rawinfer.engine.tool_calls import TOOL_CALL_PARSERS
-from rawinfer.settings import api_key_default, float_argument, int_argument, option, size_argument
+from rawinfer.settings import SECONDS, api_key_default, int_argument, option, optional, size_argument
 
 TOOL_CALL_CHOICES = ("auto", "none", *TOOL_CALL_PARSERS)
 _positive = {"parse": int_argument, "check": lambda v: is_int(v) and v >= 1, "what": "a positive integer"}
-_seconds = {"parse": float_argument, "metavar": "SECONDS", "check": lambda v: is_number(v) and v > 0,
-            "what": "a positive number of seconds"}
-
-
-def _optional(ok):
-    return lambda v: v is None or ok(v)
 
 
 def _served_name(text: str) -> str:
@@ -32,11 +26,11 @@ def _served_name(text: str) -> str:
 class HTTPConfig:
     engine_addr: str = option("", flag=None, check=lambda v: isinstance(v, str) and "://" in v,
                               what="the engine's ZeroMQ endpoint", help="where the engine serves (from --bind)")
-    server_key: str | None = option(None, flag=None, check=_optional(lambda v: isinstance(v, str)),
+    server_key: str | None = option(None, flag=None, check=optional(lambda v: isinstance(v, str)),
                                     what="a key or key file, or None",
                                     help="the engine's Curve public key (or key file), when it uses CurveZMQ")
     api_key: str | None = option(
-        None, parse=str, metavar="KEY", cli_default=api_key_default, check=_optional(lambda v: isinstance(v, str)),
+        None, parse=str, metavar="KEY", cli_default=api_key_default, check=optional(lambda v: isinstance(v, str)),
         what="a string or None",
         help="require `Authorization: Bearer KEY` on every HTTP route but /health and /version (default: "
              "$RAWINFER_API_KEY, else none)")
@@ -48,12 +42,12 @@ class HTTPConfig:
                                    "as vLLM does)")
     served_names: list[str] | None = option(
         None, flag="--served-model-name", parse=_served_name, nargs="+", metavar="NAME",
-        check=_optional(lambda v: bool(v) and all(isinstance(n, str) and n.strip() for n in v)),
+        check=optional(lambda v: bool(v) and all(isinstance(n, str) and n.strip() for n in v)),
         what="a list of names or None",
         help="the model's names in the API: the first is the one responses and /v1/models report, any of them is "
              "accepted in a request's `model` (default: the model's folder or file name)")
     default_max_tokens: int | None = option(
-        None, **{**_positive, "check": _optional(_positive["check"]), "what": "a positive integer or None"},
+        None, **{**_positive, "check": optional(_positive["check"]), "what": "a positive integer or None"},
         help="max_tokens of a request that leaves it out, at most what the context leaves after its prompt "
              "(default: OpenAI's: 16 for completions, what the context leaves for chats)")
     tool_call_parser: str = option(
@@ -63,7 +57,7 @@ class HTTPConfig:
              "Qwen2.5/3, --chat-template smollm2-tools), llama3_json (Llama 3.x), none (default: auto, the format "
              "the chat template teaches, if any)")
     reasoning_parser: str | None = option(
-        None, parse=str, choices=tuple(REASONING_PARSERS), check=_optional(lambda v: v in REASONING_PARSERS),
+        None, parse=str, choices=tuple(REASONING_PARSERS), check=optional(lambda v: v in REASONING_PARSERS),
         what="one of " + ", ".join(REASONING_PARSERS) + ", or None",
         help="return a chat answer's <think> block as `reasoning_content`: qwen3, deepseek_r1 (default: none, the "
              "block stays in the content)")
@@ -79,8 +73,8 @@ class HTTPConfig:
         check=lambda v: is_int(v) and v >= 1, what="a positive size",
         help="a larger request body is refused with 413 while it arrives, before it is parsed (default: 16MiB)")
     read_timeout_s: float = option(
-        30.0, flag="--http-read-timeout", **_seconds,
+        30.0, flag="--http-read-timeout", **SECONDS,
         help="a connection whose request line and headers are not all there this long after it opened (or after "
              "its last answer) is closed; a body that pauses this long gets 408")
-    keep_alive_s: float = option(5.0, flag="--http-keep-alive", **_seconds,
+    keep_alive_s: float = option(5.0, flag="--http-keep-alive", **SECONDS,
                                  help="an idle connection is closed this long after its last answer")

@@ -7,12 +7,10 @@ from dataclasses import dataclass
 
 from rawinfer.config import is_int, is_number
 from rawinfer.frontends.server import protocol as P
-from rawinfer.settings import float_argument, option, size_argument
+from rawinfer.settings import SECONDS, option, optional, size_argument
 
-_seconds = {"parse": float_argument, "metavar": "SECONDS", "check": lambda v: is_number(v) and v > 0,
-            "what": "a positive number of seconds"}
 _count = {"flag": None, "check": lambda v: is_int(v) and v >= 1, "what": "a positive integer"}
-_path = {"check": lambda v: v is None or isinstance(v, str), "what": "a path or None"}
+_path = {"check": optional(lambda v: isinstance(v, str)), "what": "a path or None"}
 
 
 @dataclass
@@ -34,13 +32,13 @@ class ServerConfig:
     max_message_bytes: int = option(P.DEFAULT_MAX_MESSAGE_BYTES, flag="--max-message-size", parse=size_argument,
                                     metavar="SIZE", check=lambda v: is_int(v) and v >= 1, what="a positive size",
                                     help="a client that sends a larger message is dropped (default: 1MiB)")
-    heartbeat_interval_s: float = option(1.0, flag="--heartbeat-interval", **_seconds,
+    heartbeat_interval_s: float = option(1.0, flag="--heartbeat-interval", **SECONDS,
                                          help="seconds between heartbeats to clients with requests in flight")
     zmtp_heartbeat_timeout_s: float = option(
-        10.0, flag="--client-timeout", **_seconds,
+        10.0, flag="--client-timeout", **SECONDS,
         help="seconds a connected client may fail to answer ZMTP heartbeats before it counts as gone; ZeroMQ then "
              "closes the connection")
-    log_interval_s: float = option(10.0, flag="--log-interval", **_seconds,
+    log_interval_s: float = option(10.0, flag="--log-interval", **SECONDS,
                                    help="seconds between the log's throughput / KV / queue lines; each finished "
                                         "request also gets a line (-q hides both)")
     max_requests_in_flight: int = option(4096, **_count, help="requests the server holds at once")
