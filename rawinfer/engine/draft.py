@@ -1,0 +1,246 @@
+"""DraftProposer: speculative tokens predicted greedily by a smaller model that shares the target's tokenizer,
+run in this process with its own KV pool, whose cache follows each target sequence's accepted tokens.
+
+The draft model has its own backend, memory pool, runner and block manager, built as LLMEngine builds the
+target's but with no scheduler or sampler: this module builds its step plans itself (core/step_plan.py) and
+reads the logits with an argmax. Nothing here samples, finishes or caches a prefix.
+
+Per target sequence the proposer keeps a mirror, a private Sequence of the draft side whose first
+num_computed_tokens ids are exactly those whose K/V the draft's cache holds (the drafts it computed last
+time included). A call to propose() then, per sequence:
+
+    common = longest common prefix of (mirror's computed ids, target's token_ids), below the last token
+    truncate the draft's blocks to `common` (blocks wholly past it go back to the free list)
+    catch up: compute target.token_ids[common:]        one batched pass (more when the step budget is short)
+    draft k tokens: the argmax after the catch-up, then k - 1 batched decode passes on the drafts
+
+so rejected drafts, a preempted and recomputed sequence, or a new one all take the same path. The draft's
+block manager runs without prefix caching: no block that held a rejected token can ever be found again.
+A sequence that does not fit the draft's pool or context gets no proposal ([]), never an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Hashable
+
+from rawinfer.backend.select import get_backend
+from rawinfer.config import EngineConfig, ModelConfig, resolve_max_model_len
+from rawinfer.core.block_manager import BlockManager
+from rawinfer.core.sequence import Sequence
+from rawinfer.core.step_plan import ScheduledSeq, build_step_plan
+from rawinfer.exec.graphs import DecodeGraphs
+from rawinfer.exec.memory import MemoryPool, max_blocks_per_seq
+from rawinfer.exec.model import DecoderModel
+from rawinfer.exec.runner import ModelRunner
+from rawinfer.sampling import SamplingParams
+
+log = logging.getLogger("rawinfer")
+
+DRAFT_KV_SHARE = 4                  # the draft's KV memory: the target's --kv-cache-memory divided by this ...
+DEFAULT_DRAFT_KV_BYTES = 256 << 20  # ... or this when the target's is sized automatically
+WARM_K = 3                          # the warm-up's drafts per sequence (two decode passes after the catch-up)
+WARM_BATCH = 8                      # and its widest decode pass: past the matrix-vector kernels' few rows
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+def draft_engine_config(draft: ModelConfig, target: ModelConfig, ecfg: EngineConfig) -> EngineConfig:
+    """The draft model's engine options: the target's device, threads and kernels; a smaller pool of its own without
+    prefix caching; a context no longer than the target's; no speculation of its own."""
+    kv = ecfg.kv_cache_memory // DRAFT_KV_SHARE if ecfg.kv_cache_memory else DEFAULT_DRAFT_KV_BYTES
+    max_len = min(resolve_max_model_len(target, ecfg), draft.max_position_embeddings)
+    return dataclasses.replace(
+        ecfg, kv_cache_memory=kv, kv_cache_dtype="auto", enable_prefix_caching=False, max_model_len=max_len,
+        int8_activations=ecfg.int8_activations and draft.quant in ("int8", "q4"), chat_template=None,
+        speculative_method=None, speculative_model=None)
+
+
+class DraftProposer:
+    """Proposes up to k tokens per sequence: what the draft model generates greedily after its token ids."""
+
+    method = "draft"
+
+    def __init__(self, model_dir: str, target_config: ModelConfig, engine_config: EngineConfig):
+        cfg = ModelConfig.from_dir(model_dir)
+        if cfg.vocab_size != target_config.vocab_size:
+            target = target_config.source or target_config.architecture
+            raise ValueError(
+                f"the draft model {model_dir} ({cfg.architecture}, {cfg.vocab_size} tokens) does not share the "
+                f"tokenizer of the model ({target}, {target_config.architecture}, {target_config.vocab_size} "
+                "tokens); give --speculative-model a conversion of the same family as the model (e.g. its q4 or "
+                "int8 copy), or use --speculative-method ngram")
+        ecfg = draft_engine_config(cfg, target_config, engine_config)
+        self.model_dir, self.config = model_dir, ecfg
+        self._load(model_dir, cfg, ecfg)
+        self.block_manager = BlockManager(self.pool.kv.num_blocks, ecfg.block_size, enable_prefix_caching=False)
+        self.layout = self.runner.plan_layout
+        self.max_model_len = resolve_max_model_len(cfg, ecfg)
+        self.max_tokens, self.max_seqs = ecfg.max_num_batched_tokens, ecfg.max_num_seqs
+        self._mirrors: dict[Hashable, Sequence] = {}
+        if ecfg.warmup:
+            self._warm_up()
+
+    def _load(self, model_dir: str, cfg: ModelConfig, ecfg: EngineConfig) -> None:
+        """Backend, memory pool, weights and runner of the draft model, built as LLMEngine builds the target's."""
+        self.backend = get_backend(ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm, ecfg.cache_dir,
+                                   ecfg.batch_invariant, ecfg.int8_activations)
+        if cfg.quant is not None and cfg.quant not in self.backend.capabilities.quantized_weights:
+            raise ValueError(f"the draft model {model_dir} has {cfg.quant} weights, which run on the CPU backend "
+                             f"only; give --speculative-model a copy converted without --quant for --device "
+                             f"{self.backend.name}")
+        graphs = bool(ecfg.use_cuda_graphs) and self.backend.capabilities.graphs
+        extra = DecodeGraphs.workspace_request(ecfg, max_blocks_per_seq(cfg, ecfg)) if graphs else {}
+        self.pool = MemoryPool(cfg, ecfg, self.backend, padding_block=graphs, extra_workspace=extra)
+        self.model = DecoderModel(cfg, self.pool)
+        self.runner = ModelRunner(self.model, graphs=graphs)
+        t0 = time.monotonic()
+        self.pool.load_weights(model_dir)
+        self.model.weights_loaded()
+        self.pool.prefault_kv()
+        log.info("draft model %s loaded in %.2f s; %s", model_dir, time.monotonic() - t0, self.pool.describe())
+
+    def _warm_up(self) -> None:
+        """Propose once for each kind of pass proposing runs, so that no request waits for a kernel to compile
+        (or a decode graph to be captured): catch-up prompts of many, some and few tokens, decode passes of
+        one, a few and many sequences, and a pass that mixes new prompts with sequences catching up one token.
+        Nothing of it stays: every sequence is released."""
+        t0 = time.monotonic()
+        V, top = self.model.cfg.vocab_size, max(1, self.max_model_len - WARM_K)
+        ids = (lambda n, salt: [(salt * 7919 + i * 104729) % V for i in range(min(n, top))])
+        seqs = [Sequence(seq_id=("warm-up", i), request_id="warm-up", index=0, prompt_token_ids=ids(n, i),
+                         params=_GREEDY) for i, n in enumerate([100, 20] + [5] * (WARM_BATCH - 2))]
+        for group in (seqs[:1], seqs[1:2], seqs):
+            drafts = self.propose(group, [WARM_K] * len(group))
+        for seq, d in zip(seqs[2:5], drafts[2:5]):   # a draft accepted, then the model's token: one to catch up
+            seq.token_ids += [*d[:1], 0]
+        mixed = seqs[2:5] + [Sequence(seq_id=("warm-up", "new"), request_id="warm-up", index=0,
+                                      prompt_token_ids=ids(7, WARM_BATCH), params=_GREEDY)]
+        self.propose(mixed, [WARM_K] * len(mixed))
+        self.propose(seqs[2:5], [WARM_K] * 3)
+        self.reset()
+        self.backend.after_warm_up()
+        log.info("draft model warmed up in %.1f s", time.monotonic() - t0)
+
+    # ---- the proposer's interface ------------------------------------------------------------
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """For each seqs[i], up to ks[i] tokens the draft model predicts greedily to follow its token_ids
+        ([] where it has no room or no token to propose)."""
+        if len(seqs) != len(ks):
+            raise ValueError(f"propose got {len(seqs)} sequences but {len(ks)} token counts; give one k per sequence")
+        out: list[list[int]] = [[] for _ in seqs]
+        work = []                                       # (index, mirror, k) of the sequences that draft
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            if seq.num_tokens >= self.max_model_len:    # past the draft's context for good: its blocks go back
+                self.release(seq.seq_id)
+                continue
+            k = min(int(k), self.max_model_len - seq.num_tokens + 1)    # drafts' positions stay in the context
+            mirror = self._follow(seq) if k >= 1 else None
+            if mirror is not None and self._reserve(mirror, k):
+                work.append((i, mirror, k))
+        if not work:
+            return out
+        for (i, _, _), tok in zip(work, self._catch_up([m for _, m, _ in work])):
+            out[i].append(tok)
+        self._draft_rest([(out[i], m, k) for i, m, k in work])
+        return out
+
+    def release(self, seq_id: Hashable) -> None:
+        """The target sequence finished or was aborted: free its draft blocks and forget it (unknown: no-op)."""
+        self._mirrors.pop(seq_id, None)
+        if seq_id in self.block_manager:
+            self.block_manager.free(seq_id)
+
+    def reset(self) -> None:
+        """Forget every sequence (the target engine reset its state)."""
+        for seq_id in list(self._mirrors):
+            self.release(seq_id)
+
+    def num_blocks(self, seq_id: Hashable) -> int:
+        """Draft KV blocks seq_id holds now (0 if none)."""
+        return len(self.block_manager.block_table(seq_id)) if seq_id in self.block_manager else 0
+
+    def computed_tokens(self, seq_id: Hashable) -> list[int]:
+        """A copy of the token ids whose K/V the draft's cache holds for seq_id."""
+        mirror = self._mirrors.get(seq_id)
+        return mirror.token_ids[:mirror.num_computed_tokens] if mirror is not None else []
+
+    # ---- KV bookkeeping ------------------------------------------------------------------------
+    def _follow(self, seq: Sequence) -> Sequence:
+        """seq's mirror, rolled back to the longest prefix its cache shares with seq.token_ids (at most all but
+        the last token: that one's logits are needed) and holding seq's token ids from there on."""
+        target = seq.token_ids
+        mirror = self._mirrors.get(seq.seq_id)
+        if mirror is None:
+            mirror = Sequence(seq_id=seq.seq_id, request_id=str(seq.request_id), index=0, prompt_token_ids=target,
+                              params=_GREEDY)
+            self._mirrors[seq.seq_id] = mirror
+            return mirror
+        have, limit = mirror.token_ids, min(mirror.num_computed_tokens, len(target) - 1)
+        common = 0
+        while common < limit and have[common] == target[common]:
+            common += 1
+        if seq.seq_id in self.block_manager:
+            self.block_manager.truncate(seq.seq_id, common)
+        mirror.num_computed_tokens = common
+        mirror.token_ids = list(target)
+        return mirror
+
+    def _reserve(self, mirror: Sequence, k: int) -> bool:
+        """Blocks for mirror's uncomputed ids and the k - 1 drafts computed after them, all at once so no pass
+        of this call can run out; False (nothing reserved) when the pool lacks them."""
+        need = mirror.num_uncomputed_tokens + k - 1
+        if self.block_manager.allocate_slots(mirror.seq_id, mirror.num_computed_tokens, need) is not None:
+            return True
+        log.debug("draft pool full: no proposal for sequence %r this step", mirror.seq_id)
+        if mirror.seq_id not in self.block_manager:     # a first allocation that failed: nothing to follow
+            del self._mirrors[mirror.seq_id]
+        return False
+
+    # ---- forward passes ------------------------------------------------------------------------
+    def _catch_up(self, mirrors: list[Sequence]) -> list[int]:
+        """Compute every mirror's uncomputed ids, in passes of at most the step budget and sequence cap; returns
+        each mirror's first draft (the argmax after its last id), in order."""
+        first: dict[int, int] = {}
+        pending = list(range(len(mirrors)))
+        while pending:
+            batch, budget = [], self.max_tokens
+            for j in pending[:self.max_seqs]:
+                n = min(mirrors[j].num_uncomputed_tokens, budget)
+                if n == 0:
+                    break
+                batch.append((j, n))
+                budget -= n
+            sampled = [j for j, n in batch if n == mirrors[j].num_uncomputed_tokens]
+            tokens = self._run([ScheduledSeq(mirrors[j], n, samples=j in sampled) for j, n in batch])
+            first.update(zip(sampled, tokens))
+            pending = [j for j in pending if mirrors[j].num_uncomputed_tokens]
+        return [first[j] for j in range(len(mirrors))]
+
+    def _draft_rest(self, work: list[tuple[list[int], Sequence, int]]) -> None:
+        """Decode passes: each sequence's latest draft in, its next draft out, until it holds k (drafts[i] has
+        its first). A computed draft joins its mirror's ids; the last draft is only proposed."""
+        while True:
+            live = [(drafts, m) for drafts, m, k in work if len(drafts) < k]
+            if not live:
+                return
+            for a in range(0, len(live), self.max_seqs):
+                part = live[a:a + self.max_seqs]
+                for drafts, m in part:
+                    m.token_ids.append(drafts[-1])
+                tokens = self._run([ScheduledSeq(m, 1, samples=True) for _, m in part])
+                for (drafts, _), tok in zip(part, tokens):
+                    drafts.append(tok)
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> list[int]:
+        """One forward pass of the draft model over `scheduled` (blocks already reserved); advances each
+        mirror's computed count; returns the argmax of each sampled row, in batch order."""
+        bm = self.block_manager
+        plan = build_step_plan(scheduled, [bm.block_table(s.seq.seq_id) for s in scheduled], (), self.layout)
+        result = self.runner.run(plan)
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        if not plan.logits_indices.size:
+            return []
+        return [int(t) for t in self.backend.argmax(result.logits)]

@@ -1,0 +1,170 @@
+"""The draft-model proposer (rawinfer/engine/draft.py) on the real weights: its proposals are the draft model's
+own greedy continuation, its KV follows the accepted tokens (rollback, no leaked blocks), a batch proposes what
+each sequence alone does, a foreign vocabulary is refused and a full pool means no proposal, never an error."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rawinfer import LLMEngine, SamplingParams
+from rawinfer.config import EngineConfig, ModelConfig
+from rawinfer.core.sequence import Sequence
+from rawinfer.engine.draft import DRAFT_KV_SHARE, DraftProposer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = os.path.join(ROOT, "weights", "smollm2-135m-instruct")
+DRAFT = os.path.join(ROOT, "weights", "smollm2-135m-instruct-q4")
+GEMMA = os.path.join(ROOT, "weights", "gemma3-270m")
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+           "Once upon a time, in a small village by the sea, there lived an old fisherman who", "List three colors:\n1."]
+
+pytestmark = pytest.mark.skipif(
+    not all(os.path.isfile(os.path.join(d, "config.json")) for d in (TARGET, DRAFT)),
+    reason="the SmolLM2 float32 and q4 folders are not in weights/")
+
+
+def _ecfg(**kw) -> EngineConfig:
+    return EngineConfig(**{"device": "cpu", "kv_cache_memory": 64 << 20, "warmup": False, **kw})
+
+
+@pytest.fixture(scope="module")
+def target_config() -> ModelConfig:
+    return ModelConfig.from_dir(TARGET)
+
+
+@pytest.fixture(scope="module")
+def proposer(target_config) -> DraftProposer:
+    return DraftProposer(DRAFT, target_config, _ecfg())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The q4 model alone: greedy continuations of token ids, as generation computes them."""
+    engine = LLMEngine(DRAFT, _ecfg(enable_prefix_caching=False, kv_cache_memory=16 << 20))
+    calls = iter(range(1 << 30))
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        rid = f"ref{next(calls)}"
+        engine.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        out = []
+        while engine.has_unfinished():
+            out += [t for o in engine.step() for t in o.new_token_ids]
+        return out
+    greedy.encode = engine.encode_prompt
+    return greedy
+
+
+def _seq(seq_id: str, ids: list[int]) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=seq_id, index=0, prompt_token_ids=ids, params=SamplingParams())
+
+
+def _extend(seq: Sequence, tokens: list[int]) -> None:
+    for t in tokens:
+        seq.append_token(t, 0.0)
+
+
+def _check_blocks(p: DraftProposer, seq_id: str) -> None:
+    """The draft holds exactly the blocks its computed tokens need."""
+    bs = p.block_manager.block_size
+    assert p.num_blocks(seq_id) == -(-len(p.computed_tokens(seq_id)) // bs)
+    p.block_manager.check_invariants()
+
+
+def test_proposals_are_the_draft_models_greedy_continuation(proposer, reference):
+    for n, text in enumerate(PROMPTS[:3]):
+        ids = reference.encode(text)
+        expected = reference(ids, 9)
+        seq = _seq(f"greedy{n}", ids)
+        assert proposer.propose([seq], [4]) == [expected[:4]]
+        # every draft accepted and the target's bonus token: two tokens to catch up, then the next four
+        _extend(seq, expected[:5])
+        assert proposer.propose([seq], [4]) == [expected[5:9]]
+        assert proposer.computed_tokens(seq.seq_id) == ids + expected[:8]
+        _check_blocks(proposer, seq.seq_id)
+        proposer.release(seq.seq_id)
+    assert proposer.block_manager.num_used_blocks == 0
+
+
+def test_rollback_follows_the_accepted_tokens(proposer, reference):
+    ids = reference.encode(PROMPTS[3])
+    seq = _seq("rollback", ids)
+    drafts = proposer.propose([seq], [12])[0]      # past the first block: the rollback gives one back
+    assert len(drafts) == 12 and proposer.computed_tokens("rollback") == ids + drafts[:11]
+    assert proposer.num_blocks("rollback") == 2
+    other = (drafts[1] + 1) % 49152
+    _extend(seq, [drafts[0], other])            # the first draft accepted, the second replaced by the target
+    again = proposer.propose([seq], [4])[0]
+    assert proposer.num_blocks("rollback") == 1
+    fresh = proposer.propose([_seq("fresh", seq.token_ids)], [4])[0]
+    assert again == fresh == reference(seq.token_ids, 4)
+    assert proposer.computed_tokens("rollback") == seq.token_ids + again[:3]
+    _check_blocks(proposer, "rollback")
+    # the same id now names a shorter sequence (recomputed from an earlier point): rolled back further
+    short = _seq("rollback", ids[:-3])
+    assert proposer.propose([short], [2]) == [reference(ids[:-3], 2)]
+    assert proposer.computed_tokens("rollback") == ids[:-3] + reference(ids[:-3], 1)
+    _check_blocks(proposer, "rollback")
+    # the same id with an earlier token changed (not a pattern the engine makes): recomputed from there
+    changed = ids[:2] + [(ids[2] + 1) % 49152] + ids[3:]
+    assert proposer.propose([_seq("rollback", changed)], [3]) == [reference(changed, 3)]
+    assert proposer.computed_tokens("rollback") == changed + reference(changed, 2)
+    _check_blocks(proposer, "rollback")
+    for seq_id in ("rollback", "fresh", "unknown"):
+        proposer.release(seq_id)
+    assert proposer.block_manager.num_used_blocks == 0 and proposer.computed_tokens("rollback") == []
+
+
+def test_a_batch_proposes_what_each_sequence_alone_does(proposer, reference):
+    prompts = [reference.encode(t) for t in PROMPTS[:3]]
+    ks = [3, 1, 4]
+    batch = [_seq(f"b{i}", ids) for i, ids in enumerate(prompts)]
+    together = proposer.propose(batch, ks)
+    alone = [proposer.propose([_seq(f"a{i}", ids)], [k])[0] for i, (ids, k) in enumerate(zip(prompts, ks))]
+    assert together == alone and [len(d) for d in together] == ks
+    for i, seq in enumerate(batch):             # a second round: all, one or none of the drafts accepted
+        _extend(seq, together[i][:[3, 1, 0][i]] + [7 + i])
+    ks = [2, 0, 3]
+    second = proposer.propose(batch, ks)
+    assert second[1] == [] and second == [proposer.propose([_seq(f"c{i}", s.token_ids)], [k])[0]
+                                          for i, (s, k) in enumerate(zip(batch, ks))]
+    for i in range(3):
+        for prefix in "abc":
+            proposer.release(f"{prefix}{i}")
+    assert proposer.block_manager.num_used_blocks == 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(target_config):
+    if not os.path.isfile(os.path.join(GEMMA, "config.json")):
+        pytest.skip("weights/gemma3-270m is not converted")
+    with pytest.raises(ValueError, match=r"gemma3-270m.*does not share the tokenizer.*49152.*--speculative-model"):
+        DraftProposer(GEMMA, target_config, _ecfg())
+
+
+def test_no_room_means_no_proposal_and_small_steps_split_the_work(target_config, reference):
+    bs = 16
+    draft_cfg = ModelConfig.from_dir(DRAFT)
+    block_bytes = 2 * draft_cfg.num_layers * draft_cfg.num_kv_heads * draft_cfg.head_dim * bs * 2   # float16 K and V
+    # a step of 8 tokens and 1 sequence: the catch-up and the drafts run in several passes
+    p = DraftProposer(DRAFT, target_config, _ecfg(kv_cache_memory=DRAFT_KV_SHARE * 3 * block_bytes, block_size=bs,
+                                                 max_model_len=40, max_num_batched_tokens=8, max_num_seqs=1))
+    assert p.block_manager.num_blocks == 3
+    short, mid = reference.encode(PROMPTS[0]), reference.encode(PROMPTS[2])
+    assert len(short) + 2 <= bs < len(mid) + 2 <= 2 * bs
+    a, b, c = _seq("a", mid), _seq("b", short), _seq("c", short)
+    assert p.propose([a, b, c], [3, 3, 3]) == [reference(mid, 3), reference(short, 3), []]   # c: no block left
+    assert p.propose([c], [3]) == [[]] and p.block_manager.num_used_blocks == 3
+    p.release("a")
+    assert p.propose([c], [3]) == [reference(short, 3)]
+    _extend(b, [1] * (40 - len(short)))         # at the context's end: nothing to propose, its blocks go back
+    assert p.propose([b], [3]) == [[]] and p.num_blocks("b") == 0
+    p.release("c")
+    assert p.block_manager.num_used_blocks == 0
+
+
+def test_the_warm_up_leaves_nothing_behind(target_config, reference):
+    p = DraftProposer(DRAFT, target_config, _ecfg(warmup=True))
+    assert p.block_manager.num_used_blocks == 0 and p.computed_tokens(("warm-up", 0)) == []
+    ids = reference.encode(PROMPTS[1])
+    assert p.propose([_seq("w", ids)], [3]) == [reference(ids, 3)]
