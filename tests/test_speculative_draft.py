@@ -168,3 +168,24 @@ def test_the_warm_up_leaves_nothing_behind(target_config, reference):
     assert p.block_manager.num_used_blocks == 0 and p.computed_tokens(("warm-up", 0)) == []
     ids = reference.encode(PROMPTS[1])
     assert p.propose([_seq("w", ids)], [3]) == [reference(ids, 3)]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_every_weight_format_drafts_its_own_greedy_continuation(fmt, target_config, request):
+    """The float32 model (drafting for itself) and its int8 copy: proposals are that model's greedy generation,
+    before and after a rollback."""
+    model = TARGET if fmt == "float32" else request.getfixturevalue("smollm2_int8_dir")
+    p = DraftProposer(model, target_config, _ecfg())
+    ref = LLMEngine(model, _ecfg(enable_prefix_caching=False, kv_cache_memory=16 << 20))
+    ids = ref.encode_prompt(PROMPTS[2])
+    ref.add_request("r", ids, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    expected = []
+    while ref.has_unfinished():
+        expected += [t for o in ref.step() for t in o.new_token_ids]
+    seq = _seq("s", ids)
+    assert p.propose([seq], [5]) == [expected[:5]]
+    _extend(seq, expected[:4])                  # three drafts kept, then the model's own token
+    assert p.propose([seq], [5]) == [expected[4:9]]
+    _check_blocks(p, "s")
+    p.release("s")
+    assert p.block_manager.num_used_blocks == 0
