@@ -59,6 +59,7 @@ SUPPORTED_FORMAT_VERSIONS = (1, 2)
 HIDDEN_ACTS, LAYER_TYPES = ("silu", "gelu_tanh"), ("full", "sliding")
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 class ModelFormatError(ValueError):
@@ -358,6 +359,19 @@ class EngineConfig:
         help="a Jinja chat template used instead of the model's own, for a model whose template lacks tools or "
              f"that has none; or the name of one shipped with rawinfer ({', '.join(TEMPLATES)}: SmolLM2's with "
              "Hermes-style tool calls) (default: the model's own)")
+    speculative_method: str | None = option(
+        None, parse=str, choices=SPECULATIVE_METHODS, check=optional(lambda v: v in SPECULATIVE_METHODS),
+        what="one of " + ", ".join(SPECULATIVE_METHODS) + ", or None",
+        help="speculative decoding: ngram proposes the tokens that followed the latest earlier occurrence of the "
+             "sequence's last tokens, draft those a smaller model (--speculative-model) predicts; the model checks "
+             "them in one step and keeps the agreeing ones, so outputs are unchanged (default: none)")
+    speculative_model: str | None = option(
+        None, parse=str, metavar="PATH", check=optional(lambda v: isinstance(v, str) and os.path.isdir(v)),
+        what="an existing model folder", help="the draft model's converted folder (implies --speculative-method "
+                                              "draft); it must share the model's tokenizer")
+    num_speculative_tokens: int = option(3, parse=int_argument, check=lambda v: is_int(v) and 1 <= v <= 16,
+                                         what="an integer from 1 to 16", metavar="K",
+                                         help="tokens proposed per step when speculating")
     seed: int = option(0, flag=None, check=lambda v: is_int(v) and 0 <= v < 2**63, what="an integer in [0, 2**63)",
                        help="the seed of requests that set none")
     cpu_int_gemm: bool = option(default_factory=lambda: env_flag("RAWINFER_CPU_INT_GEMM", True), flag=None, **_switch,
@@ -374,5 +388,10 @@ class EngineConfig:
         if isinstance(self.kv_cache_memory, str):
             with contextlib.suppress(ValueError):   # left a string: the check names the option
                 self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.speculative_model is not None and self.speculative_method is None:
+            self.speculative_method = "draft"
         check_options(self, "engine option")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_method 'draft' and speculative_model come together: give the draft model's "
+                             "folder with --speculative-model, or use --speculative-method ngram")
         return self

@@ -9,20 +9,19 @@ its own token ids, so equal digests mean equal whole prefixes:
     h0 = sha256(ROOT_HASH || int32le(tokens[0:BS]))
     h1 = sha256(h0        || int32le(tokens[BS:2BS]))   ...
 
-sha256 makes a collision (two different prefixes under one key) practically impossible, so a hit is
-trusted without comparing tokens. When a full block's digest is already registered under another
-physical block (two sequences computed the same prefix side by side), the later block simply stays
+sha256 makes a collision practically impossible, so a hit is trusted without comparing tokens. A full
+block whose digest another physical block already holds (the same prefix computed side by side) stays
 unregistered: no dedupe, because the runner may already hold the block table for this step.
 
 Free list. A block whose reference count drops to 0 keeps its digest and goes to the tail of an LRU
-FreeBlockQueue; a later prefix hit takes it back out of the middle in O(1). New data always takes the
-head block, dropping its digest (eviction). Blocks without a digest can never be hit, so they are freed
-to the head and reused before any cached block. A sequence is released tail first, so within a chain
-the tail is evicted before its prefix (a prefix is worth more: every longer match goes through it).
+FreeBlockQueue; a later prefix hit takes it back out of the middle in O(1). New data takes the head block,
+dropping its digest (eviction). Blocks without a digest are freed to the head, reused before any cached
+one. A sequence is released tail first, so a chain's tail is evicted before its prefix (worth more).
 
 Token counts. The block manager keeps block tables, not token counts: how many of a sequence's tokens
 are in the cache is the sequence's own num_computed_tokens (core/sequence.py), which every call that
-depends on it passes in. A table covers ceil((computed + new) / BS) blocks once allocate_slots returns.
+depends on it passes in. A table covers ceil((computed + new) / BS) blocks once allocate_slots returns;
+truncate gives back the tail blocks of tokens written but then rejected (speculative decoding).
 
 Copy-on-write. fork() shares every block of the parent (ref++). A sequence's next tokens are written
 from position num_computed_tokens; if that position falls inside a partially filled block with ref > 1,
@@ -33,12 +32,11 @@ Sliding window. In a model whose every layer attends through a window of W token
 p reads positions p - W + 1 .. p only, and later queries read less far back. release_before(seq_id, pos)
 gives back the sequence's blocks that hold only positions before pos while it runs (vLLM's
 sliding-window manager does the same), so a long generation holds about W / BS blocks, not length / BS.
-Their table entries become DROPPED (physical id 0, never read: the attention kernels start at the
-window); the table keeps its length, so logical block i stays entry i.
+Their entries become DROPPED (id 0, never read: attention starts at the window); logical block i stays entry i.
 
-NOTE: fork only after the step that computed the parent's tokens has run, and pass cached_block_ids to
-allocate_slots straight from find_cached_prefix: find takes no references, so an allocation in between
-may evict those blocks (allocate_slots then raises ValueError rather than hand out overwritten blocks).
+NOTE: fork only after the step that computed the parent's tokens has run; pass cached_block_ids to
+allocate_slots straight from find_cached_prefix (find takes no references: an allocation in between may
+evict them, and allocate_slots then raises ValueError rather than hand out overwritten blocks).
 """
 
 from __future__ import annotations
@@ -268,6 +266,18 @@ class BlockManager:
             state.blocks[i] = DROPPED
             released += 1
         state.num_dropped = max(state.num_dropped, end)
+        return released
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Give back seq_id's trailing blocks past the ceil(num_tokens / BS) that hold its first num_tokens tokens
+        (slots written for speculated tokens that were rejected); returns how many. Registered blocks stay."""
+        state, keep = self._get(seq_id), -(-max(0, num_tokens) // self.block_size)
+        if keep < state.num_hashed_blocks:
+            raise ValueError(f"cannot truncate sequence {seq_id!r} to {num_tokens} tokens: its first "
+                             f"{state.num_hashed_blocks} blocks are in the prefix cache; free it to recompute")
+        released = max(0, len(state.blocks) - max(keep, state.num_dropped))
+        for _ in range(released):
+            self._release(state.blocks.pop())
         return released
 
     def _release(self, block: KVBlock) -> None:

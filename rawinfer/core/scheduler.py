@@ -86,6 +86,7 @@ class StepUpdate:
     step's logits, and the sequences finished (length) with nothing to sample."""
 
     samples: list[tuple[Sequence, int]] = field(default_factory=list)   # (sample, logits row): a fork its parent's
+    drafts: dict = field(default_factory=dict)    # seq id -> the draft tokens it verifies; rows row + 1 .. row + k
     finished: list[Sequence] = field(default_factory=list)    # scored to their end; max_tokens 0 prompts computed
 
 
@@ -248,7 +249,10 @@ class Scheduler:
         target = target_ms / 1e3 if target_ms is not None else cost.auto_target(rows, shape.keys / len(decodes))
         return PrefillAllowance(cost, cost.prefill_budget(target, shape), self.bm.block_size)
 
-    def _scheduled(self, seq: Sequence, n: int, allowance: PrefillAllowance | None = None) -> ScheduledSeq:
+    def _scheduled(self, seq: Sequence, n: int, allowance: PrefillAllowance | None = None,
+                   draft: tuple[int, ...] = ()) -> ScheduledSeq:
+        if draft:
+            return ScheduledSeq(seq, n, True, draft=draft)
         start = seq.num_computed_tokens
         if seq.chunk_sizes is not None:
             seq.chunk_index += 1
@@ -260,8 +264,20 @@ class Scheduler:
         forks = samples and seq.index == 0 and not seq.num_output_tokens and seq.params.max_tokens > 0
         return ScheduledSeq(seq, n, samples, prompt_rows, self._forks_of(seq) if forks else ())
 
-    def schedule(self) -> SchedulerOutput:
+    def _draft(self, seq: Sequence, drafts, budget: int, rows: int) -> tuple[int, ...]:
+        """The proposed tokens a decoding seq verifies this step: within the token budget (with its own token)
+        and the logits rows the step has left beside one per sampling sequence."""
+        if seq.num_uncomputed_tokens != 1 or seq.is_scoring or seq.seq_id not in drafts:
+            return ()
+        return tuple(drafts[seq.seq_id][:max(0, min(budget - 1, rows))])
+
+    def schedule(self, drafts: dict | None = None) -> SchedulerOutput:
+        """drafts: seq id -> tokens proposed to follow a running sequence (speculative decoding): a decoding
+        sequence computes them after its last token, in the same step, and update() leaves them uncounted
+        until accept() says how many the model agreed with."""
         out = SchedulerOutput()
+        drafts = drafts or {}
+        rows = self.ecfg.max_num_seqs - min(len(self.running), self.ecfg.max_num_seqs)   # logits rows for drafts
         copies: list[tuple[int, int]] = []
         budget = self.ecfg.max_num_batched_tokens
         allowance = self._allowance()
@@ -271,7 +287,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(out.seqs) < self.ecfg.max_num_seqs:
             seq = self.running[i]
             prefill = allowance if seq.num_uncomputed_tokens > 1 else None    # decodes are in its estimate
-            n = self._chunk(seq, budget, prefill)
+            draft = self._draft(seq, drafts, budget, rows)
+            n = self._chunk(seq, budget, prefill) + len(draft)
             if n == 0:
                 i += 1
                 continue
@@ -286,8 +303,9 @@ class Scheduler:
             if alloc is None:
                 break
             copies.extend(alloc.copies)
-            out.seqs.append(self._scheduled(seq, n, prefill))
+            out.seqs.append(self._scheduled(seq, n, prefill, draft))
             budget -= n
+            rows -= len(draft)
             i += 1
 
         now = time.monotonic()
@@ -326,7 +344,7 @@ class Scheduler:
         for s in out.seqs:
             seq = s.seq
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_computed_tokens += s.num_new_tokens - len(s.draft)     # drafts count once accepted
             if self.ecfg.enable_prefix_caching and not seq.is_scoring and seq.num_computed_tokens // bs > before // bs:
                 self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
             if self.sliding_window:   # the next query, at num_computed_tokens, reads W - 1 positions back
@@ -338,8 +356,21 @@ class Scheduler:
                 for child in s.forks:
                     self._fork(seq, child)
                 upd.samples += [(x, row) for x in (seq, *s.forks)]
-            row += s.samples
+                if s.draft:
+                    upd.drafts[seq.seq_id] = s.draft
+            row += s.samples + len(s.draft)
         return upd
+
+    def accept(self, seq: Sequence, num_accepted: int) -> None:
+        """The first num_accepted of the draft tokens seq verified this step became its tokens (appended): their
+        K/V are in the cache and count as computed; the blocks that held only rejected ones go back, and no
+        rejected token ever enters the prefix cache (only computed, full blocks of accepted tokens are hashed).
+        For a sequence still running after the step's outputs."""
+        if num_accepted:
+            seq.num_computed_tokens += num_accepted
+            if self.ecfg.enable_prefix_caching:
+                self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.block_hashes)
+        self.bm.truncate(seq.seq_id, seq.num_computed_tokens)
 
     # ---- checks -------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -13,6 +13,7 @@ A step of B sequences whose new tokens total T rows, S of which need sampled log
     context_lens[B]                tokens of sequence b in the cache once this step has written its K/V
     query_start_loc[B+1]           rows of sequence b: query_start_loc[b] : query_start_loc[b+1]
     logits_indices[S]              the last row of each sequence whose next token is sampled, in batch order
+                                   (a sequence with draft tokens: its last 1 + len(draft) rows)
     score_rows[R]                  every row of a scoring (teacher-forced) sequence, in batch order
     prompt_rows[Q]                 rows whose next token is a prompt token of a sequence that wants prompt
     prompt_targets[Q]              log-probabilities, and that token (prompt_top: alternatives to compute)
@@ -52,6 +53,8 @@ class ScheduledSeq:
                                    # log-probability the request wants (Sequence.wants_prompt_logprobs)
     forks: tuple[Sequence, ...] = ()   # the other samples of an n > 1 request, forked from this one once the
                                        # chunk computed its prompt: they draw from its logits row
+    draft: tuple[int, ...] = ()    # speculative decoding: proposed tokens computed after the sequence's last
+                                   # one (the chunk's last len(draft) rows), each row's logits sampled
 
     @property
     def scores(self) -> bool:
@@ -107,17 +110,18 @@ def build_step_plan(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], copies:
     with block table tables[b] (already grown for this step)."""
     if not scheduled:
         raise ValueError("a step plan needs at least one scheduled sequence")
-    decode = all(s.num_new_tokens == 1 and not s.scores and not s.prompt_logprob_rows for s in scheduled)
+    # a sequence verifying drafts decodes too: one row per token, as if each were a sequence of its own
+    decode = all(s.num_new_tokens - len(s.draft) == 1 and not s.scores and not s.prompt_logprob_rows for s in scheduled)
     build = _decode_arrays if decode else _chunk_arrays
     arrays = build(scheduled, tables, layout)
-    B = len(scheduled)
+    B = int(arrays["context_lens"].shape[0])
     bucket = None
     if decode and layout.graph_buckets and B <= layout.graph_buckets[-1]:
         bucket = bucket_for(B, layout.graph_buckets)
     # NOTE: always MAX_LOGPROBS alternatives when any row wants some, so a row's do not depend on the others
     top = MAX_LOGPROBS if any(s.prompt_logprob_rows and s.seq.params.prompt_logprobs for s in scheduled) else 0
     return StepPlan(**arrays, copies=tuple(copies), prompt_top=top,
-                    max_query_len=max(s.num_new_tokens for s in scheduled),
+                    max_query_len=1 if decode else max(s.num_new_tokens for s in scheduled),
                     max_context_len=int(arrays["context_lens"].max()), graph_bucket=bucket)
 
 
@@ -131,20 +135,24 @@ def _padded_tables(tables: Seq[Seq[int]], pad_block: int) -> np.ndarray:
 
 def _decode_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: PlanLayout) -> dict:
     """A pure decode step (one new token per sequence) in scalar Python: per-sequence NumPy calls
-    would cost more than the step's host work."""
+    would cost more than the step's host work. A sequence verifying k drafts takes k + 1 rows, row i at
+    position p + i with context p + i + 1 over the same block table: the decode kernels write every row's
+    K/V before any row attends, so each row reads the drafts before it, exactly as its own decode step would."""
     BS = layout.block_size
-    B = len(scheduled)
-    ids, positions, slots, logits = [0] * B, [0] * B, [0] * B, []
-    for b, (s, table) in enumerate(zip(scheduled, tables)):
+    ids, positions, slots, logits, row_tables = [], [], [], [], []
+    for s, table in zip(scheduled, tables):
         pos = s.seq.num_computed_tokens
-        ids[b] = s.seq.token_ids[pos]
-        positions[b] = pos
-        slots[b] = slot_mapping(table, pos, BS)
-        if s.samples:
-            logits.append(b)
+        for i, tok in enumerate((s.seq.token_ids[pos], *s.draft)):
+            if s.samples:
+                logits.append(len(ids))
+            ids.append(tok)
+            positions.append(pos + i)
+            slots.append(slot_mapping(table, pos + i, BS))
+            row_tables.append(table)
+    B = len(ids)
     pos = np.asarray(positions, np.int32)
     return dict(token_ids=np.asarray(ids, np.int32), positions=pos, slot_mapping=np.asarray(slots, np.int32),
-                block_tables=_padded_tables(tables, layout.pad_block), context_lens=pos + 1,
+                block_tables=_padded_tables(row_tables, layout.pad_block), context_lens=pos + 1,
                 query_start_loc=np.arange(B + 1, dtype=np.int32), logits_indices=np.asarray(logits, np.int32),
                 score_rows=np.zeros(0, np.int32), prompt_rows=np.zeros(0, np.int32),
                 prompt_targets=np.zeros(0, np.int32))
@@ -162,7 +170,7 @@ def _chunk_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: P
         seq, n = s.seq, s.num_new_tokens
         start = seq.num_computed_tokens
         pos = np.arange(start, start + n, dtype=np.int32)
-        ids.append(np.asarray(seq.token_ids[start:start + n], np.int32))
+        ids.append(np.asarray([*seq.token_ids[start:start + n - len(s.draft)], *s.draft], np.int32))
         positions.append(pos)
         slots.append(slot_mapping(np.asarray(table, np.int32), pos, BS))
         context_lens[b] = start + n
@@ -170,7 +178,7 @@ def _chunk_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: P
         if s.scores:
             score.extend(range(row, row + n))
         elif s.samples:
-            logits.append(row + n - 1)
+            logits.extend(range(row + n - 1 - len(s.draft), row + n))
         if s.prompt_logprob_rows:
             q = s.prompt_logprob_rows
             prompt_rows.extend(range(row, row + q))

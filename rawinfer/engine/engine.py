@@ -29,10 +29,12 @@ from rawinfer.core.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from rawinfer.core.sequence import FinishReason, Sequence
 from rawinfer.engine.kv_transfer import KVTransfer
 from rawinfer.engine.logprobs import Logprobs, store_prompt_logprobs, take_prompt_logprobs, token_logprobs
-from rawinfer.engine.metrics import EngineStats, request_metrics
-from rawinfer.engine.outputs import OutputRules, RequestOutput, SampleState
+from rawinfer.engine.metrics import EngineStats, engine_stats, request_metrics
+from rawinfer.engine.outputs import OutputRules, RequestOutput, SampleState, join_outputs
+from rawinfer.engine.requests import RequestRejected, check_fits, encode_prompt
 from rawinfer.engine.sampler import Sampler, make_generator
 from rawinfer.engine.scoring import score_sequence, store_scores
+from rawinfer.engine.speculative import Speculator
 from rawinfer.engine.structured import GrammarError, MaskJob, StructuredOutputs
 from rawinfer.engine.warmup import warm_up
 from rawinfer.exec.graphs import DecodeGraphs
@@ -44,10 +46,6 @@ from rawinfer.sampling import SamplingParams
 log = logging.getLogger("rawinfer")
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestRejected", "engine_config_from"]
-
-
-class RequestRejected(ValueError):
-    """A request that can never run (too long for the model or the KV pool, bad prompt, duplicate id)."""
 
 
 def engine_config_from(options: dict[str, Any]) -> EngineConfig:
@@ -124,6 +122,7 @@ class LLMEngine:
         self._seed_counter = 0
         self._requests: dict[str, list[SampleState]] = {}   # request id -> its samples' states, index order
         self.kv_transfer = KVTransfer(self)     # K/V exported to / received from another engine
+        self.speculator = Speculator.from_config(ecfg, cfg, self.max_model_len)    # None: no speculation
         self.reset_state()
 
     def reset_state(self) -> None:
@@ -138,43 +137,16 @@ class LLMEngine:
         self.structured.held.clear()                       # requests waiting for their grammar
         self.stats_tracker = EngineStats(max_model_len=self.max_model_len)
         self.kv_transfer.clear()                           # the same object: the decode role's link holds it
+        if self.speculator is not None:
+            self.speculator.clear()
 
     # ---- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        V = self.model_config.vocab_size
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected("this model has no tokenizer: pass the prompt as a list of token ids")
-            try:
-                ids = self.tokenizer.encode(prompt)
-            except ValueError as e:              # text that is not UTF-8
-                raise RequestRejected(f"the prompt cannot be tokenized: {e}") from None
-        elif isinstance(prompt, (list, tuple)) and all((is_int(t) or isinstance(t, np.integer)) for t in prompt):
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
-        else:
-            raise RequestRejected("a prompt must be a string or a list of integer token ids")
-        if not ids:
-            raise RequestRejected("the prompt is empty: give at least one token")
-        return ids
+        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
     def _check_fits(self, num_tokens: int, n: int, what: str) -> None:
-        """RequestRejected unless n sequences of num_tokens tokens fit the context and the whole pool."""
-        if num_tokens > self.max_model_len:
-            raise RequestRejected(f"{what} = {num_tokens} exceeds the maximum context of {self.max_model_len} "
-                                  "tokens; shorten the prompt or lower max_tokens")
-        bs, W = self.config.block_size, self.model_config.kv_window
-        need = -(-num_tokens // bs)
-        if W:   # every layer slides: blocks behind the window go back, so a sequence holds at most the
-            # window plus one chunk of new tokens (scheduler.update -> BlockManager.release_before)
-            need = min(need, (W - 1 + min(num_tokens, self.config.max_num_batched_tokens)) // bs + 2)
-        need *= n
-        if need > self.block_manager.num_blocks:
-            raise RequestRejected(
-                f"the request needs up to {need} KV blocks ({num_tokens} tokens x {n} samples) but the whole "
-                f"pool has {self.block_manager.num_blocks}; raise --kv-cache-memory or lower max_tokens/n")
+        check_fits(num_tokens, n, what, max_model_len=self.max_model_len, ecfg=self.config,
+                   kv_window=self.model_config.kv_window, num_blocks=self.block_manager.num_blocks)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0) -> list[int]:
@@ -295,11 +267,12 @@ class LLMEngine:
         """Schedule, run one forward pass, update the scheduler, sample, detokenize, finish. Returns what
         advanced or ended."""
         outputs = self._release_held() if self.structured.held else []
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self._drafts())
         if out.is_empty:
             return outputs
         started = time.monotonic()
-        mask = self.structured.masks([self._state(s.seq) for s in out.seqs if s.samples])   # on a GPU: during the pass
+        # in logits-row order (a draft's rows have no grammar: None); on a GPU filled during the pass
+        mask = self.structured.masks([x for s in out.seqs if s.samples for x in (self._state(s.seq), *[None] * len(s.draft))])
         result = self.runner.run(out.plan)
         self.kv_transfer.after_step(out)                # exports copy their blocks before update() frees them
         update = self.scheduler.update(out)
@@ -329,14 +302,16 @@ class LLMEngine:
         histories = [s.token_ids if s.params.edits_logits else None for s in seqs]
         tokens = self.sampler.sample(logits, [s.params for s in seqs], histories, [st.rng for st in states],
                                      [s.num_prompt_tokens for s in seqs])
+        kept = self._verified(result.logits, update, seqs, rows, tokens, states)    # [(token, row), ...] per sample
         now = time.monotonic()
-        logprobs = token_logprobs(self.backend, raw, [(st.seq.params.logprobs, row, tok)
-                                                      for st, row, tok in zip(states, rows, tokens)])
-        outputs = [self._add_token(st, tok, now, lp) for st, tok, lp in zip(states, tokens, logprobs)]
+        logprobs = iter(token_logprobs(self.backend, raw, [(st.seq.params.logprobs, row, tok)
+                                                           for st, ks in zip(states, kept) for tok, row in ks]))
+        outputs = [self._add_tokens(st, ks, now, [next(logprobs) for _ in ks], update.drafts)
+                   for st, ks in zip(states, kept)]
         for seq in update.finished:     # scored to the end, or a max_tokens 0 prompt: every sample ends, no token
             first = self._final(self._state(seq), [], "")
             outputs += [first, *self._unforked(first, 1, seq.params.n)]
-        self.stats_tracker.on_step(now, started, out.plan.num_tokens, len(tokens), self.block_manager.usage)
+        self.stats_tracker.on_step(now, started, out.plan.num_tokens, sum(map(len, kept)), self.block_manager.usage)
         self.scheduler.step_cost.observe_plan(out.plan, now - started)    # what steps cost here (itl_target_ms)
         return outputs
 
@@ -356,6 +331,36 @@ class LLMEngine:
             self.stats_tracker.count_finish(first.finish_reason)
         return [dataclasses.replace(first, index=index) for index in range(start, n)]
 
+    def _drafts(self) -> dict:
+        """Speculative decoding: the tokens proposed to follow the running sequences that speculate this step."""
+        if self.speculator is None:
+            return {}
+        return self.speculator.propose(self.scheduler.running, lambda seq: self._state(seq).grammar is not None)
+
+    def _verified(self, logits, update: StepUpdate, seqs, rows, tokens, states) -> list[list[tuple[int, int]]]:
+        """Per sample the tokens it keeps this step, with their logits rows: the one drawn from its row, and for
+        a sequence that verified drafts, one more per agreeing draft (speculative.py)."""
+        kept = [[(tok, row)] for tok, row in zip(tokens, rows)]
+        if update.drafts:
+            idx = [i for i, seq in enumerate(seqs) if seq.seq_id in update.drafts]
+            checked = self.speculator.verify(self.backend, logits, [
+                (seqs[i], rows[i], tokens[i], update.drafts[seqs[i].seq_id], states[i].rng) for i in idx])
+            for i, ks in zip(idx, checked):
+                kept[i] = ks
+        return kept
+
+    def _add_tokens(self, st: SampleState, kept, now: float, logprobs: list, drafts: dict) -> RequestOutput:
+        """One sample's kept tokens through the output rules, in order, until one finishes it; a sequence that
+        verified drafts and still runs then counts the agreeing ones as computed (scheduler.accept)."""
+        outs = []
+        for (tok, _), lp in zip(kept, logprobs):
+            outs.append(self._add_token(st, tok, now, lp))
+            if outs[-1].finished:
+                break
+        if st.seq.seq_id in drafts and not st.seq.is_finished:
+            self.scheduler.accept(st.seq, len(kept) - 1)
+        return join_outputs(outs)
+
     def _add_token(self, st: SampleState, tok: int, now: float, logprobs: Logprobs | None = None) -> RequestOutput:
         text, reason = self.rules.add_token(st, tok, now)
         self.stats_tracker.on_token(st.seq)
@@ -370,6 +375,8 @@ class LLMEngine:
         states = self._requests.get(seq.request_id)
         if states is not None and all(s.seq.is_finished for s in states):
             del self._requests[seq.request_id]
+        if self.speculator is not None:
+            self.speculator.release(seq.seq_id)
         if not seq.is_scoring:
             self.stats_tracker.on_finish(seq)
         scores = st.scores if seq.finish_reason == FinishReason.LENGTH else None     # not after an abort
@@ -378,23 +385,5 @@ class LLMEngine:
 
     # ---- gauges -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Gauges and counters. A free block may still hold a cached prefix (prefix_cache_free_blocks, part
-        of kv_blocks_free): a hit takes it back, new data evicts it (prefix_cache_evictions)."""
-        bm, pc = self.block_manager, self.block_manager.stats
-        return {
-            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "receiving_kv": len(self.scheduler.receiving),      # waiting for K/V from a prefill instance
-            "kv_blocks_used": bm.num_used_blocks, "kv_blocks_free": bm.num_free_blocks, "kv_blocks_total": bm.num_blocks,
-            "kv_usage": bm.usage,
-            "prefix_cache_blocks": bm.num_cached_blocks, "prefix_cache_free_blocks": pc.cached_free_blocks,
-            "prefix_cache_evictions": pc.evicted_blocks,
-            "prefix_cache_hit_tokens": pc.hit_tokens, "prefix_cache_query_tokens": pc.query_tokens,
-            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
-            "num_preemptions": self.scheduler.num_preemptions,
-            **self.stats_tracker.snapshot(),
-            "metrics": self.stats_tracker.metrics(
-                {"num_requests_running": len(self.scheduler.running), "num_requests_waiting": len(self.scheduler.waiting),
-                 "kv_cache_usage_perc": bm.usage},
-                {"num_preemptions_total": self.scheduler.num_preemptions,
-                 "prefix_cache_queries_total": pc.query_tokens, "prefix_cache_hits_total": pc.hit_tokens}),
-        }
+        """Gauges and counters (metrics.engine_stats)."""
+        return engine_stats(self.scheduler, self.stats_tracker, self.speculator)

@@ -187,3 +187,37 @@ def summarize(values, scale: float = 1.0) -> dict[str, float | None]:
     if v.size == 0:
         return {"mean": None, "p50": None, "p99": None}
     return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))}
+
+
+def engine_stats(scheduler, tracker: EngineStats, speculator=None) -> dict:
+    """An engine's gauges and counters (PROTOCOL.md's `stats`). A free block may still hold a cached prefix
+    (prefix_cache_free_blocks, part of kv_blocks_free): a hit takes it back, new data evicts it
+    (prefix_cache_evictions). With speculative decoding, `speculative` and vLLM's spec_decode counters."""
+    bm, pc = scheduler.bm, scheduler.bm.stats
+    counters = {"num_preemptions_total": scheduler.num_preemptions,
+                "prefix_cache_queries_total": pc.query_tokens, "prefix_cache_hits_total": pc.hit_tokens}
+    extra, labels = {}, {}
+    if speculator is not None:
+        spec = speculator.counters.snapshot()
+        extra["speculative"] = {"method": speculator.method, **spec}
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            counters[f"spec_decode_{name}_total"] = {speculator.method: spec[name]}
+            labels[f"spec_decode_{name}_total"] = "method"
+        counters["spec_decode_num_accepted_tokens_per_pos_total"] = dict(enumerate(spec["accepted_per_pos"]))
+        labels["spec_decode_num_accepted_tokens_per_pos_total"] = "position"
+    metrics = tracker.metrics({"num_requests_running": len(scheduler.running),
+                               "num_requests_waiting": len(scheduler.waiting), "kv_cache_usage_perc": bm.usage},
+                              counters)
+    metrics["labels"].update(labels)
+    return {
+        "running": len(scheduler.running), "waiting": len(scheduler.waiting),
+        "receiving_kv": len(scheduler.receiving),      # waiting for K/V from a prefill instance
+        "kv_blocks_used": bm.num_used_blocks, "kv_blocks_free": bm.num_free_blocks, "kv_blocks_total": bm.num_blocks,
+        "kv_usage": bm.usage,
+        "prefix_cache_blocks": bm.num_cached_blocks, "prefix_cache_free_blocks": pc.cached_free_blocks,
+        "prefix_cache_evictions": pc.evicted_blocks,
+        "prefix_cache_hit_tokens": pc.hit_tokens, "prefix_cache_query_tokens": pc.query_tokens,
+        "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+        "num_preemptions": scheduler.num_preemptions,
+        **tracker.snapshot(), **extra, "metrics": metrics,
+    }

@@ -16,6 +16,7 @@ back is released with the final output.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -43,6 +44,22 @@ class RequestOutput:
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.., on a sample's first output (params.prompt_logprobs)
     error: str | None = None                # why the request failed (finish_reason "error"): e.g. its grammar
     scores: np.ndarray | None = None        # a scoring request's logits [T, V] float32, on its final output
+
+
+def join_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """One sample's outputs of one step (speculative decoding keeps several tokens) as one: tokens, text and
+    log-probabilities in order, the rest from the last (prompt log-probabilities from the first)."""
+    if len(outs) == 1:
+        return outs[0]
+    lps = [o.logprobs for o in outs if o.logprobs is not None]
+    logprobs = None
+    if lps:
+        logprobs = lps[0].copy()
+        for lp in lps[1:]:
+            logprobs.extend(lp)
+    return dataclasses.replace(outs[-1], new_token_ids=[t for o in outs for t in o.new_token_ids],
+                               text_delta="".join(o.text_delta for o in outs), logprobs=logprobs,
+                               prompt_logprobs=outs[0].prompt_logprobs)
 
 
 @dataclass

@@ -248,8 +248,9 @@ class StructuredOutputs:
         return ready, failed
 
     def masks(self, states: list) -> MaskJob | None:
-        """The mask of this step's sampled rows (states in logits-row order), None when none has a grammar."""
-        rows = [i for i, st in enumerate(states) if st.grammar is not None]
+        """The mask of this step's sampled rows (states in logits-row order, None for a row without one: a
+        draft's), None when none has a grammar."""
+        rows = [i for i, st in enumerate(states) if st is not None and st.grammar is not None]
         if not rows:
             return None
         bitmask = self._bitmask(len(rows))

@@ -1,0 +1,188 @@
+"""Speculative decoding: proposers of draft tokens, and the check that keeps the ones the model agrees with.
+
+A step with speculation (engine.step):
+
+    Speculator.propose(running)      drafts d1..dk for each decoding sequence that speculates this step
+    scheduler.schedule(drafts)       the sequence computes its last token and d1..dk in one chunk: k + 1 rows,
+                                     each with logits (core/step_plan.py)
+    Speculator.verify(...)           row 0 gives the token after the last one, as without speculation; while
+                                     the token row i gave equals d(i+1), row i + 1 gives the next: the tokens
+                                     kept are the agreeing drafts plus one from the first row that disagreed
+                                     (or from row k when all agreed)
+    scheduler.accept(seq, a)         the a agreeing drafts count as computed; blocks of the others go back
+
+Lossless by construction. Each kept token is drawn from the model's own row for its position, given the
+tokens before it, by the same rule and the same generator as without speculation: greedy rows take the
+argmax, sampled rows one draw of the sequence's generator per kept token. Both proposers here propose
+deterministically (n-gram lookup; the draft model's argmax), so the draft distribution q is a point mass,
+and for a point mass rejection sampling (Leviathan et al., Chen et al.: keep d with probability
+min(1, p(d) / q(d)) = p(d), else draw from the normalised max(0, p - q), which is p without d) is exactly
+"draw x from p; keep d when x = d, else emit x". That is what verify does, so the output distribution is
+the model's, and a seeded request consumes its generator as it would without speculation.
+
+When to speculate (Speculator.propose): only while at most `max_batch` sequences run (beyond it a decode
+step is no longer bound by reading the weights once, and extra rows cost their full share: docs/
+benchmarks.md, "Speculative decoding"), never for a request with a grammar (its mask follows each kept
+token), and per sequence with a back-off: a proposal the model rejects whole makes the sequence wait
+1, 2, 4, ... steps (at most 16) before it proposes again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rawinfer.core.sequence import Sequence
+from rawinfer.engine.sampler import sample_row
+
+NGRAM_MAX = 4          # longest suffix n-gram looked up
+NGRAM_MIN = 2          # shortest: a single token matches too often to predict what follows
+MAX_BATCH = 8          # running sequences above which no sequence speculates
+MAX_BACKOFF = 16
+
+
+def _plain(seq: Sequence) -> bool:
+    """Greedy without logit edits: the row's argmax, on the device."""
+    return seq.params.greedy and not seq.params.edits_logits
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's ngram, llama.cpp's lookup decoding): the longest suffix of NGRAM_MAX .. NGRAM_MIN
+    tokens that occurred earlier in the sequence (prompt or output) proposes the tokens that followed its
+    latest earlier occurrence."""
+
+    method = "ngram"
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [ngram_lookup(s.token_ids, k) for s, k in zip(seqs, ks)]
+
+    def release(self, seq_id) -> None:
+        pass
+
+
+def ngram_lookup(token_ids: list[int], k: int, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix ([] if none)."""
+    L = len(token_ids)
+    if k < 1 or L <= min_n:
+        return []
+    ids = np.asarray(token_ids, np.int64)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:L - 1], n)    # starts 0 .. L - 1 - n
+        hits = np.flatnonzero((windows == ids[L - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n          # the latest earlier occurrence's continuation
+            return ids[start:start + k].tolist()
+    return []
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's spec_decode counters for one method."""
+
+    num_drafts: int = 0              # proposals verified
+    num_draft_tokens: int = 0        # tokens proposed in them
+    num_accepted_tokens: int = 0     # proposed tokens kept
+    accepted_per_pos: list[int] = field(default_factory=list)   # [i]: proposals whose token i was kept
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos += [0] * (proposed - len(self.accepted_per_pos))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    def snapshot(self) -> dict:
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": rate,
+                "mean_acceptance_length": mean, "accepted_per_pos": list(self.accepted_per_pos)}
+
+
+class Speculator:
+    """One engine's speculation: its proposer, the per-sequence back-off and the counters."""
+
+    def __init__(self, proposer, k: int, max_model_len: int, max_batch: int = MAX_BATCH):
+        self.proposer, self.k, self.max_model_len, self.max_batch = proposer, k, max_model_len, max_batch
+        self.counters = SpecCounters()
+        self._wait: dict = {}            # seq id -> (steps left to wait, the current back-off)
+
+    @property
+    def method(self) -> str:
+        return self.proposer.method
+
+    @classmethod
+    def from_config(cls, ecfg, model_config, max_model_len: int) -> "Speculator | None":
+        if ecfg.speculative_method is None:
+            return None
+        if ecfg.speculative_method == "ngram":
+            return cls(NgramProposer(), ecfg.num_speculative_tokens, max_model_len)
+        from rawinfer.engine.draft import DraftProposer
+        return cls(DraftProposer(ecfg.speculative_model, model_config, ecfg), ecfg.num_speculative_tokens,
+                   max_model_len)
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts seq may verify: kept tokens never pass max_tokens or the context (one comes from the model)."""
+        left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+    def propose(self, running: list[Sequence], has_grammar) -> dict:
+        """seq id -> drafts for the decoding sequences that speculate this step."""
+        if len(running) > self.max_batch:
+            return {}
+        seqs, ks = [], []
+        for seq in running:
+            if seq.num_uncomputed_tokens != 1 or seq.is_scoring or has_grammar(seq):
+                continue
+            wait, backoff = self._wait.get(seq.seq_id, (0, 0))
+            if wait:
+                self._wait[seq.seq_id] = (wait - 1, backoff)
+                continue
+            k = self._room(seq)
+            if k:
+                self._wait.setdefault(seq.seq_id, (0, 0))      # known: release() frees the proposer's state
+                seqs.append(seq)
+                ks.append(k)
+        drafts = self.proposer.propose(seqs, ks) if seqs else []
+        return {s.seq_id: d for s, d in zip(seqs, drafts) if d}
+
+    def verify(self, backend, logits, picks: list[tuple[Sequence, int, int, tuple, object]]) -> list[list[tuple]]:
+        """picks: (sequence, its first logits row, the token drawn from that row, its drafts, its generator), for
+        the sequences that verify drafts. Returns per pick the kept tokens as (token, logits row): the first,
+        then one more per agreeing draft."""
+        plain = [_plain(seq) for seq, *_ in picks]
+        best = backend.argmax(logits) if any(plain) else None
+        host = backend.to_host(logits) if not all(plain) else None
+        kept_all = []
+        for (seq, row, tok, draft, rng), argmax in zip(picks, plain):
+            kept = [(tok, row)]
+            for i, d in enumerate(draft):
+                if kept[-1][0] != d:
+                    break
+                r = row + 1 + i
+                nxt = int(best[r]) if argmax else sample_row(host[r], seq.params, seq.token_ids + list(draft[:i + 1]),
+                                                             rng, seq.num_prompt_tokens)
+                kept.append((nxt, r))
+            self._record(seq, len(draft), len(kept) - 1)
+            kept_all.append(kept)
+        return kept_all
+
+    def _record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        self.counters.record(proposed, accepted)
+        _, backoff = self._wait.get(seq.seq_id, (0, 0))
+        backoff = 0 if accepted else min(MAX_BACKOFF, max(1, 2 * backoff))
+        self._wait[seq.seq_id] = (backoff, backoff)
+
+    def release(self, seq_id) -> None:
+        """The sequence finished: forget its back-off and the proposer's state of it."""
+        if self._wait.pop(seq_id, None) is not None:
+            self.proposer.release(seq_id)
+
+    def clear(self) -> None:
+        """Forget every sequence and count from zero (the engine dropped its requests: engine.reset_state)."""
+        for seq_id in list(self._wait):
+            self.release(seq_id)
+        self.counters = SpecCounters()
