@@ -203,7 +203,8 @@ def engine_stats(scheduler, tracker: EngineStats, speculator=None) -> dict:
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             counters[f"spec_decode_{name}_total"] = {speculator.method: spec[name]}
             labels[f"spec_decode_{name}_total"] = "method"
-        counters["spec_decode_num_accepted_tokens_per_pos_total"] = dict(enumerate(spec["accepted_per_pos"]))
+        counters["spec_decode_num_accepted_tokens_per_pos_total"] = {  # str keys: msgpack on the wire takes no int keys
+            str(i): n for i, n in enumerate(spec["accepted_per_pos"])}
         labels["spec_decode_num_accepted_tokens_per_pos_total"] = "position"
     metrics = tracker.metrics({"num_requests_running": len(scheduler.running),
                                "num_requests_waiting": len(scheduler.waiting), "kv_cache_usage_perc": bm.usage},

@@ -193,7 +193,7 @@ def test_counters_in_stats_and_metrics(smollm2_q4_dir):
     assert s["mean_acceptance_length"] == pytest.approx(1 + s["num_accepted_tokens"] / s["num_drafts"])
     assert counters["spec_decode_num_drafts_total"] == {"ngram": s["num_drafts"]}
     assert counters["spec_decode_num_accepted_tokens_total"] == {"ngram": s["num_accepted_tokens"]}
-    assert counters["spec_decode_num_accepted_tokens_per_pos_total"][0] == s["accepted_per_pos"][0]
+    assert counters["spec_decode_num_accepted_tokens_per_pos_total"]["0"] == s["accepted_per_pos"][0]
     assert st["metrics"]["labels"]["spec_decode_num_drafts_total"] == "method"
 
 
