@@ -121,7 +121,7 @@ def build_step_plan(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], copies:
     # NOTE: always MAX_LOGPROBS alternatives when any row wants some, so a row's do not depend on the others
     top = MAX_LOGPROBS if any(s.prompt_logprob_rows and s.seq.params.prompt_logprobs for s in scheduled) else 0
     return StepPlan(**arrays, copies=tuple(copies), prompt_top=top,
-                    max_query_len=1 if decode else max(s.num_new_tokens for s in scheduled),
+                    max_query_len=int(np.diff(arrays["query_start_loc"]).max()),
                     max_context_len=int(arrays["context_lens"].max()), graph_bucket=bucket)
 
 
@@ -158,19 +158,32 @@ def _decode_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: 
                 prompt_targets=np.zeros(0, np.int32))
 
 
+def _pieces(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]]):
+    """(scheduled seq, first position, its tokens, block table) per query sequence of the plan: a sequence
+    verifying drafts is k + 1 pieces of one row each, as in a decode step, so that its rows' bits do not
+    depend on whether the step also carries prefill."""
+    for s, table in zip(scheduled, tables):
+        start = s.seq.num_computed_tokens
+        if s.draft:
+            for i, tok in enumerate((s.seq.token_ids[start], *s.draft)):
+                yield s, start + i, [tok], table
+        else:
+            yield s, start, s.seq.token_ids[start:start + s.num_new_tokens], table
+
+
 def _chunk_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: PlanLayout) -> dict:
     """Any step: prefill chunks, decode tokens and scoring chunks mixed."""
     BS = layout.block_size
-    B = len(scheduled)
+    pieces = list(_pieces(scheduled, tables))
+    B = len(pieces)
     ids, positions, slots, logits, score, prompt_rows, targets = [], [], [], [], [], [], []
     context_lens = np.zeros(B, np.int32)
     qsl = np.zeros(B + 1, np.int32)
     row = 0
-    for b, (s, table) in enumerate(zip(scheduled, tables)):
-        seq, n = s.seq, s.num_new_tokens
-        start = seq.num_computed_tokens
+    for b, (s, start, tokens, table) in enumerate(pieces):
+        seq, n = s.seq, len(tokens)
         pos = np.arange(start, start + n, dtype=np.int32)
-        ids.append(np.asarray([*seq.token_ids[start:start + n - len(s.draft)], *s.draft], np.int32))
+        ids.append(np.asarray(tokens, np.int32))
         positions.append(pos)
         slots.append(slot_mapping(np.asarray(table, np.int32), pos, BS))
         context_lens[b] = start + n
@@ -178,14 +191,15 @@ def _chunk_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: P
         if s.scores:
             score.extend(range(row, row + n))
         elif s.samples:
-            logits.extend(range(row + n - 1 - len(s.draft), row + n))
+            logits.append(row + n - 1)
         if s.prompt_logprob_rows:
             q = s.prompt_logprob_rows
             prompt_rows.extend(range(row, row + q))
             targets.extend(seq.token_ids[start + 1:start + 1 + q])
         row += n
     return dict(token_ids=np.concatenate(ids), positions=np.concatenate(positions),
-                slot_mapping=np.concatenate(slots).astype(np.int32), block_tables=_padded_tables(tables, layout.pad_block),
+                slot_mapping=np.concatenate(slots).astype(np.int32),
+                block_tables=_padded_tables([t for *_, t in pieces], layout.pad_block),
                 context_lens=context_lens, query_start_loc=qsl, logits_indices=np.asarray(logits, np.int32),
                 score_rows=np.asarray(score, np.int32), prompt_rows=np.asarray(prompt_rows, np.int32),
                 prompt_targets=np.asarray(targets, np.int32))

@@ -58,6 +58,28 @@ def test_decode_fast_path_equals_the_chunk_path():
     assert (plan.num_tokens, plan.num_seqs, plan.max_query_len, plan.max_context_len) == (3, 3, 1, 9)
 
 
+def test_draft_rows_are_decode_rows_on_both_paths():
+    """A sequence verifying k drafts is k + 1 one-row queries over its table (positions p .. p + k, contexts
+    p + 1 .. p + k + 1, every row with logits), in a pure decode step and beside a prefill chunk alike."""
+    tables = [[7, 3], [1]]
+    a = ScheduledSeq(make_seq("a", [1, 2, 3, 4, 5], [6], 5), 3, samples=True, draft=(40, 41))
+    b = ScheduledSeq(make_seq("b", [8, 9], [10], 2), 1, samples=True)
+    layout = PlanLayout(block_size=4, pad_block=0)
+    fast, slow = _decode_arrays([a, b], tables, layout), _chunk_arrays([a, b], tables, layout)
+    for name in fast:
+        np.testing.assert_array_equal(fast[name], slow[name], err_msg=name)
+    assert fast["token_ids"].tolist() == [6, 40, 41, 10] and fast["positions"].tolist() == [5, 6, 7, 2]
+    assert fast["context_lens"].tolist() == [6, 7, 8, 3] and fast["logits_indices"].tolist() == [0, 1, 2, 3]
+    assert fast["slot_mapping"].tolist() == [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 1 * 4 + 2]
+    assert fast["block_tables"].tolist() == [[7, 3], [7, 3], [7, 3], [1, 0]]
+    plan = build_step_plan([a, b], tables, [], PlanLayout(4, graph_buckets=(1, 2, 4, 8)))
+    assert plan.graph_bucket == 4 and plan.max_query_len == 1 and plan.num_seqs == 4
+    c = ScheduledSeq(make_seq("c", list(range(50, 60)), [], 0), 6, samples=False)      # a prefill chunk
+    mixed = build_step_plan([a, c], [[7, 3], [8, 9]], [], layout)
+    assert mixed.query_start_loc.tolist() == [0, 1, 2, 3, 9] and mixed.logits_indices.tolist() == [0, 1, 2]
+    assert mixed.context_lens.tolist() == [6, 7, 8, 6] and mixed.max_query_len == 6
+
+
 def test_mixed_step_rows_logits_and_padding():
     a = ScheduledSeq(make_seq("a", list(range(10)), [], 4), 6, samples=True)            # prompt's last chunk
     b = ScheduledSeq(make_seq("b", [1, 2, 3], [4], 3), 1, samples=True)                # decode

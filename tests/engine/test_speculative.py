@@ -58,6 +58,20 @@ def test_ngram_greedy_output_equals_plain_decoding(model):
     assert s["num_accepted_tokens"] > 0 and s["num_accepted_tokens"] < s["num_draft_tokens"]
 
 
+@pytest.mark.parametrize("fixture", ["smollm2_dir", "smollm2_q4_dir"])
+def test_drafts_verified_beside_prefill_chunks_keep_their_bits(fixture, request, staggered_generation):
+    """Requests joining one per step, in chunks of 8 prompt tokens: drafts are verified in steps that also
+    prefill, and the greedy tokens still equal plain decoding's."""
+    from rawinfer.engine.engine import LLMEngine
+    model_dir = request.getfixturevalue(fixture)
+    opts = dict(device="cpu", kv_cache_memory="128MiB", long_prefill_token_threshold=8, itl_target_ms=0)
+    prompts = {str(i): p for i, p in enumerate(PROMPTS * 2)}
+    plain = staggered_generation(LLMEngine(model_dir, **opts), prompts, 32)
+    eng = LLMEngine(model_dir, speculative_method="ngram", **opts)
+    assert staggered_generation(eng, prompts, 32) == plain
+    assert eng.stats()["speculative"]["num_accepted_tokens"] > 0
+
+
 def test_seeded_sampling_penalties_and_n_are_unchanged(smollm2_q4_dir):
     """Sampled rows draw from the sequence's generator once per kept token, as without speculation."""
     from rawinfer import SamplingParams
