@@ -14,14 +14,18 @@ time included). A call to propose() then, per sequence:
     catch up: compute target.token_ids[common:]        one batched pass (more when the step budget is short)
     draft k tokens: the argmax after the catch-up, then k - 1 batched decode passes on the drafts
 
-so rejected drafts, a preempted and recomputed sequence, or a new one all take the same path. The draft's
-block manager runs without prefix caching: no block that held a rejected token can ever be found again.
-A sequence that does not fit the draft's pool or context gets no proposal ([]), never an error.
+A short catch-up (the usual one: after all k drafts were kept, the last draft and the target's own token)
+runs as decode rows, laid out as the target verifies drafts, so it takes the decode path (and on CUDA its
+graphs) instead of a prefill chunk's. Rejected drafts, a preempted and recomputed sequence, or a new one
+all take the same path. The draft's block manager runs without prefix caching: no block that held a
+rejected token can ever be found again. A sequence that does not fit the draft's pool or context gets no
+proposal ([]), never an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Hashable
@@ -43,6 +47,7 @@ DRAFT_KV_SHARE = 4                  # the draft's KV memory: the target's --kv-c
 DEFAULT_DRAFT_KV_BYTES = 256 << 20  # ... or this when the target's is sized automatically
 WARM_K = 3                          # the warm-up's drafts per sequence (two decode passes after the catch-up)
 WARM_BATCH = 8                      # and its widest decode pass: past the matrix-vector kernels' few rows
+DECODE_CATCH_UP = 8                 # catch-ups of at most this many ids (each sequence's) run decode-shaped
 _GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -116,7 +121,7 @@ class DraftProposer:
         for seq, d in zip(seqs[2:5], drafts[2:5]):   # a draft accepted, then the model's token: one to catch up
             seq.token_ids += [*d[:1], 0]
         mixed = seqs[2:5] + [Sequence(seq_id=("warm-up", "new"), request_id="warm-up", index=0,
-                                      prompt_token_ids=ids(7, WARM_BATCH), params=_GREEDY)]
+                                      prompt_token_ids=ids(12, WARM_BATCH), params=_GREEDY)]
         self.propose(mixed, [WARM_K] * len(mixed))
         self.propose(seqs[2:5], [WARM_K] * 3)
         self.reset()
@@ -213,10 +218,23 @@ class DraftProposer:
                 batch.append((j, n))
                 budget -= n
             sampled = [j for j, n in batch if n == mirrors[j].num_uncomputed_tokens]
-            tokens = self._run([ScheduledSeq(mirrors[j], n, samples=j in sampled) for j, n in batch])
+            tokens = self._run(self._catch_up_pass([(mirrors[j], n) for j, n in batch]))
             first.update(zip(sampled, tokens))
             pending = [j for j in pending if mirrors[j].num_uncomputed_tokens]
         return [first[j] for j in range(len(mirrors))]
+
+    def _catch_up_pass(self, batch: list[tuple[Sequence, int]]) -> list[ScheduledSeq]:
+        """One catch-up pass: (mirror, ids it computes). When every mirror computes all of its few uncomputed
+        ids and their rows fit the decode batch, the pass is decode-shaped, as the target verifies drafts: the
+        first uncomputed id is the sequence's token and the rest ride as `draft` rows, each at its own position
+        over the same block table (core/step_plan.py); the fused decode kernels (and, on CUDA, the decode
+        graphs) run it in the pass a chunk would take on the op-by-op path. Each row's logits are those its own
+        decode step would give, so the proposals are the same either way; only the last row's are read."""
+        short = all(n == m.num_uncomputed_tokens and n <= DECODE_CATCH_UP for m, n in batch)
+        if short and sum(n for _, n in batch) <= self.max_seqs:
+            return [ScheduledSeq(m, n, samples=True, draft=tuple(m.token_ids[m.num_computed_tokens + 1:]))
+                    for m, n in batch]
+        return [ScheduledSeq(m, n, samples=n == m.num_uncomputed_tokens) for m, n in batch]
 
     def _draft_rest(self, work: list[tuple[list[int], Sequence, int]]) -> None:
         """Decode passes: each sequence's latest draft in, its next draft out, until it holds k (drafts[i] has
@@ -235,7 +253,7 @@ class DraftProposer:
 
     def _run(self, scheduled: list[ScheduledSeq]) -> list[int]:
         """One forward pass of the draft model over `scheduled` (blocks already reserved); advances each
-        mirror's computed count; returns the argmax of each sampled row, in batch order."""
+        mirror's computed count; returns the argmax of each sampling sequence's last row, in batch order."""
         bm = self.block_manager
         plan = build_step_plan(scheduled, [bm.block_table(s.seq.seq_id) for s in scheduled], (), self.layout)
         result = self.runner.run(plan)
@@ -243,4 +261,7 @@ class DraftProposer:
             s.seq.num_computed_tokens += s.num_new_tokens
         if not plan.logits_indices.size:
             return []
-        return [int(t) for t in self.backend.argmax(result.logits)]
+        best = self.backend.argmax(result.logits)
+        rows = [s.num_new_tokens if s.draft else 1 for s in scheduled if s.samples]
+        ends = itertools.accumulate(rows)                  # a sequence's rows are consecutive, its last is read
+        return [int(best[end - 1]) for end in ends]

@@ -11,9 +11,9 @@ import pytest
 from rawinfer import LLMEngine, SamplingParams
 from rawinfer.config import EngineConfig, ModelConfig
 from rawinfer.core.sequence import Sequence
-from rawinfer.engine.draft import DRAFT_KV_SHARE, DraftProposer
+from rawinfer.engine.draft import DECODE_CATCH_UP, DRAFT_KV_SHARE, DraftProposer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET = os.path.join(ROOT, "weights", "smollm2-135m-instruct")
 DRAFT = os.path.join(ROOT, "weights", "smollm2-135m-instruct-q4")
 GEMMA = os.path.join(ROOT, "weights", "gemma3-270m")
@@ -84,6 +84,43 @@ def test_proposals_are_the_draft_models_greedy_continuation(proposer, reference)
         assert proposer.computed_tokens(seq.seq_id) == ids + expected[:8]
         _check_blocks(proposer, seq.seq_id)
         proposer.release(seq.seq_id)
+    assert proposer.block_manager.num_used_blocks == 0
+
+
+def _recording(p: DraftProposer) -> list:
+    """The plans p's runner runs from now on (the runner itself still runs them)."""
+    plans, run = [], p.runner.run
+
+    def record(plan):
+        plans.append(plan)
+        return run(plan)
+    p.runner.run = record
+    return plans
+
+
+def test_short_catch_ups_run_as_one_decode_pass(proposer, reference):
+    """Catch-ups of 1 to DECODE_CATCH_UP tokens run as decode rows (the sequence's first uncomputed token, the
+    rest as `draft` rows) in one pass, a longer one as a chunk; the proposals are the same either way: the draft
+    model's greedy continuation."""
+    ids = [reference.encode(t) for t in PROMPTS[:2]]
+    cont = [reference(x, DECODE_CATCH_UP + 4) for x in ids]
+    for catch_ups, decode in (((1, 2, 5, DECODE_CATCH_UP), True), ((2, DECODE_CATCH_UP + 1), False)):
+        seqs = [_seq(f"c{c}.{i}", ids[i % 2]) for i, c in enumerate(catch_ups)]
+        assert proposer.propose(seqs, [1] * len(seqs)) == [cont[i % 2][:1] for i in range(len(seqs))]
+        for i, (seq, c) in enumerate(zip(seqs, catch_ups)):
+            _extend(seq, cont[i % 2][:c])
+        plans = _recording(proposer)
+        try:
+            got = proposer.propose(seqs, [3] * len(seqs))
+        finally:
+            del proposer.runner.run
+        assert got == [cont[i % 2][c:c + 3] for i, c in enumerate(catch_ups)]
+        first = plans[0]            # the catch-up; then two decode passes of one row per sequence
+        assert len(plans) == 3 and (first.max_query_len == 1) == decode
+        assert first.num_tokens == sum(catch_ups) and first.logits_indices.size == (sum(catch_ups) if decode else 2)
+        for seq in seqs:
+            _check_blocks(proposer, seq.seq_id)
+            proposer.release(seq.seq_id)
     assert proposer.block_manager.num_used_blocks == 0
 
 
