@@ -216,10 +216,9 @@ def available() -> bool:
 @nb.njit(inline="always")
 def _prefetch_step(K, row_tiles, slices):
     """Bytes of the next weight tile (_C rows of K floats) to prefetch with each of the row_tiles x
-    slices tile calls on the current one, whole cache lines; none for a single row tile (each weight
-    row is then read once, a plain stream the hardware prefetcher follows)."""
-    if row_tiles < 2:
-        return 0
+    slices tile calls on the current one, whole cache lines. A single row tile (2 to _R rows: a few
+    decode rows, a sequence verifying drafts) prefetches too: its _C weight row streams at once are
+    more than the hardware prefetcher keeps ahead of (docs/kernels.md)."""
     return (_C * K * 4 // (row_tiles * slices) + 63) // 64 * 64
 
 
