@@ -178,6 +178,17 @@ def metrics_sample(g: dict, t: float, previous: dict | None) -> dict:
             "server_tokens_per_s": rate, "tokens": total}
 
 
+async def spec_totals(client: httpx.AsyncClient) -> dict | None:
+    """The server's spec_decode counters from one /metrics page (speculative.totals_from_metrics); None when
+    it does not speculate or the page cannot be read."""
+    from rawinfer.frontends.bench.speculative import totals_from_metrics
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    return totals_from_metrics(r.text) if r.status_code == 200 else None
+
+
 async def poll_metrics(client: httpx.AsyncClient, t0: float, interval: float, samples: list[dict],
                        stop: asyncio.Event) -> None:
     while not stop.is_set():

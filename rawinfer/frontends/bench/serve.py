@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from rawinfer.engine.metrics import summarize
-from rawinfer.frontends.bench import mixed, multiturn
+from rawinfer.frontends.bench import mixed, multiturn, speculative
 
 
 @dataclass
@@ -174,6 +174,7 @@ async def run_load(args, progress: bool = False) -> dict:
     if turns:
         result["multi_turn"] = multiturn.report(records, args.conversations, args.turns, before, after)
     result["kv_transfer"] = mixed.kv_transfer_report(first, last, duration)
+    result["speculative"] = speculative.run_report(speculative.totals(first), speculative.totals(last))
     return result
 
 
@@ -198,6 +199,7 @@ async def run_http_load(args, progress: bool = False) -> dict:
         records = [RequestRecord(len(p), max(1, min(n, limit - len(p))), long=g)
                    for p, n, g in zip(wl.prompts, wl.output_lens, is_long)]
         delays = arrival_times(args.num_requests, args.request_rate, args.seed + 1)
+        spec0 = await http_load.spec_totals(client)
         samples: list[dict] = []
         stop = asyncio.Event()
         t0 = time.monotonic()
@@ -210,11 +212,12 @@ async def run_http_load(args, progress: bool = False) -> dict:
         duration = time.monotonic() - t0
         stop.set()
         await poller
+        spec = speculative.run_report(spec0, await http_load.spec_totals(client))
     finally:
         await client.aclose()
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
     config.update(model=card.get("id"), device=None, kv_blocks_total=None)
-    return summarize_run(records, duration, samples, config)
+    return {**summarize_run(records, duration, samples, config), "speculative": spec}
 
 
 def summarize_run(records: list[RequestRecord], duration: float, samples: list[dict], config: dict) -> dict:
@@ -265,3 +268,4 @@ def print_report(r: dict, file=sys.stdout) -> None:
     if r.get("multi_turn"):
         multiturn.print_report(r["multi_turn"], file)
     mixed.print_kv_transfer(r.get("kv_transfer"), file)
+    speculative.print_report(r.get("speculative"), file, width=25)

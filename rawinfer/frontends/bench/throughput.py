@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rawinfer.engine.metrics import summarize
+from rawinfer.frontends.bench import speculative
 from rawinfer.sampling import SamplingParams
 
 
@@ -73,6 +74,7 @@ def run_offline(engine, wl: Workload, progress: bool = False, desc: str = "reque
     base_preempt = engine.scheduler.num_preemptions
     bm = engine.block_manager
     q0, h0 = bm.stats.query_tokens, bm.stats.hit_tokens
+    spec0 = speculative.totals(engine.stats())
     t0 = time.monotonic()
     for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens)):
         engine.add_request(f"bench-{t0}-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
@@ -101,6 +103,7 @@ def run_offline(engine, wl: Workload, progress: bool = False, desc: str = "reque
         "peak_kv_usage": peak_kv,
         "prefix_cache_hit_rate": (h / q) if q else 0.0,
         "preemptions": engine.scheduler.num_preemptions - base_preempt,
+        "speculative": speculative.run_report(spec0, speculative.totals(engine.stats())),
     }
 
 
@@ -120,6 +123,7 @@ def print_report(r: dict, file=sys.stdout) -> None:
     print(f"peak KV utilisation: {r['peak_kv_usage'] * 100:.1f} %", file=file)
     print(f"prefix-cache hits:   {r['prefix_cache_hit_rate'] * 100:.1f} %", file=file)
     print(f"preemptions:         {r['preemptions']}", file=file)
+    speculative.print_report(r.get("speculative"), file)
 
 
 def run(engine, args, progress: bool = False) -> dict:

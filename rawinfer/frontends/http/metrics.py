@@ -67,6 +67,13 @@ HELP = {
     "request_decode_time_seconds": "First token to finish.",
     "request_prompt_tokens": "Prompt tokens per finished sample.",
     "request_generation_tokens": "Generated tokens per finished sample.",
+    "spec_decode_num_drafts": "Speculative decoding: drafts the model verified (one per sequence and step that "
+                              "proposed tokens), by proposer method.",
+    "spec_decode_num_draft_tokens": "Speculative decoding: tokens proposed in the verified drafts, by method.",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: proposed tokens the model agreed with and kept, by "
+                                       "method (accepted / draft tokens is the acceptance rate).",
+    "spec_decode_num_accepted_tokens_per_pos": "Speculative decoding: drafts whose token at this position (from 0) "
+                                               "was kept.",
     "router_requests_routed": "Requests the router sent to a replica, by the reason it chose that replica.",
     "replica_up": "1 while the replica is up and taking requests, else 0.",
 }
