@@ -335,7 +335,8 @@ class LLMEngine:
         """Speculative decoding: the tokens proposed to follow the running sequences that speculate this step."""
         if self.speculator is None:
             return {}
-        return self.speculator.propose(self.scheduler.running, lambda seq: self._state(seq).grammar is not None)
+        return self.speculator.propose(self.scheduler.running, lambda seq: self._state(seq).grammar is not None,
+                                       self.scheduler.step_cost)
 
     def _verified(self, logits, update: StepUpdate, seqs, rows, tokens, states) -> list[list[tuple[int, int]]]:
         """Per sample the tokens it keeps this step, with their logits rows: the one drawn from its row, and for

@@ -20,26 +20,45 @@ min(1, p(d) / q(d)) = p(d), else draw from the normalised max(0, p - q), which i
 "draw x from p; keep d when x = d, else emit x". That is what verify does, so the output distribution is
 the model's, and a seeded request consumes its generator as it would without speculation.
 
-When to speculate (Speculator.propose): only while at most `max_batch` sequences run (beyond it a decode
-step is no longer bound by reading the weights once, and extra rows cost their full share: docs/
-benchmarks.md, "Speculative decoding"), never for a request with a grammar (its mask follows each kept
-token), and per sequence with a back-off: a proposal the model rejects whole makes the sequence wait
-1, 2, 4, ... steps (at most 16) before it proposes again.
+How many drafts (Speculator.choose_k): the k in 0 .. K with the most expected tokens per second, from the
+engine's fitted step-cost model (core/step_cost.py: a step costs a + c per decode row + d per key read)
+and each sequence's acceptance rate a_i (a moving average; a sequence keeps 1 + a + ... + a^k tokens in
+expectation), plus the proposer's own measured time per draft token (the draft model's passes):
+
+    rate(k) = sum_i (1 - a_i^(k+1)) / (1 - a_i)  /  (cost(rows = B + n k) + k * proposer seconds per token)
+
+for B decoding sequences, n of them speculating. A step of one sequence is bound by reading the weights
+once, and its extra rows cost little: k = K. As the batch grows the rows cost their full share, and at
+some batch (this machine's and model's, measured, not assumed: docs/benchmarks.md) k = 0 wins and no
+one speculates (k > 0 must win by MIN_GAIN). Before the model has an estimate, sequences speculate only while at most MAX_BATCH run.
+Never for a request with a grammar (its mask follows each kept token); per sequence, a proposal rejected
+whole makes it wait 1, 2, 4, ... steps (at most 16) before it proposes again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import time
+from collections import deque
+
 import numpy as np
 
 from rawinfer.core.sequence import Sequence
+from rawinfer.core.step_cost import StepShape
 from rawinfer.engine.sampler import sample_row
 
 NGRAM_MAX = 4          # longest suffix n-gram looked up
 NGRAM_MIN = 2          # shortest: a single token matches too often to predict what follows
-MAX_BATCH = 8          # running sequences above which no sequence speculates
+MAX_BATCH = 8          # running sequences above which no sequence speculates while there is no cost estimate
 MAX_BACKOFF = 16
+PRIOR_ACCEPTANCE = 0.7     # a sequence's acceptance rate before its first verified proposal
+EMA = 0.3                  # weight of the latest proposal in a sequence's acceptance rate
+RECOVERY = 0.05            # share of the way back to the prior per step a sequence does not speculate
+PROPOSER_WINDOW = 16       # proposer calls whose time per draft token is remembered
+MAX_ACCEPTANCE = 0.95      # keeps the expected length finite and a lucky streak from promising too much
+MIN_GAIN = 1.1             # speculate only where the estimate beats plain decoding by this much: the cost
+                           # model is a fit, and a wrong guess costs throughput
 
 
 def _plain(seq: Sequence) -> bool:
@@ -109,6 +128,13 @@ class Speculator:
         self.proposer, self.k, self.max_model_len, self.max_batch = proposer, k, max_model_len, max_batch
         self.counters = SpecCounters()
         self._wait: dict = {}            # seq id -> (steps left to wait, the current back-off)
+        self._acceptance: dict = {}      # seq id -> moving average of its proposals' accepted share
+        self._proposer_times: deque = deque(maxlen=PROPOSER_WINDOW)    # seconds per draft token, latest calls
+
+    @property
+    def proposer_seconds(self) -> float:
+        """The proposer's time per draft token: the median of its latest calls (a slow outlier changes nothing)."""
+        return float(np.median(self._proposer_times)) if self._proposer_times else 0.0
 
     @property
     def method(self) -> str:
@@ -129,25 +155,51 @@ class Speculator:
         left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
         return max(0, min(self.k, left - 1))
 
-    def propose(self, running: list[Sequence], has_grammar) -> dict:
-        """seq id -> drafts for the decoding sequences that speculate this step."""
-        if len(running) > self.max_batch:
-            return {}
-        seqs, ks = [], []
-        for seq in running:
-            if seq.num_uncomputed_tokens != 1 or seq.is_scoring or has_grammar(seq):
+    def propose(self, running: list[Sequence], has_grammar, cost=None) -> dict:
+        """seq id -> drafts for the decoding sequences that speculate this step; cost: the engine's StepCost."""
+        decoding = [s for s in running if s.num_uncomputed_tokens == 1 and not s.is_scoring]
+        seqs = []
+        for seq in decoding:
+            if has_grammar(seq):
                 continue
             wait, backoff = self._wait.get(seq.seq_id, (0, 0))
             if wait:
                 self._wait[seq.seq_id] = (wait - 1, backoff)
-                continue
-            k = self._room(seq)
-            if k:
-                self._wait.setdefault(seq.seq_id, (0, 0))      # known: release() frees the proposer's state
+            elif self._room(seq):
                 seqs.append(seq)
-                ks.append(k)
-        drafts = self.proposer.propose(seqs, ks) if seqs else []
+        k = self.choose_k(decoding, seqs, cost) if seqs else 0
+        if not k:
+            for seq in seqs:       # drift back toward the prior, so that a sequence is tried again later
+                a = self._acceptance.get(seq.seq_id, PRIOR_ACCEPTANCE)
+                self._acceptance[seq.seq_id] = a + RECOVERY * (PRIOR_ACCEPTANCE - a)
+            return {}
+        ks = [min(k, self._room(s)) for s in seqs]
+        first = any(s.seq_id not in self._wait for s in seqs)    # a draft model then computes a whole prompt
+        for seq in seqs:
+            self._wait.setdefault(seq.seq_id, (0, 0))      # known: release() frees the proposer's state
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(seqs, ks)
+        if not first:
+            self._proposer_times.append((time.perf_counter() - t0) / max(ks))
         return {s.seq_id: d for s, d in zip(seqs, drafts) if d}
+
+    def choose_k(self, decoding: list[Sequence], seqs: list[Sequence], cost) -> int:
+        """The number of drafts per speculating sequence (0: none) with the most expected tokens per second
+        (the module docstring), or K up to MAX_BATCH decoding sequences without a cost estimate."""
+        base = None if cost is None else cost.predict(StepShape(0, len(decoding), 0))
+        if base is None or base <= 0:
+            return self.k if len(decoding) <= self.max_batch else 0
+        keys = sum(s.num_tokens for s in decoding) / len(decoding)         # per row, about
+        alphas = np.array([self._acceptance.get(s.seq_id, PRIOR_ACCEPTANCE) for s in seqs])
+        best, best_rate = 0, 0.0
+        for k in range(self.k + 1):
+            rows = len(decoding) + k * len(seqs)
+            seconds = cost.predict(StepShape(0, rows, int(rows * keys))) + k * self.proposer_seconds
+            tokens = len(decoding) - len(seqs) + float(((1 - alphas ** (k + 1)) / (1 - alphas)).sum())
+            rate = tokens / seconds / (MIN_GAIN if k else 1.0)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def verify(self, backend, logits, picks: list[tuple[Sequence, int, int, tuple, object]]) -> list[list[tuple]]:
         """picks: (sequence, its first logits row, the token drawn from that row, its drafts, its generator), for
@@ -172,12 +224,15 @@ class Speculator:
 
     def _record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         self.counters.record(proposed, accepted)
+        a = self._acceptance.get(seq.seq_id, PRIOR_ACCEPTANCE)
+        self._acceptance[seq.seq_id] = min(MAX_ACCEPTANCE, a + EMA * (accepted / proposed - a))
         _, backoff = self._wait.get(seq.seq_id, (0, 0))
         backoff = 0 if accepted else min(MAX_BACKOFF, max(1, 2 * backoff))
         self._wait[seq.seq_id] = (backoff, backoff)
 
     def release(self, seq_id) -> None:
         """The sequence finished: forget its back-off and the proposer's state of it."""
+        self._acceptance.pop(seq_id, None)
         if self._wait.pop(seq_id, None) is not None:
             self.proposer.release(seq_id)
 
@@ -186,3 +241,4 @@ class Speculator:
         for seq_id in list(self._wait):
             self.release(seq_id)
         self.counters = SpecCounters()
+        self._proposer_times.clear()      # the warm-up's calls compiled kernels

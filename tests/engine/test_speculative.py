@@ -34,9 +34,13 @@ def test_ngram_lookup_takes_the_latest_occurrence_of_the_longest_suffix():
     assert ngram_lookup([1, 2], 3) == [] and ngram_lookup([1, 2, 1, 2], 0) == []
 
 
-def _generate(model_dir, prompts, params, **opts):
+def _generate(model_dir, prompts, params, always: bool = True, **opts):
+    """Outputs of `prompts` (and the LLM); always: every decoding sequence speculates with K drafts, whatever the
+    cost model would choose (the tests of losslessness want drafts in every batch)."""
     from rawinfer import LLM
     llm = LLM(model_dir, device="cpu", kv_cache_memory="256MiB", **opts)
+    if always and llm.engine.speculator is not None:
+        llm.engine.speculator.choose_k = lambda *_: llm.engine.speculator.k
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.scheduler.check_invariants()
     return [[(s.token_ids, s.text, s.finish_reason, s.logprobs and s.logprobs.logprobs) for s in r.outputs]
@@ -68,6 +72,7 @@ def test_drafts_verified_beside_prefill_chunks_keep_their_bits(fixture, request,
     prompts = {str(i): p for i, p in enumerate(PROMPTS * 2)}
     plain = staggered_generation(LLMEngine(model_dir, **opts), prompts, 32)
     eng = LLMEngine(model_dir, speculative_method="ngram", **opts)
+    eng.speculator.choose_k = lambda *_: eng.speculator.k          # whatever the batch
     assert staggered_generation(eng, prompts, 32) == plain
     assert eng.stats()["speculative"]["num_accepted_tokens"] > 0
 
@@ -130,6 +135,7 @@ def test_rollback_frees_rejected_blocks_and_never_caches_a_rejected_token(smollm
     expected = _stepwise(plain, prompts, params)
     eng = LLMEngine(smollm2_q4_dir, speculative_method="ngram", num_speculative_tokens=8, **opts)
     eng.speculator.proposer = _Oracle({tuple(p): e for p, e in zip(prompts, expected)}, wrong)
+    eng.speculator.choose_k = lambda *_: eng.speculator.k          # the bookkeeping under test, whatever pays
     assert _stepwise(eng, prompts, params) == expected
     s = eng.stats()["speculative"]
     assert s["num_drafts"] > 0 and (s["acceptance_rate"] == 1.0) == (wrong == 0)
@@ -156,6 +162,7 @@ def test_stop_string_and_max_tokens_inside_the_kept_drafts(smollm2_q4_dir):
         eng = LLMEngine(smollm2_q4_dir, device="cpu", kv_cache_memory="64MiB", speculative_method="ngram",
                         num_speculative_tokens=5)
         eng.speculator.proposer = _Oracle({tuple(p): e + [13] * 8 for p, e in zip(prompts, expected)})
+        eng.speculator.choose_k = lambda *_: eng.speculator.k
         assert _stepwise(eng, prompts, params) == expected
         assert eng.block_manager.num_used_blocks == 0
 
@@ -176,6 +183,7 @@ def test_backoff_after_rejected_proposals(smollm2_q4_dir):
         def release(self, seq_id):
             pass
     eng.speculator.proposer = Wrong()
+    eng.speculator.choose_k = lambda *_: eng.speculator.k          # the cost model would stop proposing
     eng.add_request("a", "The capital of France is", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     steps = []
     while eng.has_unfinished():
@@ -186,13 +194,47 @@ def test_backoff_after_rejected_proposals(smollm2_q4_dir):
     assert np.diff(proposing).tolist()[:4] == [2, 3, 5, 9]      # waits 1, 2, 4, 8 steps between proposals
 
 
-def test_no_speculation_above_the_batch_threshold(smollm2_q4_dir):
+def _decoding(n: int, length: int = 300):
+    from rawinfer.core.sequence import Sequence
+    from rawinfer.sampling import SamplingParams
+    seqs = [Sequence(str(i), str(i), 0, list(range(length)), SamplingParams()) for i in range(n)]
+    for s in seqs:
+        s.num_computed_tokens = length - 1
+    return seqs
+
+
+def test_drafts_per_step_follow_the_cost_model():
+    """A step cost of 10 ms + 1 ms per row: one sequence speculates with every draft, a large batch with none,
+    and less acceptance means fewer drafts; a proposer's own time per draft counts against them; without a
+    cost estimate, sequences speculate while at most MAX_BATCH run."""
+    from rawinfer.core.step_cost import Coefficients, StepCost
+    from rawinfer.engine.speculative import MAX_BATCH, Speculator
+    sp = Speculator(NgramProposer(), 4, 4096)
+    cost = StepCost(Coefficients(0.010, 0.001, 0.001, 0.0))
+
+    def k_at(batch, acceptance, proposer_seconds=0.0):
+        seqs = _decoding(batch)
+        sp._acceptance = {s.seq_id: acceptance for s in seqs}
+        sp._proposer_times.clear()
+        sp._proposer_times.append(proposer_seconds)
+        return sp.choose_k(seqs, seqs, cost)
+    assert k_at(1, 0.9) == 4 and k_at(64, 0.6) == 0 and k_at(16, 0.3) == 0
+    assert k_at(4, 0.3) < k_at(4, 0.6) <= k_at(4, 0.9)
+    assert k_at(1, 0.6, proposer_seconds=0.02) < k_at(1, 0.6)
+    seqs = _decoding(MAX_BATCH + 1)
+    assert sp.choose_k(seqs[:MAX_BATCH], seqs, StepCost()) == 4 and sp.choose_k(seqs, seqs, None) == 0
+
+
+def test_no_speculation_in_a_large_batch(smollm2_q4_dir):
+    """32 requests on the engine's own measured step cost: a step of 32 decode rows is not bound by reading
+    the weights, and no draft is proposed."""
     from rawinfer import SamplingParams
     from rawinfer.engine.engine import LLMEngine
     eng = LLMEngine(smollm2_q4_dir, device="cpu", kv_cache_memory="64MiB", speculative_method="ngram")
-    for i in range(eng.speculator.max_batch + 1):
-        eng.add_request(str(i), PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))
-    while eng.has_unfinished():
+    for i in range(32):
+        eng.add_request(str(i), PROMPTS[i % 3] + f" ({i})", SamplingParams(max_tokens=12, temperature=0))
+    eng.step()
+    while eng.has_unfinished() and len(eng.scheduler.running) > 24:
         eng.step()
     assert eng.stats()["speculative"]["num_drafts"] == 0
 
@@ -200,7 +242,7 @@ def test_no_speculation_above_the_batch_threshold(smollm2_q4_dir):
 def test_counters_in_stats_and_metrics(smollm2_q4_dir):
     from rawinfer import SamplingParams
     _, llm = _generate(smollm2_q4_dir, PROMPTS[1:2], SamplingParams(max_tokens=40, temperature=0),
-                       speculative_method="ngram")
+                       always=False, speculative_method="ngram")
     st = llm.engine.stats()
     s, counters = st["speculative"], st["metrics"]["counters"]
     assert s["method"] == "ngram" and 0 < s["acceptance_rate"] <= 1
@@ -260,6 +302,7 @@ def test_rejection_sampling_keeps_the_models_distribution(tiny_llama_dir):
         def release(self, seq_id):
             pass
     eng.speculator.proposer = Likeliest()
+    eng.speculator.choose_k = lambda *_: 1                          # every request verifies its draft
     seconds, thirds = [], []
     for batch in range(500):
         for i in range(8):
