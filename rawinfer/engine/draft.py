@@ -19,7 +19,8 @@ runs as decode rows, laid out as the target verifies drafts, so it takes the dec
 graphs) instead of a prefill chunk's. Rejected drafts, a preempted and recomputed sequence, or a new one
 all take the same path. The draft's block manager runs without prefix caching: no block that held a
 rejected token can ever be found again. A sequence that does not fit the draft's pool or context gets no
-proposal ([]), never an error.
+proposal ([]), never an error. A draft model whose every layer slides through a window of W positions gives
+back the blocks wholly before each sequence's window after every call, as the scheduler does for the target.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class DraftProposer:
         self.max_model_len = resolve_max_model_len(cfg, ecfg)
         self.max_tokens, self.max_seqs = ecfg.max_num_batched_tokens, ecfg.max_num_seqs
         self._mirrors: dict[Hashable, Sequence] = {}
+        self.window = cfg.kv_window                     # every layer slides through W positions (0: none)
+        self._dropped: dict[Hashable, int] = {}         # seq id -> positions below this were given back (window)
         if ecfg.warmup:
             self._warm_up()
 
@@ -149,11 +152,15 @@ class DraftProposer:
         for (i, _, _), tok in zip(work, self._catch_up([m for _, m, _ in work])):
             out[i].append(tok)
         self._draft_rest([(out[i], m, k) for i, m, k in work])
+        if self.window:
+            for i, m, _ in work:
+                self._slide(m, seqs[i].num_tokens)
         return out
 
     def release(self, seq_id: Hashable) -> None:
         """The target sequence finished or was aborted: free its draft blocks and forget it (unknown: no-op)."""
         self._mirrors.pop(seq_id, None)
+        self._dropped.pop(seq_id, None)
         if seq_id in self.block_manager:
             self.block_manager.free(seq_id)
 
@@ -163,8 +170,10 @@ class DraftProposer:
             self.release(seq_id)
 
     def num_blocks(self, seq_id: Hashable) -> int:
-        """Draft KV blocks seq_id holds now (0 if none)."""
-        return len(self.block_manager.block_table(seq_id)) if seq_id in self.block_manager else 0
+        """Draft KV blocks seq_id holds now (0 if none; those a sliding window gave back not counted)."""
+        if seq_id not in self.block_manager:
+            return 0
+        return len(self.block_manager.block_table(seq_id)) - self._dropped.get(seq_id, 0) // self.block_manager.block_size
 
     def computed_tokens(self, seq_id: Hashable) -> list[int]:
         """A copy of the token ids whose K/V the draft's cache holds for seq_id."""
@@ -186,11 +195,24 @@ class DraftProposer:
         common = 0
         while common < limit and have[common] == target[common]:
             common += 1
+        if common - self.window + 1 < self._dropped.get(seq.seq_id, 0):    # its window's K/V went back
+            self.release(seq.seq_id)
+            return self._follow(seq)
         if seq.seq_id in self.block_manager:
             self.block_manager.truncate(seq.seq_id, common)
         mirror.num_computed_tokens = common
         mirror.token_ids = list(target)
         return mirror
+
+    def _slide(self, mirror: Sequence, num_tokens: int) -> None:
+        """A sliding-window draft model: give back mirror's blocks wholly before the window of position
+        num_tokens - 1, as the scheduler does for the target. The target's num_tokens ids stay (only drafts
+        roll back), so the next call's catch-up starts at num_tokens or later and reads nothing given back
+        here; a sequence rolled back further is recomputed from its start (_follow)."""
+        bs = self.block_manager.block_size
+        pos = max(0, num_tokens - self.window + 1)
+        self.block_manager.release_before(mirror.seq_id, pos)
+        self._dropped[mirror.seq_id] = max(self._dropped.get(mirror.seq_id, 0), pos // bs * bs)
 
     def _reserve(self, mirror: Sequence, k: int) -> bool:
         """Blocks for mirror's uncomputed ids and the k - 1 drafts computed after them, all at once so no pass

@@ -226,3 +226,136 @@ def test_every_weight_format_drafts_its_own_greedy_continuation(fmt, target_conf
     _check_blocks(p, "s")
     p.release("s")
     assert p.block_manager.num_used_blocks == 0
+
+
+# ---- through the engine: LLM(target, speculative_model=draft) ---------------------------------------------
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "user", "content": "Write a Python function that reverses a string."}],
+         [{"role": "user", "content": "Name three colors of the rainbow and say one thing about each."}]]
+
+
+def _llm(model: str, **opts):
+    from rawinfer import LLM
+    return LLM(model, **{"device": "cpu", "kv_cache_memory": "64MiB", "warmup": False, **opts})
+
+
+def _results(llm, params, chats=CHATS) -> list:
+    outs = llm.chat(chats, params, use_tqdm=False)
+    return [[(c.token_ids, c.text, c.finish_reason, c.logprobs and c.logprobs.logprobs) for c in r.outputs]
+            for r in outs]
+
+
+def _counting_proposals(engine) -> list:
+    """The proposals the engine's Speculator hands the scheduler from now on, one int per step: how many."""
+    counts, propose = [], engine.speculator.propose
+
+    def count(*args):
+        drafts = propose(*args)
+        counts.append(len(drafts))
+        return drafts
+    engine.speculator.propose = count
+    return counts
+
+
+@pytest.fixture(scope="module")
+def plain32():
+    return _llm(TARGET)
+
+
+@pytest.fixture(scope="module")
+def spec32():
+    """float32 SmolLM2 with its q4 copy drafting 3 tokens, warmed up as a server's engine is."""
+    llm = _llm(TARGET, speculative_model=DRAFT, num_speculative_tokens=3, warmup=True)
+    s = llm.engine.stats()["speculative"]
+    assert s["method"] == "draft" and s["num_drafts"] == s["num_draft_tokens"] == 0     # the warm-up's not counted
+    assert llm.engine.speculator.proposer.block_manager.num_used_blocks == 0
+    return llm
+
+
+def test_greedy_output_and_logprobs_equal_float32_alone(plain32, spec32):
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=2)
+    counts = _counting_proposals(spec32.engine)
+    try:
+        spec = _results(spec32, params)
+    finally:
+        del spec32.engine.speculator.propose
+    assert spec == _results(plain32, params)
+    s = spec32.engine.stats()["speculative"]
+    assert s["method"] == "draft" and s["num_drafts"] == sum(counts) > 0
+    assert 0 < s["num_accepted_tokens"] <= s["num_draft_tokens"] <= 3 * s["num_drafts"]
+    assert spec32.engine.speculator.proposer.block_manager.num_used_blocks == 0
+
+
+def test_seeded_sampling_with_n_equals_float32_alone(plain32, spec32):
+    params = SamplingParams(max_tokens=32, temperature=0.8, seed=11, n=2)
+    assert _results(spec32, params) == _results(plain32, params)
+    assert spec32.engine.speculator.proposer.block_manager.num_used_blocks == 0
+
+
+def test_abort_releases_the_drafts_blocks(spec32):
+    engine, draft = spec32.engine, spec32.engine.speculator.proposer
+    engine.add_request("a", spec32.tokenizer.encode("Tell me a long story about a dragon."),
+                       SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    seq_id = engine.sequences("a")[0].seq_id
+    assert draft.num_blocks(seq_id) > 0 and draft.computed_tokens(seq_id)
+    assert [o.finish_reason for o in engine.abort("a")] == ["abort"]
+    assert draft.block_manager.num_used_blocks == 0 and draft.computed_tokens(seq_id) == []
+    assert not engine.has_unfinished()
+
+
+def test_small_target_pool_preempts_and_stays_equal(plain32):
+    """8 MiB of target KV (a few hundred positions) for three chats: sequences are preempted and recomputed,
+    the draft follows them (its own pool is smaller still: some steps get no proposal) and frees every block."""
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    spec = _llm(TARGET, speculative_model=DRAFT, kv_cache_memory="8MiB")
+    assert _results(spec, params) == _results(plain32, params)
+    st = spec.engine.stats()
+    assert st["num_preemptions"] > 0 and st["speculative"]["num_drafts"] > 0
+    assert spec.engine.speculator.proposer.block_manager.num_used_blocks == 0
+
+
+def test_q4_target_with_an_int8_draft_equals_q4_alone(smollm2_int8_dir):
+    params = SamplingParams(max_tokens=32, temperature=0)
+    spec = _llm(DRAFT, speculative_model=smollm2_int8_dir)
+    assert _results(spec, params) == _results(_llm(DRAFT), params)
+    assert spec.engine.stats()["speculative"]["num_accepted_tokens"] > 0
+
+
+# ---- a sliding-window draft model ---------------------------------------------------------------------------
+def test_a_sliding_window_draft_holds_its_window_and_proposes_its_greedy_continuation(tmp_path_factory):
+    """tiny-mistral-swa (every layer slides through 24 positions) drafting for itself in a draft pool of 6 blocks
+    of 16: a 40-token prompt and 120 more tokens (10 blocks) follow the target through every acceptance pattern,
+    holding the window's blocks only, and each proposal is the model's greedy continuation; a sequence rolled
+    back past the given-back blocks is recomputed from its start."""
+    from conftest import _convert_tiny
+    swa = _convert_tiny(tmp_path_factory, "tiny-mistral-swa")
+    cfg = ModelConfig.from_dir(swa)
+    bs, k = 16, 3
+    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * bs * cfg.head_dim * 4      # float32 K and V
+    p = DraftProposer(swa, cfg, _ecfg(kv_cache_memory=DRAFT_KV_SHARE * 6 * block_bytes, block_size=bs))
+    assert p.window == 24 and p.block_manager.num_blocks == 6
+    ref = LLMEngine(swa, _ecfg(enable_prefix_caching=False, block_size=bs))
+    calls = iter(range(1 << 30))
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        rid = str(next(calls))
+        ref.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        return [t for _ in iter(ref.has_unfinished, False) for o in ref.step() for t in o.new_token_ids]
+    prompt = [(i * 37 + 11) % 509 + 3 for i in range(40)]
+    seq, held, step = _seq("w", prompt), [], 0
+    while seq.num_output_tokens < 120:
+        drafts = p.propose([seq], [k])[0]
+        assert drafts == greedy(seq.token_ids, k)
+        held.append(p.block_manager.num_used_blocks)
+        assert held[-1] == p.num_blocks("w")
+        kept = step % (k + 1)                   # 0 .. k drafts kept, then the target's token: another than the
+        _extend(seq, drafts[:kept] + [(drafts[kept] + 1) % 512 if kept < k else 7])   # next draft (rejected)
+        step += 1
+    assert max(held) <= -(-(24 + k) // bs) + 1 < -(-seq.num_tokens // bs)
+    short = _seq("w", seq.token_ids[:45])       # the same id, rolled back before the window's blocks
+    assert p.propose([short], [k]) == [greedy(short.token_ids, k)]
+    assert p.computed_tokens("w") == short.token_ids + greedy(short.token_ids, k - 1)
+    p.release("w")
+    assert p.block_manager.num_used_blocks == 0
