@@ -124,8 +124,10 @@ class SpecCounters:
 class Speculator:
     """One engine's speculation: its proposer, the per-sequence back-off and the counters."""
 
-    def __init__(self, proposer, k: int, max_model_len: int, max_batch: int = MAX_BATCH):
+    def __init__(self, proposer, k: int, max_model_len: int, max_batch: int = MAX_BATCH, keeps_state: bool = False):
+        """keeps_state: the proposer holds per-sequence state that its first proposal builds (a draft model's KV)."""
         self.proposer, self.k, self.max_model_len, self.max_batch = proposer, k, max_model_len, max_batch
+        self.keeps_state = keeps_state
         self.counters = SpecCounters()
         self._wait: dict = {}            # seq id -> (steps left to wait, the current back-off)
         self._acceptance: dict = {}      # seq id -> moving average of its proposals' accepted share
@@ -148,7 +150,7 @@ class Speculator:
             return cls(NgramProposer(), ecfg.num_speculative_tokens, max_model_len)
         from rawinfer.engine.draft import DraftProposer
         return cls(DraftProposer(ecfg.speculative_model, model_config, ecfg), ecfg.num_speculative_tokens,
-                   max_model_len)
+                   max_model_len, keeps_state=True)
 
     def _room(self, seq: Sequence) -> int:
         """Drafts seq may verify: kept tokens never pass max_tokens or the context (one comes from the model)."""
@@ -161,6 +163,8 @@ class Speculator:
         seqs = []
         for seq in decoding:
             if has_grammar(seq):
+                continue
+            if self._late(seq):
                 continue
             wait, backoff = self._wait.get(seq.seq_id, (0, 0))
             if wait:
@@ -182,6 +186,12 @@ class Speculator:
         if not first:
             self._proposer_times.append((time.perf_counter() - t0) / max(ks))
         return {s.seq_id: d for s, d in zip(seqs, drafts) if d}
+
+    def _late(self, seq: Sequence) -> bool:
+        """A proposer that keeps state per sequence (a draft model's KV) computes a sequence's whole text at its
+        first proposal: a sequence joins only at its first decode step, where that is its prompt, paid once
+        for all the rest; one that did not join then (a large batch chose no drafts) never does."""
+        return self.keeps_state and seq.seq_id not in self._wait and seq.num_output_tokens > 1
 
     def choose_k(self, decoding: list[Sequence], seqs: list[Sequence], cost) -> int:
         """The number of drafts per speculating sequence (0: none) with the most expected tokens per second

@@ -225,6 +225,33 @@ def test_drafts_per_step_follow_the_cost_model():
     assert sp.choose_k(seqs[:MAX_BATCH], seqs, StepCost()) == 4 and sp.choose_k(seqs, seqs, None) == 0
 
 
+def test_a_stateful_proposer_takes_sequences_only_at_their_first_decode_step():
+    """A draft model computes a sequence's whole text at its first proposal: a sequence first met later (the
+    batch was too large for drafts at its first decode step) never joins; one that joined keeps proposing."""
+    from rawinfer.engine.speculative import Speculator
+
+    class Echo:
+        method = "echo"
+
+        def propose(self, seqs, ks):
+            return [[seq.token_ids[-1]] * k for seq, k in zip(seqs, ks)]
+
+        def release(self, seq_id):
+            pass
+    sp = Speculator(Echo(), 2, 4096, keeps_state=True)
+    first, late = _decoding(2, 20)
+    first.append_token(7, 0.0)       # 1 output token: its first decode step
+    for t in (7, 8):
+        late.append_token(t, 0.0)    # 2: first met after its first decode step
+    for s in (first, late):
+        s.num_computed_tokens = s.num_tokens - 1
+    assert set(sp.propose([first, late], lambda _: False)) == {first.seq_id}
+    first.append_token(9, 0.0)
+    first.num_computed_tokens += 1
+    assert set(sp.propose([first, late], lambda _: False)) == {first.seq_id}
+    assert set(Speculator(Echo(), 2, 4096).propose([late], lambda _: False)) == {late.seq_id}
+
+
 def test_no_speculation_in_a_large_batch(smollm2_q4_dir):
     """32 requests on the engine's own measured step cost: a step of 32 decode rows is not bound by reading
     the weights, and no draft is proposed."""
