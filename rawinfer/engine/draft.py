@@ -171,9 +171,8 @@ class DraftProposer:
 
     def num_blocks(self, seq_id: Hashable) -> int:
         """Draft KV blocks seq_id holds now (0 if none; those a sliding window gave back not counted)."""
-        if seq_id not in self.block_manager:
-            return 0
-        return len(self.block_manager.block_table(seq_id)) - self._dropped.get(seq_id, 0) // self.block_manager.block_size
+        bm = self.block_manager
+        return len(bm.block_table(seq_id)) - self._dropped.get(seq_id, 0) // bm.block_size if seq_id in bm else 0
 
     def computed_tokens(self, seq_id: Hashable) -> list[int]:
         """A copy of the token ids whose K/V the draft's cache holds for seq_id."""

@@ -296,9 +296,12 @@ def test_abort_releases_the_drafts_blocks(spec32):
     engine, draft = spec32.engine, spec32.engine.speculator.proposer
     engine.add_request("a", spec32.tokenizer.encode("Tell me a long story about a dragon."),
                        SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
-    for _ in range(6):
-        engine.step()
+    engine.step()
     seq_id = engine.sequences("a")[0].seq_id
+    for _ in range(150):                        # until it proposed (the Speculator decides when it pays)
+        if draft.num_blocks(seq_id):
+            break
+        engine.step()
     assert draft.num_blocks(seq_id) > 0 and draft.computed_tokens(seq_id)
     assert [o.finish_reason for o in engine.abort("a")] == ["abort"]
     assert draft.block_manager.num_used_blocks == 0 and draft.computed_tokens(seq_id) == []
@@ -324,13 +327,18 @@ def test_q4_target_with_an_int8_draft_equals_q4_alone(smollm2_int8_dir):
 
 
 # ---- a sliding-window draft model ---------------------------------------------------------------------------
-def test_a_sliding_window_draft_holds_its_window_and_proposes_its_greedy_continuation(tmp_path_factory):
+@pytest.fixture(scope="module")
+def swa_dir(tmp_path_factory) -> str:
+    from conftest import _convert_tiny
+    return _convert_tiny(tmp_path_factory, "tiny-mistral-swa")
+
+
+def test_a_sliding_window_draft_holds_its_window_and_proposes_its_greedy_continuation(swa_dir):
     """tiny-mistral-swa (every layer slides through 24 positions) drafting for itself in a draft pool of 6 blocks
     of 16: a 40-token prompt and 120 more tokens (10 blocks) follow the target through every acceptance pattern,
     holding the window's blocks only, and each proposal is the model's greedy continuation; a sequence rolled
     back past the given-back blocks is recomputed from its start."""
-    from conftest import _convert_tiny
-    swa = _convert_tiny(tmp_path_factory, "tiny-mistral-swa")
+    swa = swa_dir
     cfg = ModelConfig.from_dir(swa)
     bs, k = 16, 3
     block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * bs * cfg.head_dim * 4      # float32 K and V
@@ -359,3 +367,24 @@ def test_a_sliding_window_draft_holds_its_window_and_proposes_its_greedy_continu
     assert p.computed_tokens("w") == short.token_ids + greedy(short.token_ids, k - 1)
     p.release("w")
     assert p.block_manager.num_used_blocks == 0
+
+
+def test_a_sliding_window_model_drafting_for_itself_through_the_engine(swa_dir):
+    """tiny-mistral-swa (window 24) as its own draft model, target pool of 32 blocks and draft pool of 8: generations
+    far past the window (12 blocks each) equal those without speculation, every draft is kept, and no block stays
+    behind."""
+    swa = swa_dir
+    cfg = ModelConfig.from_dir(swa)
+    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * 16 * cfg.head_dim * 4
+    opts = dict(block_size=16, max_num_batched_tokens=64, kv_cache_memory=32 * block_bytes)
+    prompts = [[(i * p + 11) % 509 + 3 for i in range(30)] for p in (37, 41)]
+    params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    plain = _llm(swa, **{**opts, "kv_cache_memory": 64 * block_bytes}).generate(prompts, params, use_tqdm=False)
+    spec = _llm(swa, speculative_model=swa, **opts)
+    assert spec.engine.speculator.proposer.block_manager.num_blocks == 32 // DRAFT_KV_SHARE < 2 * -(-(30 + 150) // 16)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in plain]
+    s = spec.engine.stats()["speculative"]
+    # all but a few of each sequence's 150 tokens were drafts kept: the window's blocks always had room
+    assert s["num_accepted_tokens"] == s["num_draft_tokens"] >= 2 * 100
+    assert spec.engine.speculator.proposer.block_manager.num_used_blocks == 0
