@@ -92,8 +92,8 @@ class _Oracle:
     """Proposes what greedy decoding will produce (from a plain run), with every other token wrong by `wrong`."""
     method = "oracle"
 
-    def __init__(self, outputs: dict, wrong: int = 0):
-        self.outputs, self.wrong = outputs, wrong
+    def __init__(self, outputs: dict, wrong: int = 0, vocab: int = 49152):
+        self.outputs, self.wrong, self.vocab = outputs, wrong, vocab
 
     def propose(self, seqs, ks):
         drafts = []
@@ -101,7 +101,7 @@ class _Oracle:
             full = self.outputs[tuple(seq.prompt_token_ids)]
             d = list(full[seq.num_output_tokens:seq.num_output_tokens + k])
             if self.wrong and d:
-                d[min(len(d) - 1, 1)] = (d[min(len(d) - 1, 1)] + self.wrong) % 49152
+                d[min(len(d) - 1, 1)] = (d[min(len(d) - 1, 1)] + self.wrong) % self.vocab
             drafts.append(d)
         return drafts
 
@@ -350,3 +350,25 @@ def test_rejection_sampling_keeps_the_models_distribution(tiny_llama_dir):
     c3 = np.bincount(thirds, minlength=p3.size)[p3 > 0]
     assert len(thirds) > 100
     assert _chi2(c2, p2[p2 > 0]) < CHI2_7_P001 and _chi2(c3, p3[p3 > 0]) < CHI2_7_P001
+
+
+def test_sliding_window_model_rolls_back_inside_its_window(tmp_path_factory):
+    """tiny-mistral-swa (every layer slides through 24 positions), blocks of 4, a pool of 16 blocks for a
+    generation of 120 tokens (the window's blocks given back as it slides, rejected drafts' blocks after each
+    step): drafts half wrong, the same tokens as plain decoding, the scheduler's invariants after every step."""
+    from conftest import _convert_tiny
+    from rawinfer import SamplingParams
+    from rawinfer.engine.engine import LLMEngine
+    path = _convert_tiny(tmp_path_factory, "tiny-mistral-swa")
+    opts = dict(device="cpu", kv_cache_memory=16 * 2 * 2 * 2 * 4 * 16 * 4, block_size=4,      # 16 blocks
+                max_num_batched_tokens=32, enable_prefix_caching=True)
+    prompt = np.random.default_rng(5).integers(3, 500, 30).tolist()
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    plain = LLMEngine(path, device="cpu", kv_cache_memory="16MiB", block_size=4)
+    expected = _stepwise(plain, [prompt], params)
+    eng = LLMEngine(path, speculative_method="ngram", num_speculative_tokens=6, **opts)
+    assert eng.model_config.kv_window == 24
+    eng.speculator.proposer = _Oracle({tuple(prompt): expected[0] + [1] * 8}, wrong=3, vocab=512)
+    eng.speculator.choose_k = lambda *_: 6
+    assert _stepwise(eng, [prompt], params) == expected
+    assert eng.stats()["speculative"]["num_accepted_tokens"] > 0
