@@ -369,7 +369,7 @@ class EngineConfig:
         None, parse=str, metavar="PATH", check=optional(lambda v: isinstance(v, str) and os.path.isdir(v)),
         what="an existing model folder", help="the draft model's converted folder (implies --speculative-method "
                                               "draft); it must share the model's tokenizer")
-    num_speculative_tokens: int = option(3, parse=int_argument, check=lambda v: is_int(v) and 1 <= v <= 16,
+    num_speculative_tokens: int = option(5, parse=int_argument, check=lambda v: is_int(v) and 1 <= v <= 16,
                                          what="an integer from 1 to 16", metavar="K",
                                          help="tokens proposed per step when speculating")
     seed: int = option(0, flag=None, check=lambda v: is_int(v) and 0 <= v < 2**63, what="an integer in [0, 2**63)",

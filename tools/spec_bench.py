@@ -3,7 +3,7 @@
     python tools/spec_bench.py --workload ngram              # batch 1, input-grounded prompts, float32 + q4
     python tools/spec_bench.py --workload draft              # batch 1, chat prompts: q4 drafts for float32
     python tools/spec_bench.py --workload batch --concurrency 32     # output throughput at 32 requests
-    python tools/spec_bench.py --workload sweep              # tokens/s by batch size with speculation forced on
+    python tools/spec_bench.py --workload sweep              # tokens/s by batch size: the cost model's drafts, K
 
 Each engine is built once; the runs alternate (plain, speculative, plain, ...) for --rounds rounds so both
 see the same machine load. Batch 1 reports the mean inter-token latency (decode time / (tokens - 1)), the
@@ -78,7 +78,7 @@ def compare(name: str, plain, spec, prompts, args, batch: bool) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=("ngram", "draft", "batch", "sweep"), default="ngram")
-    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--k", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=32)
@@ -107,16 +107,19 @@ def main() -> None:
 
 
 def sweep(args) -> None:
-    """Output tokens/s at batch 1, 2, 4, 8, 16 with the n-gram proposer forced on at every size (the batch
-    threshold is where the ratio falls under 1)."""
+    """Output tokens/s at batch 1, 2, 4, 8, 16: the drafts the step-cost model chooses (auto), and K drafts
+    for every decoding sequence whatever it costs (forced), each against plain decoding."""
     for model in (Q4, F32):
         plain = engine(model)
-        spec = engine(model, speculative_method="ngram", num_speculative_tokens=args.k)
-        spec.engine.speculator.max_batch = 1 << 30
+        auto = engine(model, speculative_method="ngram", num_speculative_tokens=args.k)
+        forced = engine(model, speculative_method="ngram", num_speculative_tokens=args.k)
+        forced.engine.speculator.choose_k = lambda *_: args.k
         convs = grounded_prompts()
         for b in (1, 2, 4, 8, 16):
-            prompts = chat_ids(plain, [convs[i % len(convs)] for i in range(b)])
-            compare(f"ngram forced, {Path(model).name}, batch {b}", plain, spec, prompts, args, batch=True)
+            prompts = chat_ids(plain, [[{"role": "user", "content": convs[i % len(convs)][0]["content"] + f" (#{i})"}]
+                                       for i in range(b)])
+            for name, spec in (("auto", auto), ("forced", forced)):
+                compare(f"ngram {name}, {Path(model).name}, batch {b}", plain, spec, prompts, args, batch=True)
 
 
 if __name__ == "__main__":

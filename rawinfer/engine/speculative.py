@@ -29,8 +29,10 @@ expectation), plus the proposer's own measured time per draft token (the draft m
 
 for B decoding sequences, n of them speculating. A step of one sequence is bound by reading the weights
 once, and its extra rows cost little: k = K. As the batch grows the rows cost their full share, and at
-some batch (this machine's and model's, measured, not assumed: docs/benchmarks.md) k = 0 wins and no
-one speculates (k > 0 must win by MIN_GAIN). Before the model has an estimate, sequences speculate only while at most MAX_BATCH run.
+some batch k = 0 wins and no one speculates (k > 0 must win by MIN_GAIN). The model is linear in rows and
+fitted mostly to the batch sizes the engine has been running, so it guesses large batches' extra rows too
+cheap; above MAX_BATCH decoding sequences no one speculates at all, a bound measured where speculation
+started to lose on this project's CPUs (docs/speculative.md).
 Never for a request with a grammar (its mask follows each kept token); per sequence, a proposal rejected
 whole makes it wait 1, 2, 4, ... steps (at most 16) before it proposes again.
 """
@@ -50,7 +52,7 @@ from rawinfer.engine.sampler import sample_row
 
 NGRAM_MAX = 4          # longest suffix n-gram looked up
 NGRAM_MIN = 2          # shortest: a single token matches too often to predict what follows
-MAX_BATCH = 8          # running sequences above which no sequence speculates while there is no cost estimate
+MAX_BATCH = 8          # decoding sequences above which no sequence speculates, whatever the estimate says
 MAX_BACKOFF = 16
 PRIOR_ACCEPTANCE = 0.7     # a sequence's acceptance rate before its first verified proposal
 EMA = 0.3                  # weight of the latest proposal in a sequence's acceptance rate
@@ -195,10 +197,12 @@ class Speculator:
 
     def choose_k(self, decoding: list[Sequence], seqs: list[Sequence], cost) -> int:
         """The number of drafts per speculating sequence (0: none) with the most expected tokens per second
-        (the module docstring), or K up to MAX_BATCH decoding sequences without a cost estimate."""
+        (the module docstring), K without a cost estimate; none above max_batch decoding sequences."""
+        if len(decoding) > self.max_batch:
+            return 0
         base = None if cost is None else cost.predict(StepShape(0, len(decoding), 0))
         if base is None or base <= 0:
-            return self.k if len(decoding) <= self.max_batch else 0
+            return self.k
         keys = sum(s.num_tokens for s in decoding) / len(decoding)         # per row, about
         alphas = np.array([self._acceptance.get(s.seq_id, PRIOR_ACCEPTANCE) for s in seqs])
         best, best_rate = 0, 0.0

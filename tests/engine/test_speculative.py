@@ -205,11 +205,11 @@ def _decoding(n: int, length: int = 300):
 
 def test_drafts_per_step_follow_the_cost_model():
     """A step cost of 10 ms + 1 ms per row: one sequence speculates with every draft, a large batch with none,
-    and less acceptance means fewer drafts; a proposer's own time per draft counts against them; without a
-    cost estimate, sequences speculate while at most MAX_BATCH run."""
+    and less acceptance means fewer drafts; a proposer's own time per draft counts against them. Above MAX_BATCH
+    decoding sequences none speculates, whatever the estimate; without one, K drafts up to there."""
     from rawinfer.core.step_cost import Coefficients, StepCost
     from rawinfer.engine.speculative import MAX_BATCH, Speculator
-    sp = Speculator(NgramProposer(), 4, 4096)
+    sp = Speculator(NgramProposer(), 4, 4096, max_batch=1 << 30)
     cost = StepCost(Coefficients(0.010, 0.001, 0.001, 0.0))
 
     def k_at(batch, acceptance, proposer_seconds=0.0):
@@ -221,8 +221,11 @@ def test_drafts_per_step_follow_the_cost_model():
     assert k_at(1, 0.9) == 4 and k_at(64, 0.6) == 0 and k_at(16, 0.3) == 0
     assert k_at(4, 0.3) < k_at(4, 0.6) <= k_at(4, 0.9)
     assert k_at(1, 0.6, proposer_seconds=0.02) < k_at(1, 0.6)
+    sp = Speculator(NgramProposer(), 4, 4096)
     seqs = _decoding(MAX_BATCH + 1)
     assert sp.choose_k(seqs[:MAX_BATCH], seqs, StepCost()) == 4 and sp.choose_k(seqs, seqs, None) == 0
+    sp._acceptance = {s.seq_id: 0.9 for s in seqs}
+    assert sp.choose_k(seqs[:MAX_BATCH], seqs[:MAX_BATCH], cost) > 0 and sp.choose_k(seqs, seqs, cost) == 0
 
 
 def test_a_stateful_proposer_takes_sequences_only_at_their_first_decode_step():
