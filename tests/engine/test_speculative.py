@@ -375,3 +375,27 @@ def test_sliding_window_model_rolls_back_inside_its_window(tmp_path_factory):
     eng.speculator.choose_k = lambda *_: 6
     assert _stepwise(eng, [prompt], params) == expected
     assert eng.stats()["speculative"]["num_accepted_tokens"] > 0
+
+
+def test_the_decode_side_of_a_transfer_speculates(tiny_llama_dir):
+    """Prefill/decode disaggregation in one process (tests/engine/test_kv_transfer.py's transfer): prompts
+    prefilled by one engine, their K/V written into blocks the speculating decode engine reserved, generate
+    plain decoding's tokens with drafts kept and rejected, and leave no block behind."""
+    from rawinfer import SamplingParams
+    from rawinfer.engine.engine import LLMEngine
+    from tests.engine.test_kv_transfer import OPTS, assert_clean, drain, transfer
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 500, int(rng.integers(20, 60))).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    colo = LLMEngine(tiny_llama_dir, **OPTS)
+    expected = _stepwise(colo, prompts, params)
+    prefill = LLMEngine(tiny_llama_dir, **OPTS)
+    decode = LLMEngine(tiny_llama_dir, speculative_method="ngram", **OPTS)
+    decode.speculator.proposer = _Oracle({tuple(p): e + [1] * 8 for p, e in zip(prompts, expected)}, wrong=2,
+                                         vocab=512)
+    decode.speculator.choose_k = lambda *_: decode.speculator.k
+    moved = sum(transfer(prefill, decode, str(i), p, params) for i, p in enumerate(prompts))
+    got = drain(decode)
+    assert [got[str(i)] for i in range(len(prompts))] == expected and moved > 0
+    assert decode.stats()["speculative"]["num_accepted_tokens"] > 0
+    assert_clean(prefill, decode)
