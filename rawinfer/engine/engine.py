@@ -35,7 +35,7 @@ from rawinfer.engine.requests import RequestRejected, check_fits, encode_prompt
 from rawinfer.engine.sampler import Sampler, make_generator
 from rawinfer.engine.scoring import score_sequence, store_scores
 from rawinfer.engine.speculative import Speculator
-from rawinfer.engine.structured import GrammarError, MaskJob, StructuredOutputs
+from rawinfer.engine.structured import GrammarError, MaskJob, StructuredOutputs, draft_rows
 from rawinfer.engine.warmup import warm_up
 from rawinfer.exec.graphs import DecodeGraphs
 from rawinfer.exec.memory import MemoryPool
@@ -271,8 +271,10 @@ class LLMEngine:
         if out.is_empty:
             return outputs
         started = time.monotonic()
-        # in logits-row order (a draft's rows have no grammar: None); on a GPU filled during the pass
-        mask = self.structured.masks([x for s in out.seqs if s.samples for x in (self._state(s.seq), *[None] * len(s.draft))])
+        # in logits-row order, a draft row's grammar as it stands after the drafts before it; on a GPU filled
+        # during the pass
+        mask = self.structured.masks([x for s in out.seqs if s.samples
+                                      for x in (self._state(s.seq), *draft_rows(self._state(s.seq), s.draft))])
         result = self.runner.run(out.plan)
         self.kv_transfer.after_step(out)                # exports copy their blocks before update() frees them
         update = self.scheduler.update(out)
@@ -335,8 +337,12 @@ class LLMEngine:
         """Speculative decoding: the tokens proposed to follow the running sequences that speculate this step."""
         if self.speculator is None:
             return {}
-        return self.speculator.propose(self.scheduler.running, lambda seq: self._state(seq).grammar is not None,
-                                       self.scheduler.step_cost)
+        drafts = self.speculator.propose(self.scheduler.running, self.scheduler.step_cost)
+        for seq in self.scheduler.running:      # a grammar keeps the drafts it accepts
+            grammar = self._state(seq).grammar if seq.seq_id in drafts else None
+            if grammar is not None:
+                drafts[seq.seq_id] = grammar.valid_prefix(drafts[seq.seq_id])
+        return {sid: d for sid, d in drafts.items() if d}
 
     def _verified(self, logits, update: StepUpdate, seqs, rows, tokens, states) -> list[list[tuple[int, int]]]:
         """Per sample the tokens it keeps this step, with their logits rows: the one drawn from its row, and for

@@ -33,8 +33,9 @@ some batch k = 0 wins and no one speculates (k > 0 must win by MIN_GAIN). The mo
 fitted mostly to the batch sizes the engine has been running, so it guesses large batches' extra rows too
 cheap; above MAX_BATCH decoding sequences no one speculates at all, a bound measured where speculation
 started to lose on this project's CPUs (docs/speculative.md).
-Never for a request with a grammar (its mask follows each kept token); per sequence, a proposal rejected
-whole makes it wait 1, 2, 4, ... steps (at most 16) before it proposes again.
+Per sequence, a proposal rejected whole makes it wait 1, 2, 4, ... steps (at most 16) before it proposes
+again. A request with a grammar keeps only the drafts its grammar accepts, and each draft row is masked by
+the grammar as it would stand after the drafts before it (engine.py, structured.draft_rows).
 """
 
 from __future__ import annotations
@@ -159,13 +160,11 @@ class Speculator:
         left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
         return max(0, min(self.k, left - 1))
 
-    def propose(self, running: list[Sequence], has_grammar, cost=None) -> dict:
+    def propose(self, running: list[Sequence], cost=None) -> dict:
         """seq id -> drafts for the decoding sequences that speculate this step; cost: the engine's StepCost."""
         decoding = [s for s in running if s.num_uncomputed_tokens == 1 and not s.is_scoring]
         seqs = []
         for seq in decoding:
-            if has_grammar(seq):
-                continue
             if self._late(seq):
                 continue
             wait, backoff = self._wait.get(seq.seq_id, (0, 0))

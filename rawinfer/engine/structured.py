@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -88,6 +89,16 @@ class SampleGrammar:
     def fork(self) -> "SampleGrammar":
         """A matcher of its own in this one's state (n > 1: the samples forked from the first)."""
         return SampleGrammar(self.matcher.deep_copy())
+
+    def valid_prefix(self, tokens) -> tuple[int, ...]:
+        """The longest prefix of `tokens` (speculative drafts) the grammar accepts from here, nothing consumed."""
+        return tuple(tokens[:self.matcher.validate_tokens([int(t) for t in tokens])])
+
+    def after(self, tokens) -> "SampleGrammar":
+        """A matcher of its own in the state this one would reach by consuming `tokens` (which it accepts)."""
+        copy = self.matcher.deep_copy()
+        copy.consume_tokens([int(t) for t in tokens])
+        return SampleGrammar(copy)
 
     def advance(self, token: int) -> bool:
         """Consume a sampled token; True when the sample must end: the grammar is complete (or, never for a
@@ -280,6 +291,17 @@ class StructuredOutputs:
         for k in no_eos:
             drop_eos(bitmask[k], self.compiler.eos_token_ids)
         self.mask_seconds += time.perf_counter() - t0
+
+
+def draft_rows(state, draft) -> list:
+    """Stand-ins for masks() of a sample's draft rows (row i: the next token after draft[:i + 1]): None without
+    a grammar, else the grammar after those tokens and the output count they make (for the EOS rule)."""
+    if state.grammar is None:
+        return [None] * len(draft)
+    seq = state.seq
+    return [SimpleNamespace(grammar=state.grammar.after(draft[:i + 1]),
+                            seq=SimpleNamespace(params=seq.params, num_output_tokens=seq.num_output_tokens + i + 1))
+            for i in range(len(draft))]
 
 
 def _ignores_eos(seq) -> bool:

@@ -248,11 +248,11 @@ def test_a_stateful_proposer_takes_sequences_only_at_their_first_decode_step():
         late.append_token(t, 0.0)    # 2: first met after its first decode step
     for s in (first, late):
         s.num_computed_tokens = s.num_tokens - 1
-    assert set(sp.propose([first, late], lambda _: False)) == {first.seq_id}
+    assert set(sp.propose([first, late])) == {first.seq_id}
     first.append_token(9, 0.0)
     first.num_computed_tokens += 1
-    assert set(sp.propose([first, late], lambda _: False)) == {first.seq_id}
-    assert set(Speculator(Echo(), 2, 4096).propose([late], lambda _: False)) == {late.seq_id}
+    assert set(sp.propose([first, late])) == {first.seq_id}
+    assert set(Speculator(Echo(), 2, 4096).propose([late])) == {late.seq_id}
 
 
 def test_no_speculation_in_a_large_batch(smollm2_q4_dir):
@@ -272,7 +272,7 @@ def test_no_speculation_in_a_large_batch(smollm2_q4_dir):
 def test_counters_in_stats_and_metrics(smollm2_q4_dir):
     from rawinfer import SamplingParams
     _, llm = _generate(smollm2_q4_dir, PROMPTS[1:2], SamplingParams(max_tokens=40, temperature=0),
-                       always=False, speculative_method="ngram")
+                       speculative_method="ngram")
     st = llm.engine.stats()
     s, counters = st["speculative"], st["metrics"]["counters"]
     assert s["method"] == "ngram" and 0 < s["acceptance_rate"] <= 1
@@ -399,3 +399,31 @@ def test_the_decode_side_of_a_transfer_speculates(tiny_llama_dir):
     assert [got[str(i)] for i in range(len(prompts))] == expected and moved > 0
     assert decode.stats()["speculative"]["num_accepted_tokens"] > 0
     assert_clean(prefill, decode)
+
+
+def test_structured_output_speculates_inside_its_grammar(smollm2_q4_dir):
+    """JSON under a schema, greedy and seeded: drafts the grammar refuses are cut before the step, each draft
+    row is masked by the grammar after the drafts before it, and the outputs equal plain decoding's (every
+    output still parses); drafts half wrong to have rejections too."""
+    import json as _json
+
+    from rawinfer import SamplingParams
+    from rawinfer.engine.engine import LLMEngine
+    schema = {"type": "object", "additionalProperties": False, "required": ["fruits", "count"],
+              "properties": {"fruits": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                        "maxItems": 6},
+                             "count": {"type": "integer", "minimum": 0, "maximum": 100}}}
+    opts = dict(device="cpu", kv_cache_memory="64MiB")
+    plain = LLMEngine(smollm2_q4_dir, **opts)
+    prompts = [plain.encode_prompt(plain.tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in
+               ("List some fruits as JSON.", "Name six red fruits and count them, as JSON.")]
+    for params in (SamplingParams(max_tokens=80, temperature=0, structured_outputs={"json": schema}),
+                   SamplingParams(max_tokens=80, temperature=0.8, seed=4, structured_outputs={"json": schema})):
+        expected = _stepwise(plain, prompts, params)
+        eng = LLMEngine(smollm2_q4_dir, speculative_method="ngram", **opts)
+        eng.speculator.proposer = _Oracle({tuple(p): e + [28] * 8 for p, e in zip(prompts, expected)}, wrong=9)
+        eng.speculator.choose_k = lambda *_: eng.speculator.k
+        assert _stepwise(eng, prompts, params) == expected
+        assert eng.stats()["speculative"]["num_accepted_tokens"] > 0
+        for e in expected:
+            _json.loads(eng.tokenizer.decode(e))

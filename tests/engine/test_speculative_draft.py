@@ -235,8 +235,13 @@ CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
 
 
 def _llm(model: str, **opts):
+    """An LLM; a speculating one drafts K tokens for every decoding sequence whatever the step-cost model would
+    choose (these tests are about the draft, and under load the cost model may rightly choose none)."""
     from rawinfer import LLM
-    return LLM(model, **{"device": "cpu", "kv_cache_memory": "64MiB", "warmup": False, **opts})
+    llm = LLM(model, **{"device": "cpu", "kv_cache_memory": "64MiB", "warmup": False, **opts})
+    if llm.engine.speculator is not None:
+        llm.engine.speculator.choose_k = lambda *_: llm.engine.speculator.k
+    return llm
 
 
 def _results(llm, params, chats=CHATS) -> list:

@@ -73,7 +73,7 @@ def test_generate_with_ngram_prints_the_same_greedy_text(smollm2_q4_dir):
 def test_bench_throughput_reports_the_acceptance(smollm2_q4_dir, tmp_path):
     out = tmp_path / "t.json"
     r = rawinfer("bench", "throughput", "--model", smollm2_q4_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
-                 *SPEC, "--num-requests", "4", "--input-len", "32", "--output-len", "48", "--json", str(out))
+                 *SPEC, "--num-requests", "1", "--input-len", "32", "--output-len", "64", "--json", str(out))
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     _check_report(res["speculative"])
@@ -128,10 +128,10 @@ def test_http_chat_with_ngram_equals_the_engine_without(spec_server, smollm2_q4_
 def test_bench_serve_reports_the_servers_acceptance(spec_server, tmp_path, backend):
     out = tmp_path / "s.json"
     r = rawinfer("bench", "serve", "--backend", backend, "--addr", spec_server.addr, "--base-url",
-                 spec_server.base_url, "--num-requests", "4", "--input-len", "32", "--output-len", "32",
-                 "--json", str(out), "--figure", "", timeout=300)
+                 spec_server.base_url, "--num-requests", "2", "--request-rate", "0.5", "--input-len", "32",
+                 "--output-len", "48", "--json", str(out), "--figure", "", timeout=300)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
-    assert res["completed"] == 4
+    assert res["completed"] == 2
     _check_report(res["speculative"])
     assert "speculative:             ngram: " in r.stdout
