@@ -114,8 +114,8 @@ def test_chunked_prefill_interleaves_with_decodes(tiny_llama_dir):
     steps = []
     real_schedule = engine.scheduler.schedule
 
-    def schedule():
-        batch = real_schedule()
+    def schedule(*args):
+        batch = real_schedule(*args)
         if not batch.is_empty:
             steps.append({s.seq.request_id: s.num_new_tokens for s in batch.seqs})
         return batch

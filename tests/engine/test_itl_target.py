@@ -21,8 +21,8 @@ def chunks_beside_a_decode(engine: LLMEngine) -> tuple[list[int], dict[str, list
     chunks, tokens = [], {"short": [], "long": []}
     real = engine.scheduler.schedule
 
-    def schedule():
-        batch = real()
+    def schedule(*args):
+        batch = real(*args)
         chunks.extend(s.num_new_tokens for s in batch.seqs if s.seq.request_id == "long" and s.num_new_tokens > 1)
         return batch
     engine.scheduler.schedule = schedule
@@ -66,8 +66,8 @@ def test_by_default_a_long_prompt_never_stalls_a_decoding_stream(smollm2_dir):
     chunks, tokens = [], []
     real = engine.scheduler.schedule
 
-    def schedule():
-        batch = real()
+    def schedule(*args):
+        batch = real(*args)
         new = {s.seq.request_id: s.num_new_tokens for s in batch.seqs}
         if "long" in new and new["long"] > 1:
             chunks.append(new["long"])

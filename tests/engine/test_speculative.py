@@ -8,6 +8,8 @@ products are row-invariant, so each row's logits are the bits its own decode ste
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,21 @@ PROMPTS = ["Repeat this code exactly:\n" + CODE + "\nHere it is again:\n", "Coun
            "Write a list of ten fruits, one per line:"]
 
 
+@pytest.fixture(autouse=True)
+def _free_engines():
+    """Engines hold reference cycles (an engine and its KV transfer) around hundreds of MiB of arrays, which
+    the garbage collector, counting objects rather than bytes, may leave for a long time: collect after each
+    test, so the suite's memory does not grow with the engines this module builds."""
+    yield
+    gc.collect()
+
+
+def _force_k(engine) -> None:
+    """Every decoding sequence drafts K tokens, whatever the step-cost model would choose (no cycle: K only)."""
+    k = engine.speculator.k
+    engine.speculator.choose_k = lambda *_: k
+
+
 def test_ngram_lookup_takes_the_latest_occurrence_of_the_longest_suffix():
     assert ngram_lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]          # suffix 1 2 3 at 0
     assert ngram_lookup([1, 2, 7, 5, 2, 8, 6, 1, 2], 2) == [7, 5]           # 1 2 (not just 2) decides
@@ -40,7 +57,7 @@ def _generate(model_dir, prompts, params, always: bool = True, **opts):
     from rawinfer import LLM
     llm = LLM(model_dir, device="cpu", kv_cache_memory="256MiB", **opts)
     if always and llm.engine.speculator is not None:
-        llm.engine.speculator.choose_k = lambda *_: llm.engine.speculator.k
+        _force_k(llm.engine)
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.scheduler.check_invariants()
     return [[(s.token_ids, s.text, s.finish_reason, s.logprobs and s.logprobs.logprobs) for s in r.outputs]
@@ -72,7 +89,7 @@ def test_drafts_verified_beside_prefill_chunks_keep_their_bits(fixture, request,
     prompts = {str(i): p for i, p in enumerate(PROMPTS * 2)}
     plain = staggered_generation(LLMEngine(model_dir, **opts), prompts, 32)
     eng = LLMEngine(model_dir, speculative_method="ngram", **opts)
-    eng.speculator.choose_k = lambda *_: eng.speculator.k          # whatever the batch
+    _force_k(eng)                                                    # whatever the batch
     assert staggered_generation(eng, prompts, 32) == plain
     assert eng.stats()["speculative"]["num_accepted_tokens"] > 0
 
@@ -135,7 +152,7 @@ def test_rollback_frees_rejected_blocks_and_never_caches_a_rejected_token(smollm
     expected = _stepwise(plain, prompts, params)
     eng = LLMEngine(smollm2_q4_dir, speculative_method="ngram", num_speculative_tokens=8, **opts)
     eng.speculator.proposer = _Oracle({tuple(p): e for p, e in zip(prompts, expected)}, wrong)
-    eng.speculator.choose_k = lambda *_: eng.speculator.k          # the bookkeeping under test, whatever pays
+    _force_k(eng)                                                    # the bookkeeping under test, whatever pays
     assert _stepwise(eng, prompts, params) == expected
     s = eng.stats()["speculative"]
     assert s["num_drafts"] > 0 and (s["acceptance_rate"] == 1.0) == (wrong == 0)
@@ -162,7 +179,7 @@ def test_stop_string_and_max_tokens_inside_the_kept_drafts(smollm2_q4_dir):
         eng = LLMEngine(smollm2_q4_dir, device="cpu", kv_cache_memory="64MiB", speculative_method="ngram",
                         num_speculative_tokens=5)
         eng.speculator.proposer = _Oracle({tuple(p): e + [13] * 8 for p, e in zip(prompts, expected)})
-        eng.speculator.choose_k = lambda *_: eng.speculator.k
+        _force_k(eng)
         assert _stepwise(eng, prompts, params) == expected
         assert eng.block_manager.num_used_blocks == 0
 
@@ -183,7 +200,7 @@ def test_backoff_after_rejected_proposals(smollm2_q4_dir):
         def release(self, seq_id):
             pass
     eng.speculator.proposer = Wrong()
-    eng.speculator.choose_k = lambda *_: eng.speculator.k          # the cost model would stop proposing
+    _force_k(eng)                                                    # the cost model would stop proposing
     eng.add_request("a", "The capital of France is", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     steps = []
     while eng.has_unfinished():
@@ -393,7 +410,7 @@ def test_the_decode_side_of_a_transfer_speculates(tiny_llama_dir):
     decode = LLMEngine(tiny_llama_dir, speculative_method="ngram", **OPTS)
     decode.speculator.proposer = _Oracle({tuple(p): e + [1] * 8 for p, e in zip(prompts, expected)}, wrong=2,
                                          vocab=512)
-    decode.speculator.choose_k = lambda *_: decode.speculator.k
+    _force_k(decode)
     moved = sum(transfer(prefill, decode, str(i), p, params) for i, p in enumerate(prompts))
     got = drain(decode)
     assert [got[str(i)] for i in range(len(prompts))] == expected and moved > 0
@@ -422,7 +439,7 @@ def test_structured_output_speculates_inside_its_grammar(smollm2_q4_dir):
         expected = _stepwise(plain, prompts, params)
         eng = LLMEngine(smollm2_q4_dir, speculative_method="ngram", **opts)
         eng.speculator.proposer = _Oracle({tuple(p): e + [28] * 8 for p, e in zip(prompts, expected)}, wrong=9)
-        eng.speculator.choose_k = lambda *_: eng.speculator.k
+        _force_k(eng)
         assert _stepwise(eng, prompts, params) == expected
         assert eng.stats()["speculative"]["num_accepted_tokens"] > 0
         for e in expected:

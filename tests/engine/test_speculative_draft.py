@@ -4,7 +4,7 @@ each sequence alone does, a foreign vocabulary is refused and a full pool means 
 
 from __future__ import annotations
 
-import os
+import gc
 
 import pytest
 
@@ -13,16 +13,23 @@ from rawinfer.config import EngineConfig, ModelConfig
 from rawinfer.core.sequence import Sequence
 from rawinfer.engine.draft import DECODE_CATCH_UP, DRAFT_KV_SHARE, DraftProposer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TARGET = os.path.join(ROOT, "weights", "smollm2-135m-instruct")
-DRAFT = os.path.join(ROOT, "weights", "smollm2-135m-instruct-q4")
-GEMMA = os.path.join(ROOT, "weights", "gemma3-270m")
+TARGET = DRAFT = ""      # SmolLM2 float32 and q4: set by _models from the session's fixtures
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "Once upon a time, in a small village by the sea, there lived an old fisherman who", "List three colors:\n1."]
 
-pytestmark = pytest.mark.skipif(
-    not all(os.path.isfile(os.path.join(d, "config.json")) for d in (TARGET, DRAFT)),
-    reason="the SmolLM2 float32 and q4 folders are not in weights/")
+@pytest.fixture(scope="module", autouse=True)
+def _models(smollm2_dir, smollm2_q4_dir):
+    """The target (float32) and draft (q4) SmolLM2 folders, converted by the session's fixtures (a fresh clone
+    has no weights/ q4 folder), before any fixture of this module reads them."""
+    global TARGET, DRAFT
+    TARGET, DRAFT = smollm2_dir, smollm2_q4_dir
+
+
+@pytest.fixture(autouse=True)
+def _free_engines():
+    """Engines hold reference cycles around hundreds of MiB: collect after each test (test_speculative.py)."""
+    yield
+    gc.collect()
 
 
 def _ecfg(**kw) -> EngineConfig:
@@ -172,11 +179,9 @@ def test_a_batch_proposes_what_each_sequence_alone_does(proposer, reference):
     assert proposer.block_manager.num_used_blocks == 0
 
 
-def test_a_draft_with_another_vocabulary_is_refused(target_config):
-    if not os.path.isfile(os.path.join(GEMMA, "config.json")):
-        pytest.skip("weights/gemma3-270m is not converted")
-    with pytest.raises(ValueError, match=r"gemma3-270m.*does not share the tokenizer.*49152.*--speculative-model"):
-        DraftProposer(GEMMA, target_config, _ecfg())
+def test_a_draft_with_another_vocabulary_is_refused(target_config, tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"tiny-llama.*does not share the tokenizer.*49152.*--speculative-model"):
+        DraftProposer(tiny_llama_dir, target_config, _ecfg())
 
 
 def test_no_room_means_no_proposal_and_small_steps_split_the_work(target_config, reference):
@@ -240,7 +245,8 @@ def _llm(model: str, **opts):
     from rawinfer import LLM
     llm = LLM(model, **{"device": "cpu", "kv_cache_memory": "64MiB", "warmup": False, **opts})
     if llm.engine.speculator is not None:
-        llm.engine.speculator.choose_k = lambda *_: llm.engine.speculator.k
+        k = llm.engine.speculator.k
+        llm.engine.speculator.choose_k = lambda *_: k
     return llm
 
 
@@ -388,7 +394,8 @@ def test_a_sliding_window_model_drafting_for_itself_through_the_engine(swa_dir):
     spec = _llm(swa, speculative_model=swa, **opts)
     # the step-cost model rightly stops a model drafting for itself (the draft costs what the target does) once it
     # has measured a few steps; this test is about the draft's window, so every decoding sequence drafts K
-    spec.engine.speculator.choose_k = lambda decoding, seqs, cost: spec.engine.speculator.k
+    k = spec.engine.speculator.k
+    spec.engine.speculator.choose_k = lambda decoding, seqs, cost: k
     assert spec.engine.speculator.proposer.block_manager.num_blocks == 32 // DRAFT_KV_SHARE < 2 * -(-(30 + 150) // 16)
     got = spec.generate(prompts, params, use_tqdm=False)
     assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in plain]
