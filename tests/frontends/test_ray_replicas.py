@@ -148,3 +148,27 @@ def test_prefill_and_decode_pools_as_ray_actors(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, device="cpu", kv_cache_memory="16MiB")
     assert got == [r.token_ids for r in llm.generate(prompts, SamplingParams(**params), use_tqdm=False)]
     assert transfers["remote"] >= 1 and transfers["bytes"] > 0 and transfers["failed"] == 0
+
+
+def test_a_replica_actor_logs_each_line_with_its_time_and_level():
+    """A Ray actor's log lines (its engine's, its server's) carry their time and level as `rawinfer serve`'s do:
+    the log of a replica is read after the fact too. Runs the actors' set-up in this process (no cluster)."""
+    import logging
+    import re
+
+    from rawinfer.frontends.cluster.ray_pool import _actor_setup
+    root = logging.getLogger()
+    kept, level = root.handlers[:], root.level
+    try:
+        assert _actor_setup({"quiet": True}, "replica 3", "127.0.0.1") == "127.0.0.1"
+        record = logging.LogRecord("rawinfer", logging.WARNING, __file__, 1, "request %s finished", ("r1",), None)
+        line = root.handlers[-1].format(record)
+        assert root.level == logging.WARNING
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING rawinfer replica 3: request r1 finished",
+                            line), line
+    finally:
+        for h in root.handlers[:]:
+            root.removeHandler(h)
+        for h in kept:
+            root.addHandler(h)
+        root.setLevel(level)

@@ -177,13 +177,15 @@ class PrefillActor:
 
 
 def _actor_setup(options: dict, name: str, bind_host: str | None) -> str:
-    """Logging as the command line's, named after the actor; the address to bind (the node's, if not given)."""
+    """Logging as a server's (each line with its time and level), named after the actor; the address to bind
+    (the node's, if not given)."""
     import ray
 
     from rawinfer.frontends.options import size_cpu_pool
+    from rawinfer.frontends.server.activity import time_format
     size_cpu_pool(options.get("num_threads"))           # before anything of the engine imports Numba
     level = logging.DEBUG if options.get("verbose") else logging.WARNING if options.get("quiet") else logging.INFO
-    logging.basicConfig(level=level, format=f"rawinfer {name}: %(message)s", force=True)
+    logging.basicConfig(level=level, format=time_format(f"rawinfer {name}"), force=True)
     return bind_host or ray.util.get_node_ip_address()
 
 

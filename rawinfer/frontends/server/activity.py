@@ -13,6 +13,11 @@ from rawinfer.frontends.server.handoff import Summary
 log = logging.getLogger("rawinfer")
 
 
+def time_format(name: str) -> str:
+    """The logging format of a server's lines: time, level, who, message."""
+    return f"%(asctime)s %(levelname)s {name}: %(message)s"
+
+
 def log_with_time(name: str = "rawinfer", level: int | None = None) -> None:
     """Log lines on stderr as `2025-01-31 12:00:00,123 WARNING name: message` (a server's log is read
     after the fact, against clients' times): the root handler the command line set up gets this format,
@@ -23,7 +28,7 @@ def log_with_time(name: str = "rawinfer", level: int | None = None) -> None:
     if level is not None:
         root.setLevel(level)
     for handler in root.handlers:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name}: %(message)s"))
+        handler.setFormatter(logging.Formatter(time_format(name)))
 
 
 def _seconds(x: float | None) -> str:
