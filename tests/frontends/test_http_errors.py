@@ -110,8 +110,21 @@ def test_engine_refusals_map_to_openai_statuses():
     assert from_engine("internal", "bug").status == 500
 
 
+def _logged(srv: Server, text: str, more_than: int = -1, timeout_s: float = 10.0) -> int:
+    """How many lines of the server log hold `text`, once more than `more_than` do (the workers write through
+    a pipe) or timeout_s has passed; more_than -1 counts at once (the session's server is shared)."""
+    deadline = time.monotonic() + timeout_s
+    while (n := sum(text in ln for ln in srv.output().splitlines())) <= more_than and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
+STREAM_GONE = "HTTP 499 POST /v1/completions: the client went away during the stream; its request was aborted"
+REQUEST_GONE = "HTTP 499 POST /v1/completions: the client went away before the answer; its request was aborted"
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(http_server):
-    before = wait_idle(http_server)
+    before, logged = wait_idle(http_server), _logged(http_server, STREAM_GONE)
     body = {"prompt": "Tell me a long story about the sea.", "max_tokens": 400, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", http_server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
@@ -124,11 +137,12 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(http_server):
     assert time.monotonic() - t < 5
     assert after["requests_aborted_by_client"] == before["requests_aborted_by_client"] + 1
     assert after["tokens_generated"] - before["tokens_generated"] < 400
+    assert _logged(http_server, STREAM_GONE, logged) == logged + 1, http_server.output()[-3000:]   # one line
 
 
 def test_a_client_that_disconnects_from_a_non_streaming_request_frees_its_blocks(http_server):
     """Without streaming, the request once ran to its end for nobody; now it is aborted within a moment."""
-    before = wait_idle(http_server)
+    before, logged = wait_idle(http_server), _logged(http_server, REQUEST_GONE)
     body = {"prompt": "Tell me a long story about the sea.", "max_tokens": 400, "ignore_eos": True,
             "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
@@ -138,7 +152,7 @@ def test_a_client_that_disconnects_from_a_non_streaming_request_frees_its_blocks
     assert time.monotonic() - t < 5
     assert after["requests_aborted_by_client"] == before["requests_aborted_by_client"] + 1
     assert after["tokens_generated"] - before["tokens_generated"] < 400
-    assert "HTTP 499 POST /v1/completions: the client went away" in http_server.output()
+    assert _logged(http_server, REQUEST_GONE, logged) == logged + 1, http_server.output()[-3000:]
 
 
 def test_requests_the_engine_link_cannot_send_are_400_or_413_not_500(http_server):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, AsyncIterator
+
+log = logging.getLogger("rawinfer")
 
 DONE = b"data: [DONE]\n\n"
 
@@ -17,7 +20,8 @@ def event(obj: Any) -> bytes:
 class EventStream:
     """A 200 text/event-stream response of `events`. The sending runs in a task of its own; when the client
     disconnects that task is cancelled, which closes `events` where it waits, and closing it aborts the
-    engine requests behind it (the client library sends `abort` for a stream left before its end)."""
+    engine requests behind it (the client library sends `abort` for a stream left before its end). A stream
+    left before its end leaves one line in the log, as a non-streaming request whose client went away does."""
 
     def __init__(self, events: AsyncIterator[bytes]):
         self.events = events
@@ -43,6 +47,9 @@ class EventStream:
         watcher = asyncio.create_task(self._disconnect(receive))
         try:
             await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not sender.done():
+                log.info("HTTP 499 %s %s: the client went away during the stream; its request was aborted",
+                         scope["method"], scope["path"])
         finally:
             for task in (watcher, sender):
                 if not task.done():
