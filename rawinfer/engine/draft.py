@@ -1,9 +1,12 @@
 """DraftProposer: speculative tokens predicted greedily by a smaller model that shares the target's tokenizer,
-run in this process with its own KV pool, whose cache follows each target sequence's accepted tokens.
+run in this process, whose KV cache follows each target sequence's accepted tokens.
 
-The draft model has its own backend, memory pool, runner and block manager, built as LLMEngine builds the
-target's but with no scheduler or sampler: this module builds its step plans itself (core/step_plan.py) and
-reads the logits with an argmax. Nothing here samples, finishes or caches a prefix.
+The draft model has its own backend, runner and block manager, built as LLMEngine builds the target's but
+with no scheduler or sampler. Its memory is a region of the target's pool: plan_draft reads the draft's
+config before the target's pool is sized, the target's MemoryPool leaves room for it (guest=), sharing its KV
+region so that both models hold the same number of tokens, and the draft's pool carves that room; the engine
+makes one allocation (built alone, as tests do, a DraftProposer allocates a pool of its own). This module builds
+its step plans itself (core/step_plan.py) and reads the logits with an argmax. Nothing here samples, finishes or caches a prefix.
 
 Per target sequence the proposer keeps a mirror, a private Sequence of the draft side whose first
 num_computed_tokens ids are exactly those whose K/V the draft's cache holds (the drafts it computed last
@@ -30,6 +33,7 @@ import itertools
 import logging
 import time
 from collections.abc import Hashable
+from typing import Any
 
 from rawinfer.backend.select import get_backend
 from rawinfer.config import EngineConfig, ModelConfig, resolve_max_model_len
@@ -37,15 +41,15 @@ from rawinfer.core.block_manager import BlockManager
 from rawinfer.core.sequence import Sequence
 from rawinfer.core.step_plan import ScheduledSeq, build_step_plan
 from rawinfer.exec.graphs import DecodeGraphs
-from rawinfer.exec.memory import MemoryPool, max_blocks_per_seq
+from rawinfer.exec.memory import GuestPool, MemoryPool, max_blocks_per_seq
 from rawinfer.exec.model import DecoderModel
 from rawinfer.exec.runner import ModelRunner
 from rawinfer.sampling import SamplingParams
 
 log = logging.getLogger("rawinfer")
 
-DRAFT_KV_SHARE = 4                  # the draft's KV memory: the target's --kv-cache-memory divided by this ...
-DEFAULT_DRAFT_KV_BYTES = 256 << 20  # ... or this when the target's is sized automatically
+DRAFT_KV_SHARE = 4                  # a draft built alone: its KV memory is the --kv-cache-memory divided by this ...
+DEFAULT_DRAFT_KV_BYTES = 256 << 20  # ... or this when that is sized automatically
 WARM_K = 3                          # the warm-up's drafts per sequence (two decode passes after the catch-up)
 WARM_BATCH = 8                      # and its widest decode pass: past the matrix-vector kernels' few rows
 DECODE_CATCH_UP = 8                 # catch-ups of at most this many ids (each sequence's) run decode-shaped
@@ -63,23 +67,63 @@ def draft_engine_config(draft: ModelConfig, target: ModelConfig, ecfg: EngineCon
         speculative_method=None, speculative_model=None)
 
 
+@dataclasses.dataclass
+class DraftSetup:
+    """The draft model as planned before any memory is taken: its config, engine options and backend."""
+    model_dir: str
+    config: ModelConfig
+    engine_config: EngineConfig
+    backend: Any
+    graphs: bool                    # decode graphs (CUDA): a padding block and the graphs' workspace
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def pool_request(self) -> GuestPool:
+        """The draft's pool as a guest of the target's (MemoryPool(guest=...)): one allocation for both."""
+        return MemoryPool.guest_request(self.config, self.engine_config, self.backend, padding_block=self.graphs,
+                                        extra_workspace=self.extra, owner=self)
+
+
+def plan_draft(model_dir: str, target_config: ModelConfig, engine_config: EngineConfig) -> DraftSetup:
+    """Read the draft model's config and check it can draft for the target (its vocabulary, its format on this
+    backend) before anything is allocated or loaded."""
+    cfg = ModelConfig.from_dir(model_dir)
+    if cfg.vocab_size != target_config.vocab_size:
+        target = target_config.source or target_config.architecture
+        raise ValueError(
+            f"the draft model {model_dir} ({cfg.architecture}, {cfg.vocab_size} tokens) does not share the "
+            f"tokenizer of the model ({target}, {target_config.architecture}, {target_config.vocab_size} "
+            "tokens); give --speculative-model a conversion of the same family as the model (e.g. its q4 or "
+            "int8 copy), or use --speculative-method ngram")
+    ecfg = draft_engine_config(cfg, target_config, engine_config)
+    backend = get_backend(ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm, ecfg.cache_dir, ecfg.batch_invariant,
+                          ecfg.int8_activations)
+    if cfg.quant is not None and cfg.quant not in backend.capabilities.quantized_weights:
+        raise ValueError(f"the draft model {model_dir} has {cfg.quant} weights, which run on the CPU backend "
+                         f"only; give --speculative-model a copy converted without --quant for --device "
+                         f"{backend.name}")
+    graphs = bool(ecfg.use_cuda_graphs) and backend.capabilities.graphs
+    extra = DecodeGraphs.workspace_request(ecfg, max_blocks_per_seq(cfg, ecfg)) if graphs else {}
+    return DraftSetup(model_dir, cfg, ecfg, backend, graphs, extra)
+
+
 class DraftProposer:
     """Proposes up to k tokens per sequence: what the draft model generates greedily after its token ids."""
 
     method = "draft"
 
-    def __init__(self, model_dir: str, target_config: ModelConfig, engine_config: EngineConfig):
-        cfg = ModelConfig.from_dir(model_dir)
-        if cfg.vocab_size != target_config.vocab_size:
-            target = target_config.source or target_config.architecture
-            raise ValueError(
-                f"the draft model {model_dir} ({cfg.architecture}, {cfg.vocab_size} tokens) does not share the "
-                f"tokenizer of the model ({target}, {target_config.architecture}, {target_config.vocab_size} "
-                "tokens); give --speculative-model a conversion of the same family as the model (e.g. its q4 or "
-                "int8 copy), or use --speculative-method ngram")
-        ecfg = draft_engine_config(cfg, target_config, engine_config)
+    def __init__(self, model_dir: str, target_config: ModelConfig, engine_config: EngineConfig,
+                 host: MemoryPool | None = None):
+        """host: the target's pool, built with guest=DraftSetup.pool_request(); the draft's weights and KV are
+        then carved from the room it left (KV for as many tokens as the target's). Without one the draft
+        allocates a pool of its own."""
+        if host is not None and host.guest is not None:
+            setup = host.guest.owner
+            pool_args = {"kv_bytes": host.guest_kv_bytes, "region": host.guest_region}
+        else:
+            setup, pool_args = plan_draft(model_dir, target_config, engine_config), {}
+        cfg, ecfg = setup.config, setup.engine_config
         self.model_dir, self.config = model_dir, ecfg
-        self._load(model_dir, cfg, ecfg)
+        self._load(setup, pool_args)
         self.block_manager = BlockManager(self.pool.kv.num_blocks, ecfg.block_size, enable_prefix_caching=False)
         self.layout = self.runner.plan_layout
         self.max_model_len = resolve_max_model_len(cfg, ecfg)
@@ -90,24 +134,18 @@ class DraftProposer:
         if ecfg.warmup:
             self._warm_up()
 
-    def _load(self, model_dir: str, cfg: ModelConfig, ecfg: EngineConfig) -> None:
-        """Backend, memory pool, weights and runner of the draft model, built as LLMEngine builds the target's."""
-        self.backend = get_backend(ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm, ecfg.cache_dir,
-                                   ecfg.batch_invariant, ecfg.int8_activations)
-        if cfg.quant is not None and cfg.quant not in self.backend.capabilities.quantized_weights:
-            raise ValueError(f"the draft model {model_dir} has {cfg.quant} weights, which run on the CPU backend "
-                             f"only; give --speculative-model a copy converted without --quant for --device "
-                             f"{self.backend.name}")
-        graphs = bool(ecfg.use_cuda_graphs) and self.backend.capabilities.graphs
-        extra = DecodeGraphs.workspace_request(ecfg, max_blocks_per_seq(cfg, ecfg)) if graphs else {}
-        self.pool = MemoryPool(cfg, ecfg, self.backend, padding_block=graphs, extra_workspace=extra)
-        self.model = DecoderModel(cfg, self.pool)
-        self.runner = ModelRunner(self.model, graphs=graphs)
+    def _load(self, setup: DraftSetup, pool_args: dict) -> None:
+        """Memory pool, weights and runner of the draft model, built as LLMEngine builds the target's."""
+        self.backend = setup.backend
+        self.pool = MemoryPool(setup.config, setup.engine_config, self.backend, padding_block=setup.graphs,
+                               extra_workspace=setup.extra, **pool_args)
+        self.model = DecoderModel(setup.config, self.pool)
+        self.runner = ModelRunner(self.model, graphs=setup.graphs)
         t0 = time.monotonic()
-        self.pool.load_weights(model_dir)
+        self.pool.load_weights(setup.model_dir)
         self.model.weights_loaded()
         self.pool.prefault_kv()
-        log.info("draft model %s loaded in %.2f s; %s", model_dir, time.monotonic() - t0, self.pool.describe())
+        log.info("draft model %s loaded in %.2f s; %s", setup.model_dir, time.monotonic() - t0, self.pool.describe())
 
     def _warm_up(self) -> None:
         """Propose once for each kind of pass proposing runs, so that no request waits for a kernel to compile

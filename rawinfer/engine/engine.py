@@ -110,7 +110,8 @@ class LLMEngine:
         if graphs:
             from rawinfer.exec.memory import max_blocks_per_seq
             extra = DecodeGraphs.workspace_request(ecfg, max_blocks_per_seq(cfg, ecfg))
-        self.pool = MemoryPool(cfg, ecfg, self.backend, padding_block=graphs, extra_workspace=extra)
+        self.pool = MemoryPool(cfg, ecfg, self.backend, padding_block=graphs, extra_workspace=extra,
+                               guest=Speculator.pool_guest(ecfg, cfg))    # a draft model's room, or None
         log.info("%s backend; %s", self.backend.name, self.pool.describe())
         self.model = DecoderModel(cfg, self.pool)
         self.runner = ModelRunner(self.model, graphs=graphs)
@@ -122,7 +123,7 @@ class LLMEngine:
         self._seed_counter = 0
         self._requests: dict[str, list[SampleState]] = {}   # request id -> its samples' states, index order
         self.kv_transfer = KVTransfer(self)     # K/V exported to / received from another engine
-        self.speculator = Speculator.from_config(ecfg, cfg, self.max_model_len)    # None: no speculation
+        self.speculator = Speculator.from_config(ecfg, cfg, self.max_model_len, self.pool)    # None: none
         self.reset_state()
 
     def reset_state(self) -> None:

@@ -146,14 +146,24 @@ class Speculator:
         return self.proposer.method
 
     @classmethod
-    def from_config(cls, ecfg, model_config, max_model_len: int) -> "Speculator | None":
+    def from_config(cls, ecfg, model_config, max_model_len: int, pool=None) -> "Speculator | None":
+        """pool: the target's MemoryPool, built with guest=pool_guest(...) (a draft model carves its room)."""
         if ecfg.speculative_method is None:
             return None
         if ecfg.speculative_method == "ngram":
             return cls(NgramProposer(), ecfg.num_speculative_tokens, max_model_len)
         from rawinfer.engine.draft import DraftProposer
-        return cls(DraftProposer(ecfg.speculative_model, model_config, ecfg), ecfg.num_speculative_tokens,
+        return cls(DraftProposer(ecfg.speculative_model, model_config, ecfg, host=pool), ecfg.num_speculative_tokens,
                    max_model_len, keeps_state=True)
+
+    @staticmethod
+    def pool_guest(ecfg, model_config):
+        """A draft model's share of the target's memory pool (exec/memory.py GuestPool), None without one;
+        checks the draft model before the target's pool is allocated."""
+        if ecfg.speculative_method != "draft":
+            return None
+        from rawinfer.engine.draft import plan_draft
+        return plan_draft(ecfg.speculative_model, model_config, ecfg).pool_request()
 
     def _room(self, seq: Sequence) -> int:
         """Drafts seq may verify: kept tokens never pass max_tokens or the context (one comes from the model)."""

@@ -16,6 +16,11 @@ free device memory at start (one cudaMalloc), and the KV region is what the weig
 leave of it.  Asked for a padding block (decode graphs), the KV region holds one block more than the
 block manager hands out: the padding rows of a decode graph write their K/V into it.
 
+A guest.  A speculative draft model's pool can live in the same arena, after the KV blocks: the host is
+built with guest=GuestPool (what the guest's own plan needs, MemoryPool.guest_request), takes the guest's
+weights and workspace out of its budget, and shares its KV region so that both models hold the same number
+of tokens; the guest's MemoryPool(region=host.guest_region, kv_bytes=host.guest_kv_bytes) carves that room.
+
 Who asks for what.  The backend names the scratch its decode attention needs
 (attention_workspace_bytes); the pool carves it and binds it to the backend right away.  The runner
 names any further workspace regions it needs (the decode-graph inputs, exec/graphs.py) as
@@ -193,21 +198,54 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
     return cfg.num_layers * 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
+@dataclass(frozen=True)
+class GuestPool:
+    """A second model's pool to be carved inside this one's arena (a speculative draft model, engine/draft.py):
+    its weights and workspace (fixed_bytes), and KV blocks of block_bytes each, spare_blocks more than it hands
+    out; slack covers its per-layer alignment. owner is the caller's own, kept as given."""
+    fixed_bytes: int
+    block_bytes: int
+    spare_blocks: int
+    slack: int
+    owner: Any = None
+
+
 class MemoryPool:
-    """Owns the arena and every typed view carved out of it."""
+    """Owns the arena and every typed view carved out of it.
+
+    region (arena, offset, nbytes): carve inside that part of another pool's arena instead of allocating.
+    guest (GuestPool): leave room after this pool's KV region for a second model's pool; the KV region, however
+    it is sized, is then shared so that both models hold the same number of tokens, and guest_region,
+    guest_kv_bytes say where the guest carves and how much KV it gets (one allocation serves both)."""
 
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, backend, *, padding_block: bool = False,
                  extra_workspace: dict[str, tuple[tuple[int, ...], Any]] | None = None,
-                 logits_rows: int | None = None, kv_bytes: int | None = None):
+                 logits_rows: int | None = None, kv_bytes: int | None = None,
+                 region: tuple[Any, int, int] | None = None, guest: GuestPool | None = None):
         self.cfg, self.ecfg, self.backend = cfg, ecfg, backend
+        self._plan(padding_block, extra_workspace, logits_rows)
+        self._size_kv(kv_bytes, guest)
+        self._allocate(region)
+
+    @classmethod
+    def guest_request(cls, cfg: ModelConfig, ecfg: EngineConfig, backend, *, padding_block: bool = False,
+                      extra_workspace: dict | None = None, owner: Any = None) -> GuestPool:
+        """What a pool of these options needs as another pool's guest (nothing is allocated)."""
+        pool = cls.__new__(cls)
+        pool.cfg, pool.ecfg, pool.backend = cfg, ecfg, backend
+        pool._plan(padding_block, extra_workspace, None)
+        return GuestPool(fixed_bytes=pool.weight_bytes + pool.workspace_bytes, block_bytes=pool._per_block,
+                         spare_blocks=pool._spare, slack=2 * cfg.num_layers * ALIGN, owner=owner)
+
+    def _plan(self, padding_block: bool, extra_workspace: dict | None, logits_rows: int | None) -> None:
+        """Every region's (name, shape, dtype) and the fixed (weights + workspace) bytes; nothing allocated."""
+        cfg, ecfg, backend = self.cfg, self.ecfg, self.backend
         wdt = backend.weight_dtype(cfg.dtype)
         adt = backend.activation_dtype(cfg.dtype)
-        kdt = backend.kv_dtype(cfg.dtype, ecfg.kv_cache_dtype, cfg.quant)
+        self._kdt = kdt = backend.kv_dtype(cfg.dtype, ecfg.kv_cache_dtype, cfg.quant)
         T = ecfg.max_num_batched_tokens
         S = logits_rows or max(ecfg.max_num_seqs, 1)
         self.max_tokens, self.logits_rows = T, S
-
-        # ---- plan every region: (name, shape, dtype) -----------------------------------------
         C, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
         MB = max_blocks_per_seq(cfg, ecfg)
         self.max_blocks_per_seq = MB
@@ -220,60 +258,84 @@ class MemoryPool:
             self._ropes["rope_cos_sin_local"] = cfg.rope_local
         self._weight_plan = weight_plan(cfg, wdt)
         self._weight_plan += [(name, (self._rope_rows, cfg.head_dim), np.float32) for name in self._ropes]
-        act_plan = [("hidden", (T, C), adt), ("residual", (T, C), np.float32), ("normed", (T, C), adt),
-                    ("qkv", (T, cfg.qkv_size), adt), ("attn", (T, cfg.q_size), adt),
-                    ("gate_up", (T, 2 * F), adt), ("act", (T, F), adt)]
-        ws_plan = [("last", (S, C), adt), ("logits", (S, V), np.float32),
-                   ("dequant", (dequant_scratch_size(cfg),), np.float32)]
+        self._act_plan = [("hidden", (T, C), adt), ("residual", (T, C), np.float32), ("normed", (T, C), adt),
+                          ("qkv", (T, cfg.qkv_size), adt), ("attn", (T, cfg.q_size), adt),
+                          ("gate_up", (T, 2 * F), adt), ("act", (T, F), adt)]
+        self._ws_plan = [("last", (S, C), adt), ("logits", (S, V), np.float32),
+                         ("dequant", (dequant_scratch_size(cfg),), np.float32)]
         # every decode batch (B <= max_num_seqs, contexts <= MB * BS) fits: no allocation while serving
         attn_bytes = backend.attention_workspace_bytes(ecfg.max_num_seqs, cfg.num_heads, cfg.head_dim,
                                                        ecfg.block_size, self.max_context_len,
                                                        np.dtype(kdt).itemsize, cfg.num_kv_heads)
         if attn_bytes:
-            ws_plan.append(("attention", (attn_bytes,), np.uint8))
-        extra_plan = [(name, tuple(shape), dt) for name, (shape, dt) in (extra_workspace or {}).items()]
-        weight_bytes = sum(_nbytes(s, d) for _, s, d in self._weight_plan)
-        rope_bytes = len(self._ropes) * _nbytes((self._rope_rows, cfg.head_dim), np.float32)
-        ws_bytes = sum(_nbytes(s, d) for _, s, d in act_plan + ws_plan + extra_plan)
-        free = None
+            self._ws_plan.append(("attention", (attn_bytes,), np.uint8))
+        self._extra_plan = [(name, tuple(shape), dt) for name, (shape, dt) in (extra_workspace or {}).items()]
+        self.weight_bytes = sum(_nbytes(s, d) for _, s, d in self._weight_plan)
+        self._rope_bytes = len(self._ropes) * _nbytes((self._rope_rows, cfg.head_dim), np.float32)
+        self.workspace_bytes = sum(_nbytes(s, d) for _, s, d in self._act_plan + self._ws_plan + self._extra_plan)
+        self._per_block = kv_bytes_per_block(cfg, ecfg.block_size, kdt)
+        self._spare = 1 if padding_block else 0
+
+    def _size_kv(self, kv_bytes: int | None, guest: GuestPool | None) -> None:
+        """The KV region's blocks (and a guest's share of it) and the pool's total bytes."""
+        fixed = self.weight_bytes + self.workspace_bytes
+        guest_fixed = guest.fixed_bytes + guest.slack if guest is not None else 0
         if kv_bytes is None:
-            if backend.capabilities.on_gpu:
-                free = backend.device_memory_info()[0]
-            kv_bytes, self.kv_sizing = kv_region_bytes(ecfg, weight_bytes + ws_bytes, free, rope_bytes)
+            free = self.backend.device_memory_info()[0] if self.backend.capabilities.on_gpu else None
+            kv_bytes, self.kv_sizing = kv_region_bytes(self.ecfg, fixed + guest_fixed, free, self._rope_bytes)
         else:
             self.kv_sizing = "the caller"
-        per_block = kv_bytes_per_block(cfg, ecfg.block_size, kdt)
-        spare = 1 if padding_block else 0
-        num_blocks = kv_bytes // per_block - spare
+        per_block, spare = self._per_block, self._spare
+        if guest is None:
+            num_blocks = kv_bytes // per_block - spare
+        else:   # blocks of both models for the same tokens: a guest never runs out before its host
+            shared = kv_bytes - spare * per_block - guest.spare_blocks * guest.block_bytes
+            num_blocks = shared // (per_block + guest.block_bytes)
         if num_blocks < 1:
+            both = " and the draft model's" if guest is not None else ""
             raise ValueError(
                 f"the KV region ({kv_bytes} bytes, from {self.kv_sizing}) holds no KV block (one block of "
-                f"{ecfg.block_size} tokens needs {per_block} bytes for this model"
+                f"{self.ecfg.block_size} tokens needs {per_block} bytes for this model{both}"
                 f"{', and decode graphs reserve one more' if spare else ''}); give --kv-cache-memory more, e.g. 1GiB")
-        self.weight_bytes, self.workspace_bytes = weight_bytes, ws_bytes
-        layer_bytes = _align((num_blocks + spare) * per_block // (2 * cfg.num_layers))   # one k or v tensor
-        self.kv_bytes = 2 * cfg.num_layers * layer_bytes
-        self.total_bytes = weight_bytes + ws_bytes + self.kv_bytes
+        self.num_blocks = num_blocks
+        layer_bytes = _align((num_blocks + spare) * per_block // (2 * self.cfg.num_layers))   # one k or v tensor
+        self.kv_bytes = 2 * self.cfg.num_layers * layer_bytes
+        self.guest_kv_bytes = (num_blocks + guest.spare_blocks) * guest.block_bytes if guest is not None else 0
+        self.guest_bytes = _align(guest_fixed + self.guest_kv_bytes) if guest is not None else 0
+        self.guest = guest
+        self.total_bytes = fixed + self.kv_bytes + self.guest_bytes
 
-        # ---- allocate once and carve --------------------------------------------------------
-        self.arena = alloc_arena(backend, self.total_bytes, self.kv_bytes, self.kv_sizing, ws_bytes, rope_bytes,
-                                 self._rope_rows)
-        self._offset = 0
+    def _allocate(self, region: tuple[Any, int, int] | None) -> None:
+        """Allocate the arena (or take region of another's) and carve every region out of it in plan order."""
+        cfg, backend, spare = self.cfg, self.backend, self._spare
+        if region is None:
+            self.arena = alloc_arena(backend, self.total_bytes, self.kv_bytes + self.guest_kv_bytes, self.kv_sizing,
+                                     self.workspace_bytes, self._rope_bytes, self._rope_rows)
+            self._offset = 0
+        else:
+            self.arena, self._offset, room = region
+            if self.total_bytes > room:
+                raise ValueError(f"a pool of {self.total_bytes} bytes does not fit the {room} bytes its host "
+                                 "reserved for it; size it with MemoryPool.guest_request and the host's guest_kv_bytes")
+        base = self._offset
         self.weights: dict[str, Any] = {name: self._carve(shape, dt) for name, shape, dt in self._weight_plan}
-        acts = Activations(**{name: self._carve(shape, dt) for name, shape, dt in act_plan})
-        bufs = {name: self._carve(shape, dt) for name, shape, dt in ws_plan}
-        extra = {name: self._carve(shape, dt) for name, shape, dt in extra_plan}
+        acts = Activations(**{name: self._carve(shape, dt) for name, shape, dt in self._act_plan})
+        bufs = {name: self._carve(shape, dt) for name, shape, dt in self._ws_plan}
+        extra = {name: self._carve(shape, dt) for name, shape, dt in self._extra_plan}
         self.workspace = Workspace(acts=acts, extra=extra, **bufs)
         if self.workspace.attention is not None:   # bound once: decode attention allocates nothing per step
             backend.bind_attention_workspace(self.workspace.attention)
-        self.kv = KVCache(num_blocks=num_blocks, block_size=ecfg.block_size,
+        num_blocks = self.num_blocks
+        self.kv = KVCache(num_blocks=num_blocks, block_size=self.ecfg.block_size,
                           padding_block=num_blocks if spare else None)
-        kv_shape = kv_cache_shape(num_blocks + spare, cfg.num_kv_heads, ecfg.block_size, cfg.head_dim, kdt)
+        kv_shape = kv_cache_shape(num_blocks + spare, cfg.num_kv_heads, self.ecfg.block_size, cfg.head_dim,
+                                  self._kdt)
         self._kv_offset = self._offset
         for _ in range(cfg.num_layers):
-            self.kv.k.append(self._carve(kv_shape, kdt))
-            self.kv.v.append(self._carve(kv_shape, kdt))
-        assert self._offset == self.total_bytes
+            self.kv.k.append(self._carve(kv_shape, self._kdt))
+            self.kv.v.append(self._carve(kv_shape, self._kdt))
+        assert self._offset == base + self.total_bytes - self.guest_bytes
+        self.guest_region = (self.arena, self._offset, self.guest_bytes) if self.guest is not None else None
         for name, rope in self._ropes.items():
             backend.upload(self.weights[name], W.rope_cos_sin(cfg, rope, self._rope_rows))
 
@@ -305,4 +367,6 @@ class MemoryPool:
         return (f"memory pool: {self.total_bytes / mib:.0f} MiB = weights {self.weight_bytes / mib:.0f} MiB + "
                 f"workspace {self.workspace_bytes / mib:.0f} MiB{extra} + KV {self.kv_bytes / mib:.0f} MiB "
                 f"sized by {self.kv_sizing} ({self.kv.num_blocks} blocks x {self.kv.block_size} tokens = "
-                f"{self.kv.num_tokens} tokens of {np.dtype(self.kv.k[0].dtype).name} KV{spare})")
+                f"{self.kv.num_tokens} tokens of {np.dtype(self.kv.k[0].dtype).name} KV{spare})"
+                + (f" + {self.guest_bytes / mib:.0f} MiB for the draft model (its weights, workspace and KV for as "
+                   "many tokens)" if self.guest is not None else ""))

@@ -61,3 +61,27 @@ def test_drafts_verified_in_decode_graphs_keep_the_greedy_tokens(monkeypatch, tm
     assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"]
     assert eng.runner.use_graphs and buckets and any(b is not None for b in buckets)
     assert eng.launcher.replays > 0
+
+
+def test_a_draft_model_in_the_targets_pool_drafts_through_its_own_decode_graphs(monkeypatch, tmp_path_factory,
+                                                                                shim_libraries):
+    """tiny-llama drafting for itself on the CUDA backend: the draft's weights, KV and graph inputs are carved
+    from the target's one arena, its decode passes replay its own graphs, every draft is kept and the greedy
+    tokens equal plain decoding."""
+    from rawinfer import SamplingParams
+    model_dir = _convert_tiny(tmp_path_factory, "tiny-llama")
+    prompts = [[5, 6, 7, 8], list(range(20, 47))]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    expected = _stepwise(shim_engine(monkeypatch, model_dir, shim_libraries), prompts, params)
+    draft_launcher = CapturingShimLauncher(shim_libraries)
+    draft_backend = device_reporting_backend(draft_launcher)
+    monkeypatch.setattr("rawinfer.engine.draft.get_backend", lambda *args, **kwargs: draft_backend)
+    eng = shim_engine(monkeypatch, model_dir, shim_libraries, speculative_model=model_dir, num_speculative_tokens=3)
+    eng.speculator.choose_k = lambda *_: 3
+    draft = eng.speculator.proposer
+    assert draft.backend is draft_backend and draft.pool.arena is eng.pool.arena and draft.runner.use_graphs
+    assert draft.block_manager.num_blocks == eng.block_manager.num_blocks
+    assert _stepwise(eng, prompts, params) == expected
+    s = eng.stats()["speculative"]
+    assert s["num_accepted_tokens"] == s["num_draft_tokens"] > 0
+    assert draft_launcher.replays > 0 and eng.launcher.replays > 0

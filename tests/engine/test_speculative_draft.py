@@ -283,6 +283,21 @@ def spec32():
     return llm
 
 
+def test_the_draft_lives_in_the_targets_pool(spec32):
+    """One allocation: the draft model's weights and KV are views of the target pool's arena, after the target's
+    KV, and the two block managers hold the same number of tokens out of the one --kv-cache-memory."""
+    engine, draft = spec32.engine, spec32.engine.speculator.proposer
+    arena = engine.pool.arena
+    assert draft.pool.arena is arena and engine.pool.guest_region[1] + draft.pool.total_bytes <= arena.nbytes
+    base = arena.__array_interface__["data"][0]
+    target_end = max(v.__array_interface__["data"][0] + v.nbytes for v in engine.pool.kv.k + engine.pool.kv.v)
+    for view in [*draft.pool.weights.values(), *draft.pool.kv.k, *draft.pool.kv.v]:
+        start = view.__array_interface__["data"][0]
+        assert target_end <= start and start + view.nbytes <= base + arena.nbytes
+    assert draft.block_manager.num_blocks == engine.block_manager.num_blocks
+    assert engine.pool.kv_bytes + engine.pool.guest_kv_bytes <= 64 << 20
+
+
 def test_greedy_output_and_logprobs_equal_float32_alone(plain32, spec32):
     params = SamplingParams(max_tokens=40, temperature=0, logprobs=2)
     counts = _counting_proposals(spec32.engine)
@@ -381,9 +396,9 @@ def test_a_sliding_window_draft_holds_its_window_and_proposes_its_greedy_continu
 
 
 def test_a_sliding_window_model_drafting_for_itself_through_the_engine(swa_dir):
-    """tiny-mistral-swa (window 24) as its own draft model, target pool of 32 blocks and draft pool of 8: generations
-    far past the window (12 blocks each) equal those without speculation, every draft is kept, and no block stays
-    behind."""
+    """tiny-mistral-swa (window 24) as its own draft model, a KV region of 32 blocks' bytes shared by the two models
+    (16 blocks each): generations far past the window (12 blocks each, 24 for both) equal those without speculation,
+    every draft is kept, and no block stays behind."""
     swa = swa_dir
     cfg = ModelConfig.from_dir(swa)
     block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * 16 * cfg.head_dim * 4
@@ -396,7 +411,8 @@ def test_a_sliding_window_model_drafting_for_itself_through_the_engine(swa_dir):
     # has measured a few steps; this test is about the draft's window, so every decoding sequence drafts K
     k = spec.engine.speculator.k
     spec.engine.speculator.choose_k = lambda decoding, seqs, cost: k
-    assert spec.engine.speculator.proposer.block_manager.num_blocks == 32 // DRAFT_KV_SHARE < 2 * -(-(30 + 150) // 16)
+    assert spec.engine.speculator.proposer.block_manager.num_blocks == spec.engine.block_manager.num_blocks == 16
+    assert 16 < 2 * -(-(30 + 150) // 16)
     got = spec.generate(prompts, params, use_tqdm=False)
     assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in plain]
     s = spec.engine.stats()["speculative"]
