@@ -7,8 +7,9 @@
 #     tools/gpu_check.sh /tmp/gpu-out          (PYTHON=/path/to/python3 to pick the interpreter)
 #
 # 1. nvidia-smi summary and package versions      -> OUTDIR/nvidia-smi.txt, OUTDIR/versions.txt
-# 2. the GPU test suite: pytest -m gpu tests/backend/test_gpu*.py tests/backend/test_cuda_fused_gpu.py (the
-#    K/V transfer between two CUDA processes over ZeroMQ, test_gpu_disagg.py, needs pyzmq; it skips without)
+# 2. the GPU test suite: pytest -m gpu tests/backend/test_gpu*.py tests/backend/test_cuda_fused_gpu.py
+#    tests/backend/test_grammar_mask.py (the structured-output mask kernel; the K/V transfer between two
+#    CUDA processes over ZeroMQ, test_gpu_disagg.py, needs pyzmq; it skips without)
 #    -> OUTDIR/gpu-tests.log, gpu-tests.xml (kernels incl. the Gemma 3 / Qwen3 ops and sliding-window
 #    attention; decode CUDA graphs vs eager, device sampler, pool sizing, whole models)
 # 3. tools/gpu_attention_bench.py: prefill attention of one 2,048-token prompt at Llama-3-8B's shape
@@ -61,6 +62,7 @@ per_test=()
 "$py" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${GPU_CHECK_PER_TEST_S:-100}")
 echo "[gpu_check] running the GPU tests (log: $out/gpu-tests.log)"
 timeout "${GPU_CHECK_TESTS_S:-165}" "$py" -m pytest -m gpu tests/backend/test_gpu*.py tests/backend/test_cuda_fused_gpu.py \
+  tests/backend/test_grammar_mask.py \
   -q -rs -p no:cacheprovider --durations=15 "${per_test[@]}" --junitxml="$out/gpu-tests.xml" > "$out/gpu-tests.log" 2>&1
 tests_rc=$?
 
