@@ -207,3 +207,13 @@ def _staggered_generation(engine, prompts: dict, max_tokens: int) -> dict:
 def staggered_generation():
     """The function above, for tests that drive engines on different devices through the same steps."""
     return _staggered_generation
+
+
+@pytest.fixture(scope="session")
+def shim_libraries():
+    """Every CUDA source compiled for the host shim (tests/cuda_shim/harness.py), once per session (and cached on
+    disk between sessions); the test is skipped where the shim or a host C++ compiler is missing."""
+    harness = pytest.importorskip("cuda_shim.harness")
+    if harness.compiler() is None:
+        pytest.skip("no host C++ compiler for the CUDA shim")
+    return harness.build_all()

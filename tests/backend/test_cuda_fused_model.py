@@ -29,11 +29,6 @@ FUSED_OPS = ("fused_rope_kv_write", "norm_add_rmsnorm")
 PROMPTS = {"a": [5, 6, 7], "b": list(range(20, 47))}   # "b" outgrows the sliding window (24)
 
 
-@pytest.fixture(scope="module")
-def shim_libraries():
-    return harness.build_all()
-
-
 def shim_engine(monkeypatch, model_dir, libraries, fused: bool) -> tuple[LLMEngine, list]:
     """The CUDA engine on the shim, and the list its runner appends every step's logits to."""
     from rawinfer.backend.cuda.backend import CUDABackend

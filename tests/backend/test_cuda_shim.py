@@ -28,11 +28,6 @@ from reference_ops import (DTYPE_IDS, DTYPES, add_rmsnorm_ref, argmax_ref, asser
                            linear_ref, rand, rmsnorm_ref, rope_ref, sample_ref, silu_mul_ref, take_rows_ref)
 
 
-@pytest.fixture(scope="module")
-def shim_libraries():
-    return harness.build_all()  # every .cu once, in parallel; cached on disk between sessions
-
-
 @pytest.fixture
 def backend(shim_libraries):
     return CUDABackend(launcher=harness.ShimLauncher(shim_libraries))

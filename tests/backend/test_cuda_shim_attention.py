@@ -22,11 +22,6 @@ from rawinfer.backend.cuda.backend import CUDABackend  # noqa: E402
 from reference_ops import DTYPE_IDS, DTYPES, assert_close, make_paged_batch, paged_attention_ref  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def shim_libraries():
-    return harness.build_all()  # every .cu once, in parallel; cached on disk between sessions
-
-
 @pytest.fixture
 def backend(shim_libraries):
     """The FMA prefill kernel for every dtype (the tensor-core one has test_cuda_shim_flash.py)."""

@@ -23,11 +23,6 @@ from rawinfer.backend.cuda.backend import CUDABackend  # noqa: E402
 from reference_ops import DTYPE_IDS, DTYPES, assert_close, bfloat16, make_paged_batch, paged_attention_ref  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def shim_libraries():
-    return harness.build_all()
-
-
 def shim_backend(shim_libraries, **attrs) -> CUDABackend:
     backend = CUDABackend(launcher=harness.ShimLauncher(shim_libraries))
     for name, value in attrs.items():

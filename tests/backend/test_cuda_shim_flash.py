@@ -31,11 +31,6 @@ HALF_TYPES = [np.float16, bfloat16]
 HALF_IDS = ["f16", "bf16"]
 
 
-@pytest.fixture(scope="module")
-def shim_libraries():
-    return harness.build_all(["flash_attention_prefill.cu", "paged_attention_prefill.cu"])
-
-
 @pytest.fixture
 def backend(shim_libraries):
     return CUDABackend(launcher=harness.ShimLauncher(shim_libraries))

@@ -20,11 +20,6 @@ from tests.engine.test_speculative import _Oracle, _stepwise  # noqa: E402
 from tests.exec.test_graphs import CapturingShimLauncher, device_reporting_backend  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def shim_libraries():
-    return harness.build_all()
-
-
 def shim_engine(monkeypatch, model_dir, libraries, **options) -> LLMEngine:
     """The CUDA engine on the shim, with decode graphs (recorded launches replayed, as tests/exec/test_graphs.py);
     its launcher as engine.launcher."""

@@ -194,13 +194,6 @@ class CapturingShimLauncher(harness.ShimLauncher):
         return RecordedGraph(calls)
 
 
-@pytest.fixture(scope="module")
-def shim_libraries():
-    if harness.compiler() is None:
-        pytest.skip("no host C++ compiler for the CUDA shim")
-    return harness.build_all()
-
-
 def shim_engine(monkeypatch, model_dir, libraries, graphs: bool) -> LLMEngine:
     """The CUDA engine on the host shim. The step's prefill follows the fixed token budget (itl_target_ms 0):
     the shim's step times say nothing about a GPU, and these tests count the steps of a known schedule."""
