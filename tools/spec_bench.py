@@ -4,6 +4,7 @@
     python tools/spec_bench.py --workload draft              # batch 1, chat prompts: q4 drafts for float32
     python tools/spec_bench.py --workload batch --concurrency 32     # output throughput at 32 requests
     python tools/spec_bench.py --workload sweep              # tokens/s by batch size: the cost model's drafts, K
+    python tools/spec_bench.py --workload pool               # the draft in the target's pool vs in its own
 
 Each engine is built once; the runs alternate (plain, speculative, plain, ...) for --rounds rounds so both
 see the same machine load. Batch 1 reports the mean inter-token latency (decode time / (tokens - 1)), the
@@ -77,7 +78,7 @@ def compare(name: str, plain, spec, prompts, args, batch: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", choices=("ngram", "draft", "batch", "sweep"), default="ngram")
+    p.add_argument("--workload", choices=("ngram", "draft", "batch", "sweep", "pool"), default="ngram")
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
@@ -102,8 +103,31 @@ def main() -> None:
             convs = [[{"role": "user", "content": CHAT[i % len(CHAT)] + f" (#{i})"}] for i in range(args.concurrency)]
             compare(f"{method}, float32, {args.concurrency} concurrent", plain, spec, chat_ids(plain, convs), args,
                     batch=True)
+    elif args.workload == "pool":
+        pool(args)
     else:
         sweep(args)
+
+
+def pool(args) -> None:
+    """The draft model in the target's memory pool (as the engine builds it) against a draft with a pool of its own
+    beside a target that keeps the whole KV region (as before they shared one): batch 1 chat prompts and 32
+    concurrent, each against plain decoding."""
+    import dataclasses
+    from rawinfer.engine.draft import DraftProposer
+    from rawinfer.engine.speculative import Speculator
+    plain = engine(F32)
+    shared = engine(F32, speculative_model=Q4, num_speculative_tokens=args.k)
+    own = engine(F32)
+    e = own.engine
+    ecfg = dataclasses.replace(e.config, speculative_method="draft", speculative_model=Q4)
+    e.speculator = Speculator(DraftProposer(Q4, e.model_config, ecfg), args.k, e.max_model_len, keeps_state=True)
+    prompts = chat_ids(plain, [[{"role": "user", "content": q}] for q in CHAT])
+    convs = [[{"role": "user", "content": CHAT[i % len(CHAT)] + f" (#{i})"}] for i in range(args.concurrency)]
+    for name, llm in (("shared pool", shared), ("own pool", own)):
+        compare(f"draft q4 -> float32 ({name}), batch 1, chat", plain, llm, prompts, args, batch=False)
+        compare(f"draft q4 -> float32 ({name}), {args.concurrency} concurrent", plain, llm, chat_ids(plain, convs),
+                args, batch=True)
 
 
 def sweep(args) -> None:
