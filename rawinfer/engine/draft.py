@@ -5,8 +5,9 @@ The draft model has its own backend, runner and block manager, built as LLMEngin
 with no scheduler or sampler. Its memory is a region of the target's pool: plan_draft reads the draft's
 config before the target's pool is sized, the target's MemoryPool leaves room for it (guest=), sharing its KV
 region so that both models hold the same number of tokens, and the draft's pool carves that room; the engine
-makes one allocation (built alone, as tests do, a DraftProposer allocates a pool of its own). This module builds
-its step plans itself (core/step_plan.py) and reads the logits with an argmax. Nothing here samples, finishes or caches a prefix.
+makes one allocation (built alone, as tests do, a DraftProposer allocates a pool of its own). This module
+builds its step plans itself (core/step_plan.py) and reads the logits with an argmax. Nothing here samples,
+finishes or caches a prefix.
 
 Per target sequence the proposer keeps a mirror, a private Sequence of the draft side whose first
 num_computed_tokens ids are exactly those whose K/V the draft's cache holds (the drafts it computed last
@@ -41,7 +42,7 @@ from rawinfer.core.block_manager import BlockManager
 from rawinfer.core.sequence import Sequence
 from rawinfer.core.step_plan import ScheduledSeq, build_step_plan
 from rawinfer.exec.graphs import DecodeGraphs
-from rawinfer.exec.memory import GuestPool, MemoryPool, max_blocks_per_seq
+from rawinfer.exec.memory import GuestPool, MemoryPool
 from rawinfer.exec.model import DecoderModel
 from rawinfer.exec.runner import ModelRunner
 from rawinfer.sampling import SamplingParams
@@ -75,7 +76,7 @@ class DraftSetup:
     engine_config: EngineConfig
     backend: Any
     graphs: bool                    # decode graphs (CUDA): a padding block and the graphs' workspace
-    extra: dict = dataclasses.field(default_factory=dict)
+    extra: dict
 
     def pool_request(self) -> GuestPool:
         """The draft's pool as a guest of the target's (MemoryPool(guest=...)): one allocation for both."""
@@ -101,9 +102,7 @@ def plan_draft(model_dir: str, target_config: ModelConfig, engine_config: Engine
         raise ValueError(f"the draft model {model_dir} has {cfg.quant} weights, which run on the CPU backend "
                          f"only; give --speculative-model a copy converted without --quant for --device "
                          f"{backend.name}")
-    graphs = bool(ecfg.use_cuda_graphs) and backend.capabilities.graphs
-    extra = DecodeGraphs.workspace_request(ecfg, max_blocks_per_seq(cfg, ecfg)) if graphs else {}
-    return DraftSetup(model_dir, cfg, ecfg, backend, graphs, extra)
+    return DraftSetup(model_dir, cfg, ecfg, backend, *DecodeGraphs.pool_options(cfg, ecfg, backend))
 
 
 class DraftProposer:

@@ -105,11 +105,7 @@ class LLMEngine:
         if cfg.quant is not None and cfg.quant not in self.backend.capabilities.quantized_weights:
             raise ValueError(f"{cfg.quant} weight-only models run on the CPU backend; convert without --quant "
                              f"for --device {self.backend.name} (or run this model with --device cpu)")
-        graphs = bool(ecfg.use_cuda_graphs) and self.backend.capabilities.graphs
-        extra = {}
-        if graphs:
-            from rawinfer.exec.memory import max_blocks_per_seq
-            extra = DecodeGraphs.workspace_request(ecfg, max_blocks_per_seq(cfg, ecfg))
+        graphs, extra = DecodeGraphs.pool_options(cfg, ecfg, self.backend)
         self.pool = MemoryPool(cfg, ecfg, self.backend, padding_block=graphs, extra_workspace=extra,
                                guest=Speculator.pool_guest(ecfg, cfg))    # a draft model's room, or None
         log.info("%s backend; %s", self.backend.name, self.pool.describe())

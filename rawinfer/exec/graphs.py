@@ -41,8 +41,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from rawinfer.backend.base import FlatBatch
-from rawinfer.config import EngineConfig
+from rawinfer.config import EngineConfig, ModelConfig
 from rawinfer.core.step_plan import StepPlan
+from rawinfer.exec.memory import max_blocks_per_seq
 from rawinfer.exec.model import DecoderModel
 
 REGION = "decode_inputs"     # the workspace region of the graphs' inputs
@@ -146,6 +147,14 @@ class DecodeGraphs:
     def workspace_request(ecfg: EngineConfig, max_blocks: int) -> dict[str, tuple[tuple[int, ...], Any]]:
         """The workspace region the graphs need, for MemoryPool(extra_workspace=...)."""
         return {REGION: ((decode_input_words(max_graph_batch(ecfg), max_blocks),), np.int32)}
+
+    @staticmethod
+    def pool_options(cfg: ModelConfig, ecfg: EngineConfig, backend) -> tuple[bool, dict]:
+        """(whether the model's decode steps run in graphs, the workspace they need): MemoryPool's padding_block
+        and extra_workspace for a model on `backend`."""
+        if not (ecfg.use_cuda_graphs and backend.capabilities.graphs):
+            return False, {}
+        return True, DecodeGraphs.workspace_request(ecfg, max_blocks_per_seq(cfg, ecfg))
 
     def __init__(self, model: DecoderModel):
         pool = model.pool

@@ -297,12 +297,13 @@ class MemoryPool:
                 f"the KV region ({kv_bytes} bytes, from {self.kv_sizing}) holds no KV block (one block of "
                 f"{self.ecfg.block_size} tokens needs {per_block} bytes for this model{both}"
                 f"{', and decode graphs reserve one more' if spare else ''}); give --kv-cache-memory more, e.g. 1GiB")
-        self.num_blocks = num_blocks
+        self._num_blocks = num_blocks
         layer_bytes = _align((num_blocks + spare) * per_block // (2 * self.cfg.num_layers))   # one k or v tensor
         self.kv_bytes = 2 * self.cfg.num_layers * layer_bytes
-        self.guest_kv_bytes = (num_blocks + guest.spare_blocks) * guest.block_bytes if guest is not None else 0
-        self.guest_bytes = _align(guest_fixed + self.guest_kv_bytes) if guest is not None else 0
-        self.guest = guest
+        self.guest, self.guest_kv_bytes, self.guest_bytes = guest, 0, 0
+        if guest is not None:
+            self.guest_kv_bytes = (num_blocks + guest.spare_blocks) * guest.block_bytes
+            self.guest_bytes = _align(guest_fixed + self.guest_kv_bytes)
         self.total_bytes = fixed + self.kv_bytes + self.guest_bytes
 
     def _allocate(self, region: tuple[Any, int, int] | None) -> None:
@@ -325,7 +326,7 @@ class MemoryPool:
         self.workspace = Workspace(acts=acts, extra=extra, **bufs)
         if self.workspace.attention is not None:   # bound once: decode attention allocates nothing per step
             backend.bind_attention_workspace(self.workspace.attention)
-        num_blocks = self.num_blocks
+        num_blocks = self._num_blocks
         self.kv = KVCache(num_blocks=num_blocks, block_size=self.ecfg.block_size,
                           padding_block=num_blocks if spare else None)
         kv_shape = kv_cache_shape(num_blocks + spare, cfg.num_kv_heads, self.ecfg.block_size, cfg.head_dim,

@@ -30,10 +30,10 @@ def head_route(head: bytes) -> str:
     """The route ("METHOD PATH") of a request head's first bytes, for the log; an unfinished request line is
     shown as far as it came."""
     line, complete, _ = head.partition(b"\r\n")
-    words = line.decode("latin-1").split(" ")
+    text = line.decode("latin-1")
+    words = text.split(" ")
     if len(words) == 3 and words[2].startswith("HTTP/"):
         return f"{words[0]} {words[1].split('?')[0]}"
-    text = line.decode("latin-1")
     text = text if len(text) <= 80 else text[:80] + "..."
     return f"(request line {'unreadable' if complete else 'incomplete'}: {text!r})"
 
