@@ -13,6 +13,7 @@ from rawinfer.frontends.http.chat_shape import Parsers
 from rawinfer.frontends.http.errors import APIError
 from rawinfer.frontends.http.params import chat_job
 from rawinfer.frontends.http.schemas import ChatCompletionRequest
+from tests.engine.test_reasoning import splits      # at every character and UTF-8 byte, and piece by piece
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -48,12 +49,6 @@ def streamed(body: dict, pieces: list[str], index: int = 0) -> tuple[str, list[d
             calls[c["index"]]["arguments"] += c["function"]["arguments"]
     assert sorted(calls) == list(range(len(calls)))
     return content, [calls[i] for i in sorted(calls)], made
-
-
-def splits(text: str):
-    yield [text]
-    yield from ([text[:i], text[i:]] for i in range(1, len(text)))
-    yield list(text)
 
 
 @pytest.mark.parametrize("parallel, want", [
