@@ -93,6 +93,15 @@ class Server:
         with open(self.log.name) as f:
             return f.read()
 
+    def log_lines(self, text: str, at_least: int = 1, timeout_s: float = 10.0) -> list[str]:
+        """The log's lines holding `text`, once at least `at_least` of them have arrived (the workers write
+        through a pipe) or timeout_s has passed."""
+        deadline = time.monotonic() + timeout_s
+        while len(lines := [ln for ln in self.output().splitlines() if text in ln]) < at_least and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        return lines
+
     def wait_ready(self, timeout_s: float = 180.0, **client_kw) -> "Server":
         """Until the server answers a ping (client_kw: the Client's keys, for a Curve server)."""
         from rawinfer.server import Client, ServerTimeout

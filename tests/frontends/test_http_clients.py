@@ -20,16 +20,6 @@ from http_util import AUTH, http_server, openai_client, post, sse_events  # noqa
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def log_lines(srv: Server, text: str, timeout_s: float = 10.0) -> list[str]:
-    """The server log's lines holding `text`, once at least one has arrived (the workers' stderr)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        lines = [ln for ln in srv.output().splitlines() if text in ln]
-        if lines or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory):
     """A tiny chat model served with --strict-api, two served names and a default max_tokens (the model also
@@ -48,7 +38,7 @@ def test_unknown_fields_are_ignored_and_named_once_in_the_log(http_server):
     body = {"prompt": "Hello", "max_tokens": 2, f"frobnicate_{tag}": 1, "metadata": {"k": "v"}}
     r = post(http_server, "/v1/completions", body)
     assert r.status_code == 200, r.text
-    lines = log_lines(http_server, f"frobnicate_{tag}")
+    lines = http_server.log_lines(f"frobnicate_{tag}")
     assert len(lines) == 1, lines
     assert "The following fields were present in the request but ignored: " in lines[0]
     assert "'metadata'" in lines[0] and "POST /v1/completions" in lines[0]
@@ -60,7 +50,7 @@ def test_unknown_fields_are_ignored_and_named_once_in_the_log(http_server):
         "messages": chat, "max_tokens": 2, "stream": True,
         "stream_options": {"include_usage": True, f"opt_{tag}": True}})
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 2
-    (line,) = log_lines(http_server, f"opt_{tag}")
+    (line,) = http_server.log_lines(f"opt_{tag}")
     for name in (f"messages.0.tag_{tag}", "messages.1.refusal", "messages.1.annotations", f"stream_options.opt_{tag}"):
         assert repr(name) in line, line
 

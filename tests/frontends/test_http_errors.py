@@ -110,21 +110,12 @@ def test_engine_refusals_map_to_openai_statuses():
     assert from_engine("internal", "bug").status == 500
 
 
-def _logged(srv: Server, text: str, more_than: int = -1, timeout_s: float = 10.0) -> int:
-    """How many lines of the server log hold `text`, once more than `more_than` do (the workers write through
-    a pipe) or timeout_s has passed; more_than -1 counts at once (the session's server is shared)."""
-    deadline = time.monotonic() + timeout_s
-    while (n := sum(text in ln for ln in srv.output().splitlines())) <= more_than and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return n
-
-
 STREAM_GONE = "HTTP 499 POST /v1/completions: the client went away during the stream; its request was aborted"
 REQUEST_GONE = "HTTP 499 POST /v1/completions: the client went away before the answer; its request was aborted"
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(http_server):
-    before, logged = wait_idle(http_server), _logged(http_server, STREAM_GONE)
+    before, logged = wait_idle(http_server), len(http_server.log_lines(STREAM_GONE, at_least=0))
     body = {"prompt": "Tell me a long story about the sea.", "max_tokens": 400, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", http_server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
@@ -137,12 +128,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(http_server):
     assert time.monotonic() - t < 5
     assert after["requests_aborted_by_client"] == before["requests_aborted_by_client"] + 1
     assert after["tokens_generated"] - before["tokens_generated"] < 400
-    assert _logged(http_server, STREAM_GONE, logged) == logged + 1, http_server.output()[-3000:]   # one line
+    lines = http_server.log_lines(STREAM_GONE, at_least=logged + 1)
+    assert len(lines) == logged + 1, http_server.output()[-3000:]   # one line
 
 
 def test_a_client_that_disconnects_from_a_non_streaming_request_frees_its_blocks(http_server):
     """Without streaming, the request once ran to its end for nobody; now it is aborted within a moment."""
-    before, logged = wait_idle(http_server), _logged(http_server, REQUEST_GONE)
+    before, logged = wait_idle(http_server), len(http_server.log_lines(REQUEST_GONE, at_least=0))
     body = {"prompt": "Tell me a long story about the sea.", "max_tokens": 400, "ignore_eos": True,
             "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
@@ -152,7 +144,8 @@ def test_a_client_that_disconnects_from_a_non_streaming_request_frees_its_blocks
     assert time.monotonic() - t < 5
     assert after["requests_aborted_by_client"] == before["requests_aborted_by_client"] + 1
     assert after["tokens_generated"] - before["tokens_generated"] < 400
-    assert _logged(http_server, REQUEST_GONE, logged) == logged + 1, http_server.output()[-3000:]
+    lines = http_server.log_lines(REQUEST_GONE, at_least=logged + 1)
+    assert len(lines) == logged + 1, http_server.output()[-3000:]
 
 
 def test_requests_the_engine_link_cannot_send_are_400_or_413_not_500(http_server):
@@ -259,10 +252,7 @@ def test_every_refused_request_leaves_one_timestamped_warning_line(http_server):
     _error(post(http_server, f"/v1/{tag}", {}), 404)
     _error(post(http_server, "/v1/chat/completions", {"messages": [{"role": tag, "content": "x"}]}), 400)
     _error(httpx.get(http_server.base_url + f"/v1/models?{tag}"), 401)
-    deadline = time.monotonic() + 10
-    while len(lines := [ln for ln in http_server.output().splitlines() if tag in ln]) < 3 and \
-            time.monotonic() < deadline:
-        time.sleep(0.1)
+    lines = http_server.log_lines(tag, at_least=3)
     head = rf"^{STAMP} WARNING rawinfer http \d+: HTTP "
     assert len(lines) == 3, lines
     assert re.match(head + r"404 POST /v1/completions: the model '" + tag + r"' does not exist.*\(param model\)$",

@@ -198,20 +198,12 @@ def _closed_within(sock: socket.socket, limit_s: float) -> float:
     return time.monotonic() - t
 
 
-def _log_lines(srv: Server, text: str, timeout_s: float = 5.0) -> list[str]:
-    """The server log's lines holding `text`, once one has arrived or timeout_s has passed."""
-    deadline = time.monotonic() + timeout_s
-    while not (lines := [ln for ln in srv.output().splitlines() if text in ln]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return lines
-
-
 def test_idle_slow_and_oversized_request_heads_are_closed(srv):
     """Each closed, and each begun request among them refused in one warning line of the log (status, the
     route as far as it came, the reason); a connection that sent nothing was no request and leaves none."""
     with _raw(srv.http_port) as s:                          # a connection that sends nothing
         assert _closed_within(s, READ_TIMEOUT_S + 5) < READ_TIMEOUT_S + 2
-    assert not _log_lines(srv, "HTTP 408 (request line", timeout_s=1)
+    assert not srv.log_lines("HTTP 408 (request line", timeout_s=1)
     with _raw(srv.http_port) as s:                          # a head a byte at a time (slowloris)
         t = time.monotonic()
         head = _head("/v1/completions", 10)
@@ -223,13 +215,13 @@ def test_idle_slow_and_oversized_request_heads_are_closed(srv):
         except OSError:
             pass                                            # closed by the server
         assert _closed_within(s, 5) < 5 and time.monotonic() - t < READ_TIMEOUT_S + 2
-    (line,) = _log_lines(srv, "HTTP 408 (request line")
+    (line,) = srv.log_lines("HTTP 408 (request line", timeout_s=5)
     assert re.search(r" WARNING rawinfer http \d+: HTTP 408 \(request line incomplete: 'P[^']*'\): the "
                      rf"request head was not whole {READ_TIMEOUT_S:g} s after .*--http-read-timeout", line), line
     with _raw(srv.http_port) as s:                          # an endless header
         s.sendall(b"GET /big-head?x=1 HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 70000)
         assert _response(s).startswith(b"HTTP/1.1 431")
-    (line,) = _log_lines(srv, "HTTP 431 GET /big-head")
+    (line,) = srv.log_lines("HTTP 431 GET /big-head", timeout_s=5)
     assert line.endswith("HTTP 431 GET /big-head: the request line and headers are over 65536 bytes; the "
                          "connection was closed"), line
     with _raw(srv.http_port) as s:                          # idle after an answer: uvicorn's keep-alive timeout
