@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from rawinfer.backend.base import Backend
 from rawinfer.backend.select import get_backend
 from rawinfer.config import DEFAULT_MODEL, EngineConfig, ModelConfig, is_int, resolve_max_model_len
 from rawinfer.core.block_manager import BlockManager
@@ -57,7 +58,9 @@ def engine_config_from(options: dict[str, Any]) -> EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str = DEFAULT_MODEL, engine_config: EngineConfig | None = None, **options):
+    def __init__(self, model_dir: str = DEFAULT_MODEL, engine_config: EngineConfig | None = None, *,
+                 backend: Backend | None = None, **options):
+        """backend: run on this instance, not the one engine_config.device selects (benchmarks: backend/null.py)."""
         if engine_config is not None and (not isinstance(engine_config, EngineConfig) or options):
             raise ValueError("engine_config must be an EngineConfig and comes alone: pass either it or the engine "
                              f"options as keywords (got {type(engine_config).__name__} and {sorted(options)})")
@@ -66,7 +69,7 @@ class LLMEngine:
         if ecfg.chat_template is not None:   # it replaces the model's template; a bad file is refused before loading
             from rawinfer.engine.tokenizer import load_chat_template
             cfg = dataclasses.replace(cfg, chat_template=load_chat_template(ecfg.chat_template))
-        self._setup(cfg, ecfg)
+        self._setup(cfg, ecfg, backend)
         t0 = time.monotonic()
         self.pool.load_weights(model_dir)
         self.model.weights_loaded()
@@ -93,11 +96,12 @@ class LLMEngine:
             warm_up(self)
         return self
 
-    def _setup(self, cfg: ModelConfig, ecfg: EngineConfig) -> None:
+    def _setup(self, cfg: ModelConfig, ecfg: EngineConfig, backend: Backend | None = None) -> None:
         self.model_config, self.config = cfg, ecfg
         self.max_model_len = resolve_max_model_len(cfg, ecfg)
-        self.backend = get_backend(ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm, ecfg.cache_dir,
-                                   ecfg.batch_invariant, ecfg.int8_activations)
+        self.backend = backend if backend is not None else get_backend(
+            ecfg.device, ecfg.num_threads, ecfg.cpu_int_gemm, ecfg.cache_dir, ecfg.batch_invariant,
+            ecfg.int8_activations)
         if ecfg.int8_activations and cfg.quant not in ("int8", "q4"):
             raise ValueError(f"int8_activations (--int8-activations) runs the products of int8 and q4 models; this "
                              f"model is {cfg.quant or cfg.dtype}: convert it with --quant int8 or --quant q4, or leave "

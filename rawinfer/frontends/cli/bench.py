@@ -1,4 +1,5 @@
-"""`rawinfer bench throughput | serve | roofline`: their options, and running them with results to files.
+"""`rawinfer bench throughput | serve | roofline | step-overhead`: their options, and running them with results
+to files.
 
 The measuring lives in frontends/bench/ (which imports nothing from cli/); this module builds the engine
 or reaches the server from the options, calls it, and writes the JSON (and figure) it makes into
@@ -14,9 +15,9 @@ import os
 import time
 
 from rawinfer.frontends.cli.connect import ping_server
-from rawinfer.frontends.cli.models import open_engine
-from rawinfer.frontends.options import (EXIT_FAILED, CLIError, add_command, add_engine_args, is_quiet,
-                                        nonnegative_int, positive_float, positive_int)
+from rawinfer.frontends.cli.models import open_engine, resolve_model
+from rawinfer.frontends.options import (EXIT_FAILED, CLIError, add_command, add_engine_args, engine_config_from_args,
+                                        is_quiet, nonnegative_int, positive_float, positive_int)
 from rawinfer.frontends.server.protocol import DEFAULT_ADDR
 from rawinfer.settings import api_key_default, user_cache_dir
 
@@ -114,7 +115,7 @@ def _add_multiturn(p) -> None:
 
 
 def add_parser(sub) -> None:
-    p = add_command(sub, "bench", "benchmarks: throughput, serve, roofline")
+    p = add_command(sub, "bench", "benchmarks: throughput, serve, roofline, step-overhead")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
 
     t = add_command(bsub, "throughput", "offline: N requests submitted at once to a local engine")
@@ -170,6 +171,41 @@ def add_parser(sub) -> None:
     _add_output(r)
     add_engine_args(r)
     r.set_defaults(func=cmd_roofline)
+
+    _add_step_overhead(bsub)
+
+
+def _add_step_overhead(bsub) -> None:
+    about = ("The engine's host time per decode step (scheduling, the step plan, sampling, outputs), at each batch "
+             "size, with a backend whose ops return at once: what overlapped scheduling must hide behind a GPU's "
+             "step. The engine options shape the scheduler (block size, step budget, prefix caching); the device "
+             "options have no effect. Without --model: the float32 default model, as a GPU engine runs it.")
+    o = add_command(bsub, "step-overhead", "the engine's host time per decode step, over a backend whose ops do "
+                                           "nothing", description=about)
+    o.add_argument("--batch-sizes", type=_batch_sizes, default=(1, 64, 256), metavar="B,B,...",
+                   help="decoding sequences per step, each measured in turn (default: 1,64,256; --max-num-seqs is "
+                        "raised to the largest)")
+    o.add_argument("--steps", type=positive_int, default=200, metavar="N",
+                   help="timed steps per batch size (default: 200)")
+    o.add_argument("--warmup-steps", type=nonnegative_int, default=20, metavar="N",
+                   help="decode steps before the timed ones (default: 20)")
+    o.add_argument("--prompt-len", type=positive_int, default=128, metavar="N",
+                   help="prompt tokens per request, random ids (default: 128)")
+    o.add_argument("--seed", type=nonnegative_int, default=0, metavar="N", help="seed of the prompts (default: 0)")
+    _add_output(o)
+    add_engine_args(o)
+    o.set_defaults(func=cmd_step_overhead)
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    import argparse
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, e.g. 1,64,256; got {text!r}")
+    return sizes
 
 
 def _output_path(args, kind: str, ext: str, given: str | None) -> str:
@@ -273,4 +309,21 @@ def cmd_roofline(args) -> int:
                         workload=args.workload)
     roofline.print_report(r)
     _write_json(args, "roofline", r)
+    return 0
+
+
+def cmd_step_overhead(args) -> int:
+    from rawinfer.frontends.bench import step_overhead
+    _output_path(args, "step-overhead", "json", args.json)
+    # without --model the float32 default, which a GPU engine runs: its host work is what overlap must hide
+    path = resolve_model(args.model, progress=not is_quiet(args), device="cuda")
+    cfg = engine_config_from_args(args)
+    try:
+        cfg = step_overhead.engine_config(path, cfg, args.batch_sizes, args.prompt_len, args.warmup_steps + args.steps)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    r = step_overhead.run(path, cfg, args.batch_sizes, args.steps, args.warmup_steps, args.prompt_len, args.seed,
+                          progress=not is_quiet(args), freeze=True)
+    step_overhead.print_report(r)
+    _write_json(args, "step-overhead", {**r, "config": _config(args)})
     return 0
