@@ -105,33 +105,35 @@ def _checked(spec: Spec) -> Callable[[str], Any]:
     return parse
 
 
-def add_options(group, cls, skip: tuple[str, ...] = ()) -> None:
+def add_options(group, cls, skip: tuple[str, ...] = (), dest_prefix: str = "") -> None:
     """Every field of cls with a flag, as an argument of `group` (an argparse parser or group); the parsed
-    value lands under the field's name."""
+    value lands under the field's name, after dest_prefix (two configs of one command may share a field name:
+    the prefill role's `bind` beside the server's)."""
     for f in fields(cls):
         spec = f.metadata.get("spec")
         flag = flag_of(f.name, spec) if spec else None
         if flag is None or f.name in skip:
             continue
         if spec.parse is None:       # a switch: it flips the field's default
-            group.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
+            group.add_argument(flag, dest=dest_prefix + f.name, action="store_false" if f.default else "store_true",
                                help=spec.help)
             continue
         default = spec.cli_default if spec.cli_default is not AS_API else (
             f.default if f.default is not MISSING else None)
-        group.add_argument(flag, dest=f.name, type=_checked(spec), choices=spec.choices, nargs=spec.nargs,
+        group.add_argument(flag, dest=dest_prefix + f.name, type=_checked(spec), choices=spec.choices, nargs=spec.nargs,
                            default=default() if callable(default) else default,
                            metavar=None if spec.choices else spec.metavar or "N",
                            help=spec.help + _default_text(f, spec))
 
 
-def options_from_args(cls, args: argparse.Namespace, what: str, **given) -> Any:
+def options_from_args(cls, args: argparse.Namespace, what: str, dest_prefix: str = "", **given) -> Any:
     """cls from the parsed arguments of add_options (a field whose flag the parser lacks keeps its default),
     checked; a bad value's error names its flag: "--block-size=0 is invalid: it must be ..."."""
     values = dict(given)
     for name, spec in specs(cls):
-        if flag_of(name, spec) is not None and hasattr(args, name) and name not in values:
-            values[name] = getattr(args, name)
+        dest = dest_prefix + name
+        if flag_of(name, spec) is not None and hasattr(args, dest) and name not in values:
+            values[name] = getattr(args, dest)
     config = cls(**values)
     try:
         check_options(config, what)

@@ -295,10 +295,40 @@ def test_role_options_are_checked_before_the_model_loads():
     add_role_args(p)
     a = p.parse_args(["--role", "decode", "--prefill", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"])
     check_role_args(a)
-    assert a.prefill == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"] and a.kv_transfer_policy == "recompute"
+    assert a.prefill == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"] and a.policy == "recompute"
     for bad, says in ((["--role", "decode"], "needs --prefill"), (["--prefill", "x"], "add --role decode")):
         with pytest.raises(CLIError, match=says):
             check_role_args(p.parse_args(bad))
+
+
+def test_role_flags_come_from_the_role_configs():
+    """The roles' flags are generated from DecodeConfig's and PrefillConfig's fields (settings.option): a
+    flag's default is the field's, a bad value is argparse's error naming the flag, the prefill role's
+    values land beside the server's own `bind` (prefill_<field>), and a config built in Python is checked
+    field by field."""
+    import argparse
+
+    from rawinfer.frontends.cli.serve_roles import add_role_args
+    from rawinfer.settings import options_from_args
+    p = argparse.ArgumentParser()
+    p.add_argument("--bind", default="tcp://127.0.0.1:5555")
+    add_role_args(p)
+    a = p.parse_args(["--prefill-bind", "tcp://127.0.0.1:7000", "--prefill-max-queued", "5", "--kv-transfer-timeout",
+                      "2.5", "--min-remote-tokens", "0", "--prefill", "tcp://127.0.0.1:1"])
+    pre = options_from_args(PrefillConfig, a, "prefill option", dest_prefix="prefill_", insecure=True)
+    assert (pre.bind, pre.max_queued, pre.insecure, a.bind) == ("tcp://127.0.0.1:7000", 5, True, "tcp://127.0.0.1:5555")
+    dec = options_from_args(DecodeConfig, a, "decode option")
+    assert (dec.prefill, dec.transfer_timeout_s, dec.min_remote_tokens, dec.policy) == (
+        ["tcp://127.0.0.1:1"], 2.5, 0, "recompute")
+    defaults = p.parse_args([])
+    assert (defaults.prefill_bind, defaults.prefill_max_queued) == (PrefillConfig().bind, PrefillConfig().max_queued)
+    for argv in (["--prefill-max-queued", "0"], ["--kv-transfer-timeout", "-1"], ["--min-remote-tokens", "x"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        DecodeConfig(prefill=["tcp://127.0.0.1:1"], heartbeat_s=0).validate()
+    with pytest.raises(ValueError, match="max_queued"):
+        PrefillServer(None, PrefillConfig(max_queued=0))
 
 
 def test_an_encrypted_link_serves_decode_instances_that_know_the_key_only(engines, tmp_path):

@@ -11,39 +11,29 @@ import argparse
 import logging
 import signal
 
-from rawinfer.frontends.options import CLIError, positive_float
+from rawinfer.frontends.options import CLIError
+from rawinfer.settings import add_options, options_from_args
 
 log = logging.getLogger("rawinfer")
 ROLES = ("colocated", "prefill", "decode")
 
 
 def add_role_args(p: argparse.ArgumentParser) -> None:
-    from rawinfer.frontends.disagg.connector import POLICIES, DecodeConfig
+    """The role and its options: the decode role's from DecodeConfig's fields (under their names), the prefill
+    role's from PrefillConfig's (under prefill_<field>: the server's own --bind is `bind`)."""
+    from rawinfer.frontends.disagg.connector import DecodeConfig
     from rawinfer.frontends.disagg.prefill import PrefillConfig
     g = p.add_argument_group("prefill/decode disaggregation")
     g.add_argument("--role", choices=ROLES, default="colocated",
                    help="colocated: one engine does both phases; prefill: compute prompts' K/V for decode instances "
                         "on --prefill-bind; decode: serve clients, prompts prefilled on --prefill "
                         "(default: colocated)")
-    g.add_argument("--prefill", nargs="+", default=[], metavar="ADDR",
-                   help="--role decode: the prefill instances' --prefill-bind endpoints")
-    g.add_argument("--prefill-bind", default=PrefillConfig.bind, metavar="ENDPOINT",
-                   help=f"--role prefill: the endpoint decode instances connect to (default: {PrefillConfig.bind})")
-    g.add_argument("--prefill-max-queued", type=int, default=PrefillConfig.max_queued, metavar="N",
-                   help=f"--role prefill: prompts queued before it answers busy (default: {PrefillConfig.max_queued})")
-    g.add_argument("--kv-transfer-policy", choices=POLICIES, default=DecodeConfig.policy,
-                   help="--role decode: a transfer that fails is prefilled here (recompute) or fails its request "
-                        f"(fail) (default: {DecodeConfig.policy})")
-    g.add_argument("--kv-transfer-timeout", type=positive_float, default=DecodeConfig.transfer_timeout_s,
-                   metavar="SECONDS", help=f"--role decode: deadline of one transfer "
-                                           f"(default: {DecodeConfig.transfer_timeout_s:g})")
+    add_options(g, DecodeConfig)
+    add_options(g, PrefillConfig, dest_prefix="prefill_")
     g.add_argument("--prefill-key", default=None, metavar="FILE",
                    help="--role decode: the prefill instances' public key (their server.key, or its Z85 text) when "
                         "they run with --curve-secret-key (default: the public half of this instance's "
                         "--curve-secret-key, if given; else unencrypted)")
-    g.add_argument("--min-remote-tokens", type=int, default=DecodeConfig.min_remote_tokens, metavar="N",
-                   help="--role decode: prompts with fewer uncached tokens are prefilled here "
-                        f"(default: {DecodeConfig.min_remote_tokens})")
 
 
 def check_role_args(args) -> None:
@@ -60,9 +50,7 @@ def decode_connector(args, engine):
         return None
     from rawinfer.frontends.disagg.connector import DecodeConfig, DecodeConnector
     try:
-        cfg = DecodeConfig(prefill=list(args.prefill), policy=args.kv_transfer_policy,
-                           transfer_timeout_s=args.kv_transfer_timeout, min_remote_tokens=args.min_remote_tokens,
-                           server_key=prefill_public_key(args))
+        cfg = options_from_args(DecodeConfig, args, "decode option", server_key=prefill_public_key(args))
         return DecodeConnector(engine, cfg)
     except ValueError as e:
         raise CLIError(str(e)) from None
@@ -88,9 +76,9 @@ def run_prefill_role(args, engine) -> int:
     from rawinfer.frontends.disagg.prefill import PrefillConfig, PrefillServer
     from rawinfer.frontends.server.security import SecurityError
     try:
-        server = PrefillServer(engine, PrefillConfig(bind=args.prefill_bind, max_queued=args.prefill_max_queued,
-                                                     insecure=args.insecure,
-                                                     curve_secret_key_file=args.curve_secret_key_file))
+        cfg = options_from_args(PrefillConfig, args, "prefill option", dest_prefix="prefill_",
+                                insecure=args.insecure, curve_secret_key_file=args.curve_secret_key_file)
+        server = PrefillServer(engine, cfg)
     except SecurityError as e:
         raise CLIError(str(e)) from None
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -25,6 +25,7 @@ import zmq
 from rawinfer.engine.kv_transfer import Fingerprint
 from rawinfer.frontends.disagg import wire
 from rawinfer.frontends.server.monitor import disconnected, unwatch, watch
+from rawinfer.settings import SECONDS, check_options, int_argument, is_int, option
 
 log = logging.getLogger("rawinfer")
 POLICIES = ("recompute", "fail")
@@ -32,25 +33,46 @@ PEER_STATS = ("kv_blocks_used", "kv_blocks_total", "running", "waiting", "queued
               "sent_bytes", "dropped", "refused", "aborted")      # what a pong's stats may carry (prefill.py)
 
 
+_FLAG_OFF = {"flag": None, "help": ""}       # a field the command line does not offer
+
+
+def _positive_int(what: str) -> dict:
+    return {"parse": int_argument, "check": lambda v: is_int(v) and v > 0, "what": f"a positive number of {what}"}
+
+
 @dataclass
 class DecodeConfig:
-    prefill: list[str] = field(default_factory=list)     # endpoints of the prefill instances
-    policy: str = "recompute"                            # a failed transfer: prefill here, or fail the request
-    min_remote_tokens: int = 64                          # uncached prompt tokens below which prefill stays here
-    transfer_timeout_s: float = 30.0                     # deadline of one transfer
-    heartbeat_s: float = 0.5
-    peer_timeout_s: float = 10.0                         # an instance silent this long counts as down (it
-                                                         # answers between steps: keep a step shorter)
-    max_inflight: int = 32                               # transfers at once, all instances together
-    max_inflight_bytes: int = 1024**3                    # K/V bytes reserved for transfers at once
-    max_per_peer: int = 16
-    server_key: bytes | None = None                      # the prefill instances' Curve public key (Z85)
+    """The decode role's link to its prefill instances; the flags are `rawinfer serve --role decode`'s."""
+
+    prefill: list[str] = option(
+        default_factory=list, parse=str, nargs="+", metavar="ADDR",
+        check=lambda v: isinstance(v, list) and all(isinstance(a, str) and a for a in v),
+        what="a list of endpoints", help="--role decode: the prefill instances' --prefill-bind endpoints")
+    policy: str = option(
+        "recompute", flag="--kv-transfer-policy", parse=str, choices=POLICIES, check=lambda v: v in POLICIES,
+        what=f"one of {', '.join(POLICIES)}",
+        help="--role decode: a transfer that fails is prefilled here (recompute) or fails its request (fail)")
+    min_remote_tokens: int = option(
+        64, parse=int_argument, check=lambda v: is_int(v) and v >= 0, what="a whole number >= 0",
+        help="--role decode: prompts with fewer uncached tokens are prefilled here")
+    transfer_timeout_s: float = option(30.0, flag="--kv-transfer-timeout", **SECONDS,
+                                       help="--role decode: deadline of one transfer")
+    heartbeat_s: float = option(0.5, **{**SECONDS, **_FLAG_OFF})
+    # an instance silent this long counts as down (it answers between steps: keep a step shorter)
+    peer_timeout_s: float = option(10.0, **{**SECONDS, **_FLAG_OFF})
+    max_inflight: int = option(32, **{**_positive_int("transfers"), **_FLAG_OFF})   # all instances together
+    max_inflight_bytes: int = option(1024**3, **{**_positive_int("bytes"), **_FLAG_OFF})   # K/V reserved at once
+    max_per_peer: int = option(16, **{**_positive_int("transfers"), **_FLAG_OFF})
+    server_key: bytes | None = option(None, check=lambda v: v is None or isinstance(v, bytes),
+                                      what="the prefill instances' Curve public key (Z85 bytes) or None",
+                                      **_FLAG_OFF)
 
     def validate(self) -> "DecodeConfig":
         if self.policy not in POLICIES:
             raise ValueError(f"--kv-transfer-policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
         if not self.prefill:
             raise ValueError("the decode role needs at least one --prefill ADDR")
+        check_options(self, "decode option")
         return self
 
 

@@ -24,6 +24,7 @@ from rawinfer.engine.kv_transfer import Fingerprint
 from rawinfer.engine.warmup import warm_thread
 from rawinfer.frontends.disagg import wire
 from rawinfer.frontends.server.security import SecurityError, is_loopback_endpoint, load_secret_key
+from rawinfer.settings import SECONDS, check_options, int_argument, is_int, option
 
 log = logging.getLogger("rawinfer")
 
@@ -31,21 +32,38 @@ MAX_TAKEN_PER_STEP = 256      # messages taken in between two engine steps
 MAX_BACKLOG_ERRORS = 1024     # error replies kept for peers that do not read (K/V replies: max_queued, _queued)
 
 
+_FLAG_OFF = {"flag": None, "help": ""}       # a field the command line does not offer (or the server's own)
+
+
 @dataclass
 class PrefillConfig:
-    bind: str = "tcp://127.0.0.1:5560"
-    max_queued: int = 64                     # prompts accepted and not yet sent; beyond: `busy`
-    max_message_bytes: int = 8 * 1024**2     # inbound (a prompt's token ids); the K/V go the other way
-    send_queue_messages: int = 16            # per decode instance in ZeroMQ's queue; the rest waits in a backlog
-    backlog_s: float = 60.0                  # K/V a decode instance has not taken in this long is dropped
-    insecure: bool = False                   # allow a non-loopback bind without CurveZMQ
-    curve_secret_key_file: str | None = None # CurveZMQ: this instance's key pair (`rawinfer keygen`)
-    poll_s: float = 0.05                     # how long an idle loop waits for a message
+    """The prefill role's socket and queues; the flags are `rawinfer serve --role prefill`'s (read into
+    `prefill_<field>`: the server's own `bind` is beside it)."""
+
+    bind: str = option("tcp://127.0.0.1:5560", flag="--prefill-bind", parse=str, metavar="ENDPOINT",
+                       check=lambda v: isinstance(v, str) and "://" in v, what="an endpoint such as tcp://HOST:PORT",
+                       help="--role prefill: the endpoint decode instances connect to")
+    max_queued: int = option(64, flag="--prefill-max-queued", parse=int_argument,
+                             check=lambda v: is_int(v) and v > 0, what="a positive number of prompts",
+                             help="--role prefill: prompts queued before it answers busy")
+    # inbound (a prompt's token ids); the K/V go the other way
+    max_message_bytes: int = option(8 * 1024**2, check=lambda v: is_int(v) and v > 0, what="a positive size",
+                                    **_FLAG_OFF)
+    # per decode instance in ZeroMQ's queue; the rest waits in a backlog
+    send_queue_messages: int = option(16, check=lambda v: is_int(v) and v > 0, what="a positive number",
+                                      **_FLAG_OFF)
+    backlog_s: float = option(60.0, **{**SECONDS, **_FLAG_OFF})   # K/V not taken in this long is dropped
+    insecure: bool = option(False, check=lambda v: isinstance(v, bool), what="true or false",
+                            **_FLAG_OFF)          # allow a non-loopback bind without CurveZMQ (serve's --insecure)
+    curve_secret_key_file: str | None = option(None, check=lambda v: v is None or isinstance(v, str),
+                                               what="a file name or None", **_FLAG_OFF)   # serve's --curve-secret-key
+    poll_s: float = option(0.05, **{**SECONDS, **_FLAG_OFF})      # how long an idle loop waits for a message
 
 
 class PrefillServer:
     def __init__(self, engine, cfg: PrefillConfig | None = None, ctx: zmq.Context | None = None):
         self.engine, self.cfg = engine, cfg or PrefillConfig()
+        check_options(self.cfg, "prefill option")
         if not is_loopback_endpoint(self.cfg.bind) and not self.cfg.insecure and not self.cfg.curve_secret_key_file:
             raise SecurityError(f"{self.cfg.bind} is not a loopback address: give --curve-secret-key FILE (decode "
                                 "instances then need --prefill-key with its public key), or --insecure on a "
