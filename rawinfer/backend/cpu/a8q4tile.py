@@ -97,18 +97,9 @@ def _tile_code(builder, path, R, C, args):
     L = 16 if vnni else 8
     dots = vnni or isa.avx_vnni()                        # vpdpbusd: int32 sums, no int16 stage
     H = BLOCK_COLS // L                                  # vectors per (row, block)
-    vi32, vf32, vhalf = ir.VectorType(I32, L), ir.VectorType(F32, L), ir.VectorType(I16, L)
-    vi8, vi16 = ir.VectorType(I8, 4 * L), ir.VectorType(I16, 2 * L)
+    vf32, vhalf = ir.VectorType(F32, L), ir.VectorType(I16, L)
     fma = _fma(builder, vf32)
-    if dots:
-        dot = builder.module.declare_intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * L}", (),
-                                               ir.FunctionType(vi32, [vi32] * 3))
-    else:
-        ubsw = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (), ir.FunctionType(vi16, [vi8, vi8]))
-        pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(vi32, [vi16, vi16]))
-        ones = ir.Constant(vi16, [1] * (2 * L))
-    nibble = ir.Constant(vi32, [0x0F0F0F0F] * L)
-    four = ir.Constant(vi32, [4] * L)
+    products = _QuadProducts(builder, dots, L)
     xb, xsb, xmb = _ptr(builder, xp, I32), _ptr(builder, xsp, F32), _ptr(builder, xcp, F32)
     wbs = [_ptr(builder, w, I8) for w, _ in blocks]
     vecs = [(c, h) for c in range(C) for h in range(H)]
@@ -123,30 +114,7 @@ def _tile_code(builder, path, R, C, args):
         elif vnni:
             paced_prefetch(builder, kb, per, pfn, (pf0, pf1))
         row0 = builder.mul(kb, i64(GEMM_ROWS))           # this block's entry of row 0 in xs and xs * sum xq
-        quad0 = builder.mul(kb, i64(Q4_BLOCK // 4))
-        zero = ir.Constant(vi32 if dots else vi16, [0] * (L if dots else 2 * L))
-
-        def x_quad(j, r):                                # k quad j of the block, row r, broadcast
-            xrow = builder.gep(xb, [builder.mul(builder.add(quad0, i64(j)), i64(GEMM_ROWS))])
-            return splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=4), vi32)
-
-        # Per quad pair and its two k quads e: the quad's weights of every vector (C blocks on AVX-512, two
-        # halves on AVX2), then per row one broadcast x and a multiply-add per vector. Live: R x (vectors)
-        # sums, the vectors' weights and one x: AVX2's 16 ymm allow 3 rows, AVX-512's 32 zmm 6 rows x 2 blocks.
-        vs = range(len(vecs))
-        sums = {(r, v): zero for r in range(R) for v in vs}
-        for p in range(PAIRS):
-            raws = [_vload(builder, rec[c], i64(p * PAIR_BYTES + h * 4 * L), vi32, align=1) for c, h in vecs]
-            for e in (0, 1):
-                w = [builder.and_(raw if e == 0 else builder.lshr(raw, four), nibble) for raw in raws]
-                for r in range(R):
-                    x = x_quad(2 * p + e, r)
-                    for v in vs:
-                        if dots:
-                            sums[r, v] = builder.call(dot, [sums[r, v], w[v], x])
-                        else:
-                            prod = builder.call(ubsw, [builder.bitcast(w[v], vi8), builder.bitcast(x, vi8)])
-                            sums[r, v] = builder.add(sums[r, v], prod)
+        sums = _kblock_sums(builder, R, L, vecs, rec, xb, kb, products)
         scales = [[half_to_float_ir(builder, _vload(builder, rec[c], i64(at + h * 2 * L), vhalf, align=1))
                    for at in (D_AT, M_AT)] for c, h in vecs]
         new = []
@@ -154,7 +122,7 @@ def _tile_code(builder, path, R, C, args):
             xsv = splat(builder, builder.load(builder.gep(xsb, [builder.add(row0, i64(r))]), align=4), vf32)
             msum = splat(builder, builder.load(builder.gep(xmb, [builder.add(row0, i64(r))]), align=4), vf32)
             for v, (d, m) in enumerate(scales):
-                s32 = sums[r, v] if dots else builder.call(pmaddwd, [sums[r, v], ones])
+                s32 = products.widen(sums[r, v])
                 t = builder.fmul(builder.sitofp(s32, vf32), xsv)
                 new.append(builder.call(fma, [m, msum, builder.call(fma, [t, d, faccs[r * len(vecs) + v]])]))
         return new
@@ -165,6 +133,63 @@ def _tile_code(builder, path, R, C, args):
         with builder.if_then(builder.icmp_signed("<", i64(r), rows), likely=True):
             for v, (c, h) in enumerate(vecs):
                 _vstore(builder, fin[r * len(vecs) + v], obs[c], builder.add(builder.mul(i64(r), ldo), i64(L * h)))
+
+
+class _QuadProducts:
+    """The products of one k quad of nibbles and one broadcast int32 of 4 int8 x, summed into `zero`'s
+    lanes by madd: int32 with vpdpbusd (dots), else int16 pairs (vpmaddubsw) that widen() makes int32
+    (vpmaddwd against ones) once per k-block."""
+
+    def __init__(self, builder, dots: bool, L: int):
+        self.builder, self.dots = builder, dots
+        vi32, self.vi8, vi16 = ir.VectorType(I32, L), ir.VectorType(I8, 4 * L), ir.VectorType(I16, 2 * L)
+        if dots:
+            self.dot = builder.module.declare_intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * L}", (),
+                                                        ir.FunctionType(vi32, [vi32] * 3))
+        else:
+            self.ubsw = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
+                                                         ir.FunctionType(vi16, [self.vi8, self.vi8]))
+            self.pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
+                                                            ir.FunctionType(vi32, [vi16, vi16]))
+            self.ones = ir.Constant(vi16, [1] * (2 * L))
+        self.zero = ir.Constant(vi32 if dots else vi16, [0] * (L if dots else 2 * L))
+
+    def madd(self, acc, w, x):
+        if self.dots:
+            return self.builder.call(self.dot, [acc, w, x])
+        b = self.builder
+        return b.add(acc, b.call(self.ubsw, [b.bitcast(w, self.vi8), b.bitcast(x, self.vi8)]))
+
+    def widen(self, s):
+        return s if self.dots else self.builder.call(self.pmaddwd, [s, self.ones])
+
+
+def _kblock_sums(builder, R, L, vecs, rec, xb, kb, products: _QuadProducts) -> dict:
+    """{(row r, vector v): the sum of k-block kb} of the records' nibbles (rec[c]: block c's record)
+    against the panel's k quads (xb: the int32 view of the x panel)."""
+    vi32 = ir.VectorType(I32, L)
+    nibble = ir.Constant(vi32, [0x0F0F0F0F] * L)
+    four = ir.Constant(vi32, [4] * L)
+    quad0 = builder.mul(kb, i64(Q4_BLOCK // 4))
+
+    def x_quad(j, r):                                    # k quad j of the block, row r, broadcast
+        xrow = builder.gep(xb, [builder.mul(builder.add(quad0, i64(j)), i64(GEMM_ROWS))])
+        return splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=4), vi32)
+
+    # Per quad pair and its two k quads e: the quad's weights of every vector (C blocks on AVX-512, two
+    # halves on AVX2), then per row one broadcast x and a multiply-add per vector. Live: R x (vectors)
+    # sums, the vectors' weights and one x: AVX2's 16 ymm allow 3 rows, AVX-512's 32 zmm 6 rows x 2 blocks.
+    vs = range(len(vecs))
+    sums = {(r, v): products.zero for r in range(R) for v in vs}
+    for p in range(PAIRS):
+        raws = [_vload(builder, rec[c], i64(p * PAIR_BYTES + h * 4 * L), vi32, align=1) for c, h in vecs]
+        for e in (0, 1):
+            w = [builder.and_(raw if e == 0 else builder.lshr(raw, four), nibble) for raw in raws]
+            for r in range(R):
+                x = x_quad(2 * p + e, r)
+                for v in vs:
+                    sums[r, v] = products.madd(sums[r, v], w[v], x)
+    return sums
 
 
 assert GEMM_ROWS == 6 and Q4_BLOCK == 32

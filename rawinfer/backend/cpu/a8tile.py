@@ -82,22 +82,10 @@ def _tile_code(builder, path, R, C, args):
     VI, VF = ir.VectorType(I32, lanes), ir.VectorType(F32, lanes)
     vnni = path == isa.AVX512_VNNI
     dots = vnni or isa.avx_vnni()
-    if dots:
-        # declared with LLVM's original int32 operand types, as vnni.py's vpdpwssd
-        dot = builder.module.declare_intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", (),
-                                               ir.FunctionType(VI, [VI] * 3))
-    else:
-        V16I16, V32I8 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(8), 32)
-        pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
-                                                   ir.FunctionType(VI, [V16I16, V16I16]))
-        ubsw = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
-                                                ir.FunctionType(V16I16, [V32I8, V32I8]))
-        psign = builder.module.declare_intrinsic("llvm.x86.avx2.psign.b", (), ir.FunctionType(V32I8, [V32I8] * 2))
-        bias, ones = ir.Constant(VI, [0x80808080] * lanes), ir.Constant(V16I16, [1] * 16)
+    weights, madd = _quad_products(builder, dots, lanes)
     fma = _fma(builder, VF)
     xb, xsb, xcb = _ptr(builder, xp, I32), _ptr(builder, xsp, F32), _ptr(builder, xcp, I32)
     wbs = [_ptr(builder, w, VI) for w, _, _ in blocks]
-
     per = lines_per_step(builder, pfn, kblocks)
 
     def kblock(kb, sums):
@@ -118,18 +106,11 @@ def _tile_code(builder, path, R, C, args):
                 if vnni and R <= 2:                      # past the end: a hint, never a fault
                     prefetch_line(builder, builder.gep(wbs[c], [builder.add(kq, i64(PREFETCH_AHEAD))]), locality=2)
                 for h in range(H):
-                    wv = builder.load(builder.gep(wbs[c], [builder.add(builder.mul(kq, i64(H)), i64(h))]), align=4)
-                    if not dots:                 # the signed weights w and |w| (-128 -> 128 as unsigned)
-                        ws = builder.bitcast(builder.xor(wv, bias), V32I8)
-                        wa = builder.call(psign, [ws, ws])
+                    w = weights(builder.load(builder.gep(wbs[c], [builder.add(builder.mul(kq, i64(H)), i64(h))]),
+                                             align=4))
                     for r in range(R):
                         j = (r * C + c) * H + h
-                        if dots:
-                            accs[j] = builder.call(dot, [accs[j], wv, xv[r]])
-                        else:                            # |w| x sign(w) x: pairs <= 2 x 128 x 127, no saturation
-                            sx = builder.call(psign, [builder.bitcast(xv[r], V32I8), ws])
-                            pairs = builder.call(ubsw, [wa, sx])
-                            accs[j] = builder.add(accs[j], builder.call(pmaddwd, [pairs, ones]))
+                        accs[j] = madd(accs[j], w, xv[r])
         new = []
         for r in range(R):
             s = splat(builder, builder.load(builder.gep(xsb, [builder.add(row0, i64(r))]), align=4), VF)
@@ -146,6 +127,36 @@ def _tile_code(builder, path, R, C, args):
                 for h in range(H):
                     f = builder.fmul(fin[(r * C + c) * H + h], swv[c][h])
                     _vstore(builder, f, obs[c], builder.add(builder.mul(i64(r), ldo), i64(lanes * h)))
+
+
+def _quad_products(builder, dots: bool, lanes: int):
+    """(weights, madd) for one k quad: weights(wv) turns a loaded vector of uint8 w + 128 into what madd
+    takes; madd(acc, w, xv) adds the products of w and xv (a broadcast int32 of 4 int8 x) to acc's int32
+    lanes. With vpdpbusd (dots) the unsigned weights go in as they are (the corrections remove the +128)."""
+    VI = ir.VectorType(I32, lanes)
+    if dots:
+        # declared with LLVM's original int32 operand types, as vnni.py's vpdpwssd
+        dot = builder.module.declare_intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", (),
+                                               ir.FunctionType(VI, [VI] * 3))
+        return (lambda wv: wv), (lambda acc, wv, xv: builder.call(dot, [acc, wv, xv]))
+    V16I16, V32I8 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(8), 32)
+    pmaddwd = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
+                                               ir.FunctionType(VI, [V16I16, V16I16]))
+    ubsw = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
+                                            ir.FunctionType(V16I16, [V32I8, V32I8]))
+    psign = builder.module.declare_intrinsic("llvm.x86.avx2.psign.b", (), ir.FunctionType(V32I8, [V32I8] * 2))
+    bias, ones = ir.Constant(VI, [0x80808080] * lanes), ir.Constant(V16I16, [1] * 16)
+
+    def weights(wv):                                     # the signed weights w and |w| (-128 -> 128 as unsigned)
+        ws = builder.bitcast(builder.xor(wv, bias), V32I8)
+        return ws, builder.call(psign, [ws, ws])
+
+    def madd(acc, w, xv):                                # |w| x sign(w) x: pairs <= 2 x 128 x 127, no saturation
+        ws, wa = w
+        sx = builder.call(psign, [builder.bitcast(xv, V32I8), ws])
+        pairs = builder.call(ubsw, [wa, sx])
+        return builder.add(acc, builder.call(pmaddwd, [pairs, ones]))
+    return weights, madd
 
 
 assert GEMM_COLS == 16 and KBLOCK % 4 == 0

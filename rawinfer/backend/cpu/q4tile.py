@@ -58,25 +58,13 @@ def _tile_code(builder, path, R, C, args):
     pf0, pf1, pfn = args[-3:]
     per = lines_per_step(builder, pfn, nkb)
     L = 16 if path == isa.AVX512_VNNI else 8                 # int32 lanes per vector
-    vi32, vi16, vf32 = ir.VectorType(I32, L), ir.VectorType(I16, 2 * L), ir.VectorType(F32, L)
-    vhalf = ir.VectorType(I16, L)                            # float16 bits
+    vf32, vhalf = ir.VectorType(F32, L), ir.VectorType(I16, L)      # vhalf: float16 bits
     fma = mul_add(builder, vf32)
-    if L == 16:
-        dpwssd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpwssd.512", (),
-                                                  ir.FunctionType(vi32, [vi32] * 3))
-        madd = (lambda acc, xv, wv: builder.call(dpwssd, [acc, xv, builder.bitcast(wv, vi32)]))
-    else:
-        pairs = madd_pairs(builder)
-        madd = (lambda acc, xv, wv: builder.add(acc, pairs(builder.bitcast(xv, vi16), wv)))
+    madd = _multiply_add_pairs(builder, L)
     parts = BLOCK_COLS // L                                  # vectors per column block
     vecs = [(c, h) for c in range(C) for h in range(parts)]  # vector v: block c, columns h L .. h L + L - 1
     xb, bsb = _ptr(builder, xp, I32), _ptr(builder, bsp, F32)
     wbs = [_ptr(builder, w, I8) for w, _ in blocks]
-
-    def splat_i16(n):
-        return ir.Constant(vi16, [n] * (2 * L))
-    low = splat_i16(15)
-    zero = ir.Constant(vi32, [0] * L)
 
     def kblock(b, faccs):
         rec = [builder.gep(wb, [builder.mul(b, i64(RECORD))]) for wb in wbs]
@@ -87,27 +75,7 @@ def _tile_code(builder, path, R, C, args):
                     prefetch_line(builder, builder.gep(r0, [i64(PREFETCH_AHEAD[R] * RECORD + line)]), locality=2)
         elif R > 2:
             paced_prefetch(builder, b, per, pfn, (pf0, pf1))
-        kp0 = builder.mul(b, i64(Q4_BLOCK // 2))
-        # S independent int32 sums per output vector (k pair j into sum j % S), added at the end of the
-        # k-block: exact, so any split gives the same bits. A few rows give few sums, each a chain of
-        # dependent multiply-adds (vpdpwssd's latency) unless split.
-        S = CHAINS[R]
-        chains = [[zero] * (R * len(vecs)) for _ in range(S)]
-        for octet in range(OCTETS):
-            raw = [_vload(builder, rec[c], i64(octet * OCTET_BYTES + h * 4 * L), vi16, align=1) for c, h in vecs]
-            for e in range(4):                      # k pair 4 octet + e: nibble e of every lane
-                shifted = raw if e == 0 else [builder.lshr(v, splat_i16(4 * e)) for v in raw]
-                w = shifted if e == 3 else [builder.and_(v, low) for v in shifted]
-                j = 4 * octet + e
-                xrow = builder.gep(xb, [builder.mul(builder.add(kp0, i64(j)), i64(PANEL_ROWS))])
-                for r in range(R):
-                    xv = splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=2), vi32)
-                    for v in range(len(vecs)):
-                        acc = chains[j % S]
-                        acc[r * len(vecs) + v] = madd(acc[r * len(vecs) + v], xv, w[v])
-        accs = chains[0]
-        for more in chains[1:]:
-            accs = [builder.add(a, c) for a, c in zip(accs, more)]
+        accs = _kblock_sums(builder, R, L, vecs, rec, xb, b, madd)
         d = [half_to_float_ir(builder, _vload(builder, rec[c], i64(D_AT + h * 2 * L), vhalf, align=1))
              for c, h in vecs]
         m = [half_to_float_ir(builder, _vload(builder, rec[c], i64(M_AT + h * 2 * L), vhalf, align=1))
@@ -129,6 +97,51 @@ def _tile_code(builder, path, R, C, args):
             for v, (c, h) in enumerate(vecs):
                 _vstore(builder, builder.fmul(fin[r * len(vecs) + v], sv), obs[c],
                         builder.add(builder.mul(i64(r), ldo), i64(h * L)))
+
+
+def _multiply_add_pairs(builder, L):
+    """madd(acc, xv, wv): acc + the int16 pair products of xv (int32 lanes of a broadcast x pair) and wv
+    (2L int16 weights): vpdpwssd on AVX-512 VNNI (L = 16), else madd_pairs (vpmaddwd) and an add."""
+    vi32, vi16 = ir.VectorType(I32, L), ir.VectorType(I16, 2 * L)
+    if L == 16:
+        dpwssd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpwssd.512", (),
+                                                  ir.FunctionType(vi32, [vi32] * 3))
+        return lambda acc, xv, wv: builder.call(dpwssd, [acc, xv, builder.bitcast(wv, vi32)])
+    pairs = madd_pairs(builder)
+    return lambda acc, xv, wv: builder.add(acc, pairs(builder.bitcast(xv, vi16), wv))
+
+
+def _kblock_sums(builder, R, L, vecs, rec, xb, b, madd):
+    """The int32 sums of k-block b, row r and vector v at r * len(vecs) + v: the record's nibbles
+    (rec[c]: block c's record) against the panel's k pairs (xb: the int32 view of the x panel)."""
+    vi32, vi16 = ir.VectorType(I32, L), ir.VectorType(I16, 2 * L)
+
+    def splat_i16(n):
+        return ir.Constant(vi16, [n] * (2 * L))
+    low = splat_i16(15)
+    zero = ir.Constant(vi32, [0] * L)
+    kp0 = builder.mul(b, i64(Q4_BLOCK // 2))
+    # S independent int32 sums per output vector (k pair j into sum j % S), added at the end of the
+    # k-block: exact, so any split gives the same bits. A few rows give few sums, each a chain of
+    # dependent multiply-adds (vpdpwssd's latency) unless split.
+    S = CHAINS[R]
+    chains = [[zero] * (R * len(vecs)) for _ in range(S)]
+    for octet in range(OCTETS):
+        raw = [_vload(builder, rec[c], i64(octet * OCTET_BYTES + h * 4 * L), vi16, align=1) for c, h in vecs]
+        for e in range(4):                      # k pair 4 octet + e: nibble e of every lane
+            shifted = raw if e == 0 else [builder.lshr(v, splat_i16(4 * e)) for v in raw]
+            w = shifted if e == 3 else [builder.and_(v, low) for v in shifted]
+            j = 4 * octet + e
+            xrow = builder.gep(xb, [builder.mul(builder.add(kp0, i64(j)), i64(PANEL_ROWS))])
+            for r in range(R):
+                xv = splat(builder, builder.load(builder.gep(xrow, [i64(r)]), align=2), vi32)
+                for v in range(len(vecs)):
+                    acc = chains[j % S]
+                    acc[r * len(vecs) + v] = madd(acc[r * len(vecs) + v], xv, w[v])
+    accs = chains[0]
+    for more in chains[1:]:
+        accs = [builder.add(a, c) for a, c in zip(accs, more)]
+    return accs
 
 
 def _make_tile(path: str, R: int, C: int):
