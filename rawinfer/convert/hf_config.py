@@ -207,14 +207,7 @@ def hf_model_config(cfg: dict[str, Any], gen: dict[str, Any], tok: TokenizerInfo
     """ModelConfig from config.json, generation_config.json and the tokenizer's special tokens."""
     arch = hf_architecture(cfg, where)
     fam = FAMILIES[arch]
-    act_key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
-    act = cfg.get(act_key) or "silu"
-    if not isinstance(act, str):
-        raise ConversionError(f"{where} has {act_key} = {act!r}, which is not a string; write the activation's "
-                              f"name as a JSON string, one of {', '.join(ACTIVATIONS)}")
-    if act not in ACTIVATIONS:
-        raise ConversionError(f"{where} uses activation {act!r}; rawinfer's MLP gates with "
-                              f"{', '.join(ACTIVATIONS)} (SwiGLU or tanh-approximated GeGLU)")
+    act = _hf_activation(cfg, where)
     if arch == "gemma3":
         _gemma_checks(cfg, where)
     try:
@@ -261,9 +254,27 @@ def hf_model_config(cfg: dict[str, Any], gen: dict[str, Any], tok: TokenizerInfo
         raise ConversionError(f"{where} has no {e.args[0]!r} entry; it is not a complete model config") from e
     except (TypeError, ValueError, ZeroDivisionError) as e:
         raise ConversionError(f"{where} has an invalid value ({e}); fix the file or download it again") from e
+    _check_special_ids(config, where)
+    return config
+
+
+def _hf_activation(cfg: dict[str, Any], where: str) -> str:
+    """The MLP's gate activation named by config.json (hidden_activation, else hidden_act), checked."""
+    act_key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+    act = cfg.get(act_key) or "silu"
+    if not isinstance(act, str):
+        raise ConversionError(f"{where} has {act_key} = {act!r}, which is not a string; write the activation's "
+                              f"name as a JSON string, one of {', '.join(ACTIVATIONS)}")
+    if act not in ACTIVATIONS:
+        raise ConversionError(f"{where} uses activation {act!r}; rawinfer's MLP gates with "
+                              f"{', '.join(ACTIVATIONS)} (SwiGLU or tanh-approximated GeGLU)")
+    return act
+
+
+def _check_special_ids(config: ModelConfig, where: str) -> None:
+    """Refuse a bos, pad or eos token id that is outside the vocabulary."""
     ids = [i for i in (config.bos_token_id, config.pad_token_id, *config.eos_token_ids) if i is not None]
     bad = [i for i in ids if not 0 <= i < config.vocab_size]
     if bad:
         raise ConversionError(f"{where}: special token id {bad[0]} is outside the vocabulary of "
                               f"{config.vocab_size}; fix the token ids in the config files")
-    return config
