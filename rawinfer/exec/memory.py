@@ -224,7 +224,7 @@ class MemoryPool:
                  region: tuple[Any, int, int] | None = None, guest: GuestPool | None = None):
         self.cfg, self.ecfg, self.backend = cfg, ecfg, backend
         self._plan(padding_block, extra_workspace, logits_rows)
-        self._size_kv(kv_bytes, guest)
+        self._size_kv(kv_bytes, guest, region is not None)
         self._allocate(region)
 
     @classmethod
@@ -276,15 +276,16 @@ class MemoryPool:
         self._per_block = kv_bytes_per_block(cfg, ecfg.block_size, kdt)
         self._spare = 1 if padding_block else 0
 
-    def _size_kv(self, kv_bytes: int | None, guest: GuestPool | None) -> None:
-        """The KV region's blocks (and a guest's share of it) and the pool's total bytes."""
+    def _size_kv(self, kv_bytes: int | None, guest: GuestPool | None, carved: bool = False) -> None:
+        """The KV region's blocks (and a guest's share of it) and the pool's total bytes. carved: this pool is
+        another's guest, its KV bytes that pool's share for it."""
         fixed = self.weight_bytes + self.workspace_bytes
         guest_fixed = guest.fixed_bytes + guest.slack if guest is not None else 0
         if kv_bytes is None:
             free = self.backend.device_memory_info()[0] if self.backend.capabilities.on_gpu else None
             kv_bytes, self.kv_sizing = kv_region_bytes(self.ecfg, fixed + guest_fixed, free, self._rope_bytes)
         else:
-            self.kv_sizing = "the caller"
+            self.kv_sizing = "the host pool (as many tokens as its model)" if carved else "the caller"
         per_block, spare = self._per_block, self._spare
         if guest is None:
             num_blocks = kv_bytes // per_block - spare

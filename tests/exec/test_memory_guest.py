@@ -56,6 +56,7 @@ def test_the_guest_carves_exactly_the_room_its_host_left(block_size, host_graphs
     guest.kv.k[0][...] = 7                                  # the guest's KV is its own
     assert not any(np.any(k == 7) for k in host.kv.k + host.kv.v)
     assert "for the draft model" in host.describe()
+    assert "KV" in guest.describe() and "sized by the host pool" in guest.describe()
 
 
 def test_a_gpu_sized_pool_takes_the_guest_out_of_its_budget_first():
