@@ -119,12 +119,7 @@ def run_replicas(args, open_front) -> int:
     """Start the replicas and serve the router until SIGINT/SIGTERM. open_front(args): the checked
     ServerConfig of --bind and the started HTTP workers, as for one engine (cli/serve.py)."""
     from rawinfer.frontends.cli.models import resolve_model
-    from rawinfer.frontends.cluster.autoscale import AutoscaleConfig
-    from rawinfer.frontends.cluster.ray_pool import RayPool, RayPoolConfig
-    from rawinfer.frontends.cluster.router import ReplicaRouter, RouterConfig
-    from rawinfer.frontends.cluster.routing import RoutingConfig
-    from rawinfer.frontends.server.security import load_secret_key
-    import zmq
+    from rawinfer.frontends.cluster.router import ReplicaRouter
 
     check_replica_args(args)
     model_path = os.path.abspath(resolve_model(args.model, progress=not args.quiet))
@@ -136,41 +131,15 @@ def run_replicas(args, open_front) -> int:
     cfg, workers = open_front(args)
     pool = None
     try:
-        try:
-            pool = RayPool({}, RayPoolConfig(address=args.ray_address, num_cpus=args.ray_num_cpus, loopback=local),
-                           replica_engine)
-        except RuntimeError as e:
-            raise CLIError(str(e)) from None
+        pool = _open_pool(args, local)
         res = pool.resources()
-        gpus = res.get("GPU", 0)
-        device = args.device if args.device != "auto" else ("cuda" if gpus >= 1 else "cpu")
-        engines = args.replicas + (args.prefill_replicas or 0)
-        cpus = args.replica_cpus or max(1.0, float(int(res.get("CPU", 1) // engines)))
-        pool.cfg.cpus, pool.cfg.gpus = (1.0, 1) if device == "cuda" else (cpus, 0)
-        prefill = []
-        if args.prefill_replicas:
-            log.info("starting %d prefill replica(s)", args.prefill_replicas)
-            try:
-                prefill = pool.start_prefill_pool(_replica_options(args, model_path, cpus, device, []),
-                                                  _prefill_ports(args, local), open_engine, 600.0)
-            except RuntimeError as e:
-                raise CLIError(str(e)) from None
-            log.info("prefill replicas serving on %s", " ".join(prefill))
+        device, cpus = _place_replicas(args, pool, res)
+        prefill = _start_prefill(args, pool, model_path, cpus, device, local)
         pool.options = _replica_options(args, model_path, cpus, device, prefill)
-        curve = None
-        if args.curve_secret_key_file and not local:
-            public, _ = load_secret_key(args.curve_secret_key_file)
-            curve = (public, *zmq.curve_keypair())
-        auto = None
-        if args.autoscale_max is not None:
-            auto = AutoscaleConfig(args.replicas, args.autoscale_max, up_depth=args.autoscale_queue_depth,
-                                   up_after_s=args.autoscale_up_after, down_after_s=args.autoscale_down_after)
-        rcfg = RouterConfig(replicas=args.replicas, max_replicas=args.max_replicas or args.autoscale_max or 64,
-                            routing=RoutingConfig(policy=args.routing), lost_after_s=args.replica_lost_after,
-                            autoscale=auto, curve=curve)
-        log.info("Ray cluster: %g CPUs, %g GPUs; %d %s%s replica(s) of %s, %s each", res.get("CPU", 0), gpus,
-                 args.replicas, device, " decode" if prefill else "", os.path.basename(model_path),
-                 "1 GPU" if device == "cuda" else f"{cpus:g} CPU(s)")
+        rcfg = _router_config(args, local)
+        log.info("Ray cluster: %g CPUs, %g GPUs; %d %s%s replica(s) of %s, %s each", res.get("CPU", 0),
+                 res.get("GPU", 0), args.replicas, device, " decode" if prefill else "",
+                 os.path.basename(model_path), "1 GPU" if device == "cuda" else f"{cpus:g} CPU(s)")
         router = ReplicaRouter(cfg, pool, rcfg)
         pool = None                      # the router closes it
         return router.run()
@@ -179,6 +148,60 @@ def run_replicas(args, open_front) -> int:
             pool.close()
         if workers is not None:
             workers.stop()
+
+
+def _open_pool(args, local: bool):
+    """The Ray actor pool on --ray-address (or a local cluster), its replica options still to be set."""
+    from rawinfer.frontends.cluster.ray_pool import RayPool, RayPoolConfig
+    try:
+        return RayPool({}, RayPoolConfig(address=args.ray_address, num_cpus=args.ray_num_cpus, loopback=local),
+                       replica_engine)
+    except RuntimeError as e:
+        raise CLIError(str(e)) from None
+
+
+def _place_replicas(args, pool, res: dict) -> tuple[str, float]:
+    """The replicas' device and CPUs each, from the options and the cluster's resources; set on the pool."""
+    device = args.device if args.device != "auto" else ("cuda" if res.get("GPU", 0) >= 1 else "cpu")
+    engines = args.replicas + (args.prefill_replicas or 0)
+    cpus = args.replica_cpus or max(1.0, float(int(res.get("CPU", 1) // engines)))
+    pool.cfg.cpus, pool.cfg.gpus = (1.0, 1) if device == "cuda" else (cpus, 0)
+    return device, cpus
+
+
+def _start_prefill(args, pool, model_path: str, cpus: float, device: str, local: bool) -> list[str]:
+    """Start the --prefill-replicas instances and return their endpoints (none without the option)."""
+    if not args.prefill_replicas:
+        return []
+    log.info("starting %d prefill replica(s)", args.prefill_replicas)
+    try:
+        prefill = pool.start_prefill_pool(_replica_options(args, model_path, cpus, device, []),
+                                          _prefill_ports(args, local), open_engine, 600.0)
+    except RuntimeError as e:
+        raise CLIError(str(e)) from None
+    log.info("prefill replicas serving on %s", " ".join(prefill))
+    return prefill
+
+
+def _router_config(args, local: bool):
+    """The router's settings: routing policy, loss timeout, autoscaling and, across machines, CURVE keys."""
+    from rawinfer.frontends.cluster.autoscale import AutoscaleConfig
+    from rawinfer.frontends.cluster.router import RouterConfig
+    from rawinfer.frontends.cluster.routing import RoutingConfig
+    from rawinfer.frontends.server.security import load_secret_key
+    import zmq
+
+    curve = None
+    if args.curve_secret_key_file and not local:
+        public, _ = load_secret_key(args.curve_secret_key_file)
+        curve = (public, *zmq.curve_keypair())
+    auto = None
+    if args.autoscale_max is not None:
+        auto = AutoscaleConfig(args.replicas, args.autoscale_max, up_depth=args.autoscale_queue_depth,
+                               up_after_s=args.autoscale_up_after, down_after_s=args.autoscale_down_after)
+    return RouterConfig(replicas=args.replicas, max_replicas=args.max_replicas or args.autoscale_max or 64,
+                        routing=RoutingConfig(policy=args.routing), lost_after_s=args.replica_lost_after,
+                        autoscale=auto, curve=curve)
 
 
 def cmd_scale(args) -> int:
