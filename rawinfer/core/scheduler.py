@@ -276,11 +276,21 @@ class Scheduler:
         sequence computes them after its last token, in the same step, and update() leaves them uncounted
         until accept() says how many the model agreed with."""
         out = SchedulerOutput()
-        drafts = drafts or {}
-        rows = self.ecfg.max_num_seqs - min(len(self.running), self.ecfg.max_num_seqs)   # logits rows for drafts
         copies: list[tuple[int, int]] = []
-        budget = self.ecfg.max_num_batched_tokens
         allowance = self._allowance()
+        budget = self._schedule_running(out, copies, drafts or {}, allowance)
+        self._admit_waiting(out, copies, budget, allowance)
+        if out.seqs:
+            tables = [self.bm.block_table(s.seq.seq_id) for s in out.seqs]
+            out.plan = build_step_plan(out.seqs, tables, copies, self.layout)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, copies: list[tuple[int, int]], drafts: dict,
+                          allowance: PrefillAllowance | None) -> int:
+        """The running sequences' next chunks (and verified drafts), oldest first, preempting the newest when
+        blocks run out; returns the token budget the step has left."""
+        rows = self.ecfg.max_num_seqs - min(len(self.running), self.ecfg.max_num_seqs)   # logits rows for drafts
+        budget = self.ecfg.max_num_batched_tokens
         i = 0
         # NOTE: the samples of an n > 1 request join the running set together, so it may hold more than
         # max_num_seqs sequences; a step takes at most max_num_seqs of them, oldest first.
@@ -307,7 +317,12 @@ class Scheduler:
             budget -= n
             rows -= len(draft)
             i += 1
+        return budget
 
+    def _admit_waiting(self, out: SchedulerOutput, copies: list[tuple[int, int]], budget: int,
+                       allowance: PrefillAllowance | None) -> None:
+        """Waiting sequences join in arrival order (their cached prefix reused) while the step has room; none
+        joins a step that had to preempt."""
         now = time.monotonic()
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.ecfg.max_num_seqs and len(out.seqs) < self.ecfg.max_num_seqs):
@@ -331,10 +346,6 @@ class Scheduler:
             copies.extend(alloc.copies)
             out.seqs.append(self._scheduled(seq, n, allowance))
             budget -= n
-        if out.seqs:
-            tables = [self.bm.block_table(s.seq.seq_id) for s in out.seqs]
-            out.plan = build_step_plan(out.seqs, tables, copies, self.layout)
-        return out
 
     def update(self, out: SchedulerOutput) -> StepUpdate:
         """After the forward pass, the scheduled tokens are in the cache: register blocks that filled up, give
