@@ -8,7 +8,9 @@
 #
 # 1. nvidia-smi summary and package versions      -> OUTDIR/nvidia-smi.txt, OUTDIR/versions.txt
 # 2. the GPU test suite: pytest -m gpu tests/backend/test_gpu*.py tests/backend/test_cuda_fused_gpu.py
-#    tests/backend/test_grammar_mask.py (the structured-output mask kernel; the K/V transfer between two
+#    tests/backend/test_cuda_int8_gpu.py (int8 weight-only products: GEMV, dequantized tiles + cuBLAS,
+#    embedding, tiny int8 models against the CPU) tests/backend/test_grammar_mask.py
+#    (the structured-output mask kernel; the K/V transfer between two
 #    CUDA processes over ZeroMQ, test_gpu_disagg.py, needs pyzmq; it skips without)
 #    -> OUTDIR/gpu-tests.log, gpu-tests.xml (kernels incl. the Gemma 3 / Qwen3 ops and sliding-window
 #    attention; decode CUDA graphs vs eager, device sampler, pool sizing, whole models)
@@ -62,7 +64,7 @@ per_test=()
 "$py" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${GPU_CHECK_PER_TEST_S:-100}")
 echo "[gpu_check] running the GPU tests (log: $out/gpu-tests.log)"
 timeout "${GPU_CHECK_TESTS_S:-165}" "$py" -m pytest -m gpu tests/backend/test_gpu*.py tests/backend/test_cuda_fused_gpu.py \
-  tests/backend/test_grammar_mask.py \
+  tests/backend/test_cuda_int8_gpu.py tests/backend/test_grammar_mask.py \
   -q -rs -p no:cacheprovider --durations=15 "${per_test[@]}" --junitxml="$out/gpu-tests.xml" > "$out/gpu-tests.log" 2>&1
 tests_rc=$?
 

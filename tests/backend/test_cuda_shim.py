@@ -292,11 +292,12 @@ def test_sample_agrees_with_the_cpu_sampler(backend):
     np.testing.assert_array_equal(got[~ambiguous], np.array(want)[~ambiguous])
 
 
-def test_int8_embedding_table_is_refused(backend):
-    from rawinfer.quant import Int8Weight
-    table = Int8Weight(np.zeros((50, 16), np.int8), np.ones(50, np.float32))
-    with pytest.raises(ValueError, match="int8 weight-only models run on the CPU backend"):
-        backend.embedding(np.zeros(2, np.int32), table, np.zeros((2, 16), np.float32))
+def test_q4_embedding_table_is_refused(backend):
+    """int8 tables run here (test_cuda_int8.py); q4 matrices are refused by name."""
+    from rawinfer.quant import Q4Weight
+    table = Q4Weight(np.zeros((50, 32), np.uint8), np.zeros((50, 2, 2), np.float16))
+    with pytest.raises(ValueError, match="q4 weight-only models run on the CPU backend"):
+        backend.embedding(np.zeros(2, np.int32), table, np.zeros((2, 64), np.float32))
 
 
 def test_kv_cache_dtype_int8_is_refused_on_cuda(backend):

@@ -191,13 +191,14 @@ def test_pool_is_sized_from_free_device_memory(tmp_path_factory):
     gc.collect()
 
 
-def test_int8_models_are_refused_at_start(tmp_path_factory):
+def test_q4_models_are_refused_at_start(tmp_path_factory):
+    """int8 models run on CUDA (test_cuda_int8_gpu.py); q4 ones are refused at start."""
     from rawinfer import LLMEngine
     from rawinfer.config import EngineConfig
     from rawinfer.convert import convert
-    dst = str(tmp_path_factory.mktemp("gpu-models") / "tiny-int8")
-    convert(os.path.join(DATA, "tiny-llama"), dst, quant="int8", progress=False)
-    with pytest.raises(ValueError, match="int8 weight-only models run on the CPU backend"):
+    dst = str(tmp_path_factory.mktemp("gpu-models") / "tiny-q4")
+    convert(os.path.join(DATA, "tiny-llama"), dst, quant="q4", progress=False)
+    with pytest.raises(ValueError, match="q4 weight-only models run on the CPU backend"):
         LLMEngine(dst, EngineConfig(device="cuda", kv_cache_memory=64 * 1024**2))
 
 

@@ -242,13 +242,14 @@ def test_decode_graphs_on_the_shim_match_eager(monkeypatch, tiny_llama_dir, shim
 
 
 @needs_shim
-def test_int8_models_are_refused_on_cuda(monkeypatch, tmp_path, shim_libraries):
+def test_q4_models_are_refused_on_cuda(monkeypatch, tmp_path, shim_libraries):
+    """int8 models run on CUDA (tests/backend/test_cuda_int8.py); q4 ones are refused at start."""
     from rawinfer.convert import ConversionWarning, convert
-    dst = str(tmp_path / "tiny-int8")
+    dst = str(tmp_path / "tiny-q4")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)
-        convert(os.path.join(DATA, "tiny-llama"), dst, quant="int8", progress=False)
-    with pytest.raises(ValueError, match="int8 weight-only models run on the CPU backend; convert without --quant"):
+        convert(os.path.join(DATA, "tiny-llama"), dst, quant="q4", progress=False)
+    with pytest.raises(ValueError, match="q4 weight-only models run on the CPU backend; convert with --quant int8 or without --quant"):
         shim_engine(monkeypatch, dst, shim_libraries, graphs=True)
 
 

@@ -1,8 +1,9 @@
 """CUDABackend: the op interface on an NVIDIA GPU, as CuPy RawKernels from cuda/*.cu plus cuBLAS GEMMs.
 
 This module holds the backend itself: device memory and dtypes, the layer ops, cache maintenance and
-CUDA graphs.  Two op families live in their own modules and join the class as mixins: paged
-attention (attention.py: launch geometry, split-K scratch) and token selection (sampling.py).
+CUDA graphs.  Three op families live in their own modules and join the class as mixins: paged
+attention (attention.py: launch geometry, split-K scratch), token selection (sampling.py) and the
+products with int8 weight-only matrices (int8.py).
 
 Every op method checks shapes through backend/shapes.py (the contract both backends share), the
 dtypes and layout only these kernels need here, and each argument against the kernel's signature
@@ -16,7 +17,8 @@ float16 or bfloat16), except the residual stream, which may be float32 (the pool
 embedding, rmsnorm and add_rmsnorm take a second element type R for it); every kernel computes in
 float32.  CuPy has no bfloat16, so a bfloat16 tensor lives on the device as uint16 bit patterns:
 `carve`, `upload` and `to_host` translate, and no other uint16 device array exists in this backend.
-`linear` may write float32 output from 16-bit inputs (for logits).  int8 weight-only models are not supported here (the engine refuses them at start).
+`linear` may write float32 output from 16-bit inputs (for logits).  int8 weight-only models run here
+(int8.py); q4 models do not (the engine refuses them at start: Capabilities.quantized_weights).
 
 GEMM convention, stated once.  rawinfer stores matrices row-major: x[T, K], w[N, K] (out features x in
 features), out[T, N], and computes out = x @ w^T.  cuBLAS reads column-major, and a row-major [r, c]
@@ -44,11 +46,12 @@ from rawinfer.backend import shapes
 from rawinfer.backend.base import Backend, Capabilities
 from rawinfer.backend.cuda import kernel_specs as ks
 from rawinfer.backend.cuda.attention import PagedAttention
+from rawinfer.backend.cuda.int8 import Int8Products
 from rawinfer.backend.cuda.launch import address, round_up, row_threads
 from rawinfer.backend.cuda.runtime import (CUDAGraph, CuPyLauncher, cuda_available, cuda_status,  # noqa: F401
                                            kernel_source)
 from rawinfer.backend.cuda.sampling import DeviceSampling
-from rawinfer.quant import Int8Weight
+from rawinfer.quant import Int8Weight, Q4Weight
 
 HEAD_RMSNORM_HEADS_PER_BLOCK = 4   # HEADS_PER_BLOCK in cuda/head_rmsnorm.cu: one warp per head
 FUSED_HEADS_PER_BLOCK = 4          # FUSED_HEADS_PER_BLOCK in cuda/fused_rope_kv_write.cu: one warp per head
@@ -59,7 +62,7 @@ except ImportError:  # pragma: no cover
     _BF16 = None
 
 
-class CUDABackend(PagedAttention, DeviceSampling, Backend):
+class CUDABackend(PagedAttention, DeviceSampling, Int8Products, Backend):
     """The op interface on one CUDA device (or, with a test launcher, on the host through tests/cuda_shim)."""
 
     name = "cuda"
@@ -81,7 +84,8 @@ class CUDABackend(PagedAttention, DeviceSampling, Backend):
             self.xp = np
             self._launcher = launcher
         self.decode_partition = decode_partition
-        self.capabilities = Capabilities(on_gpu=self.on_gpu, graphs=self.supports_graphs, device_sampling=True)
+        self.capabilities = Capabilities(on_gpu=self.on_gpu, graphs=self.supports_graphs, device_sampling=True,
+                                         quantized_weights=("int8",))
 
     @property
     def on_gpu(self) -> bool:
@@ -175,10 +179,12 @@ class CUDABackend(PagedAttention, DeviceSampling, Backend):
 
     # ---- layer ops ------------------------------------------------------------------------------
     def embedding(self, ids, table, out, scale: float = 1.0) -> None:
-        """out = table[ids] * scale, the product in float32 (scale 1 copies the rows exactly)."""
+        """out = table[ids] * scale, the product in float32 (scale 1 copies the rows exactly); an int8
+        table's rows are dequantized (int8.py)."""
         if isinstance(table, Int8Weight):
-            raise ValueError("int8 weight-only models run on the CPU backend; convert without --quant "
-                             "for --device cuda")
+            self._embedding_int8(ids, table, out, scale)
+            return
+        _refuse_q4(table)
         n, hidden = shapes.embedding(ids, table.shape, out)
         if n:
             self._launch("embedding_kernel", (ks.element_type(table.dtype), ks.element_type(out.dtype)), (n,),
@@ -207,10 +213,11 @@ class CUDABackend(PagedAttention, DeviceSampling, Backend):
 
     def linear(self, x, w, out, bias=None, scratch=None) -> None:
         """out[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]) through cuBLAS (the call in the module docstring).
-        `scratch` is unused: it exists for the CPU's int8 path, and int8 weights are refused here."""
+        An Int8Weight goes to int8.py, whose GEMM path dequantizes tiles of it into `scratch`."""
         if isinstance(w, Int8Weight):
-            raise ValueError("int8 weight-only models run on the CPU backend; convert without --quant "
-                             "for --device cuda")
+            self._linear_int8(x, w, out, bias, scratch)
+            return
+        _refuse_q4(w)
         n, k, n_out = shapes.linear(x, tuple(w.shape), out, bias)
         # cuBLAS takes raw pointers, so what pack_args checks for a kernel is checked here.
         if x.dtype != w.dtype or out.dtype not in (x.dtype, np.dtype(np.float32)):
@@ -331,3 +338,9 @@ class CUDABackend(PagedAttention, DeviceSampling, Backend):
         fn()
         self.synchronize()
         return self._launcher.capture(fn)
+
+
+def _refuse_q4(w) -> None:
+    if isinstance(w, Q4Weight):
+        raise ValueError("q4 weight-only models run on the CPU backend; convert with --quant int8 or without "
+                         "--quant for --device cuda")

@@ -39,7 +39,7 @@ ELEMENT_TYPES: dict[str, tuple[np.dtype, ...]] = {
 }
 FLOAT_TYPES = tuple(ELEMENT_TYPES)  # the instances of every kernel templated on its storage type
 
-_POINTEE_DTYPES = {"int": np.dtype(np.int32), "float": np.dtype(np.float32),
+_POINTEE_DTYPES = {"int": np.dtype(np.int32), "float": np.dtype(np.float32), "signed char": np.dtype(np.int8),
                    "unsigned long long": np.dtype(np.uint64), "unsigned": np.dtype(np.uint32)}
 _SCALAR_TYPES = {"int": np.int32, "float": np.float32, "unsigned long long": np.uint64}
 
@@ -186,6 +186,15 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                signature("const unsigned long long* k_ptrs, const unsigned long long* v_ptrs, const int* pairs, "
                     "int words_per_block")),
     _each_float("take_rows_kernel", "take_rows.cu", "T* out, const T* x, const int* indices, int cols"),
+    # int8 weight-only products: (T, O) = (activation type, output type), as RESIDUAL_PAIRS pairs them
+    KernelSpec("int8_gemv_kernel", "int8_linear.cu", signature(
+                "O* out, const T* x, const signed char* q, const float* scale, const O* bias, int rows, "
+                "int n_out, int k, int has_bias"), ("T", "O"), RESIDUAL_PAIRS),
+    _each_float("int8_dequant_kernel", "int8_linear.cu",
+                "T* out, const signed char* q, const float* scale, int k"),
+    KernelSpec("int8_embedding_kernel", "int8_embedding.cu", signature(
+                "R* out, const int* ids, const signed char* q, const float* row_scale, int hidden, float scale"),
+               ("R",), tuple((t,) for t in FLOAT_TYPES)),
 )}
 
 
