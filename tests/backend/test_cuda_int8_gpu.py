@@ -66,4 +66,6 @@ def test_tiny_int8_model_on_the_device_gives_the_cpu_backends_tokens(tmp_path_fa
     prompts = {"a": [5, 6, 7], "b": list(range(20, 47)), "c": [300, 301, 9, 11, 40, 41]}
     opts = dict(kv_cache_memory="16MiB", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128, itl_target_ms=0)
     got = _staggered_generation(LLMEngine(model, device="cuda", **opts), prompts, 8)
-    assert _staggered_generation(LLMEngine(model, device="cpu", **opts), prompts, 8) == got
+    # the CPU with what CUDA does: float32 K/V (not an int8 model's int8 cache), float activations in the products
+    cpu = LLMEngine(model, device="cpu", kv_cache_dtype="float32", cpu_int_gemm=False, **opts)
+    assert _staggered_generation(cpu, prompts, 8) == got
