@@ -16,6 +16,7 @@ import pytest
 
 from rawinfer import LLMEngine
 from rawinfer.backend.base import Backend
+from rawinfer.backend.select import get_backend
 from rawinfer.config import EngineConfig
 
 harness = pytest.importorskip("cuda_shim.harness")
@@ -61,6 +62,8 @@ def test_fused_ops_give_the_separate_ops_bits_in_every_family(monkeypatch, tmp_p
     assert len(fused_logits) == len(separate_logits) > 4        # prompt chunks of 16 tokens, then decodes
     for a, b in zip(fused_logits, separate_logits):
         np.testing.assert_array_equal(a, b)
+    monkeypatch.setattr("rawinfer.engine.engine.get_backend", get_backend)   # the real CPU backend, not the shim's
     cpu = LLMEngine(model_dir, device="cpu", kv_cache_memory="2MiB", max_num_batched_tokens=16, max_num_seqs=4,
                     max_model_len=128, warmup=False)
+    assert cpu.backend.name == "cpu"
     assert _staggered_generation(cpu, PROMPTS, 4) == got

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from rawinfer import LLMEngine
+from rawinfer.backend.select import get_backend
 from rawinfer.config import EngineConfig
 from rawinfer.exec.graphs import REGION, build_decode_inputs, decode_layout, padding_decode_inputs
 
@@ -157,8 +158,10 @@ def test_first_decode_step_captures_every_bucket_and_later_steps_only_replay(mon
                         graphs=False)
     assert eager.runner.graphs is None
     assert _staggered_generation(eager, PROMPTS, 4) == got
+    monkeypatch.setattr("rawinfer.engine.engine.get_backend", get_backend)   # the real CPU backend, not the shim's
     cpu = LLMEngine(gemma_dir, device="cpu", kv_cache_memory="2MiB", max_num_batched_tokens=16, max_num_seqs=6,
                     max_model_len=128, warmup=False)
+    assert cpu.backend.name == "cpu"
     assert _staggered_generation(cpu, PROMPTS, 4) == got
 
 

@@ -22,6 +22,7 @@ import pytest
 from rawinfer import LLMEngine, SamplingParams
 from rawinfer.backend.base import Capabilities
 from rawinfer.backend.cpu.backend import CPUBackend
+from rawinfer.backend.select import get_backend
 from rawinfer.config import EngineConfig, ModelConfig
 from rawinfer.core.step_plan import bucket_for, slot_mapping
 from rawinfer.exec.graphs import build_decode_inputs, decode_input_words, decode_layout, graph_buckets
@@ -237,7 +238,9 @@ def test_decode_graphs_on_the_shim_match_eager(monkeypatch, tiny_llama_dir, shim
     eager = shim_engine(monkeypatch, tiny_llama_dir, shim_libraries, graphs=False)
     assert eager.runner.graphs is None and eager.pool.kv.padding_block is None
     assert staggered_generation(eager, prompts, 6) == got
+    monkeypatch.setattr("rawinfer.engine.engine.get_backend", get_backend)   # the real CPU backend, not the shim's
     cpu = LLMEngine(tiny_llama_dir, device="cpu", kv_cache_memory="2MiB", max_num_batched_tokens=64, max_num_seqs=4)
+    assert cpu.backend.name == "cpu"
     assert staggered_generation(cpu, prompts, 6) == got
 
 
