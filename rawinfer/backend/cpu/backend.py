@@ -1,5 +1,5 @@
 """CPUBackend: the op interface on NumPy (BLAS GEMMs) and Numba kernels, float32 storage and compute
-(quantized weights' products: products.py)."""
+(quantized weights' products: the QuantizedProducts of products.py it owns)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numba
 import numpy as np
 
 from rawinfer.backend import shapes
-from rawinfer.backend.base import Capabilities
+from rawinfer.backend.base import Backend, Capabilities
 from rawinfer.backend.cpu import a8gemm as cpu_a8gemm
 from rawinfer.backend.cpu import attention as A
 from rawinfer.backend.cpu import blas as cpu_blas
@@ -19,7 +19,7 @@ from rawinfer.backend.cpu import memory as cpu_memory
 from rawinfer.backend.cpu import qgemm as cpu_qgemm
 from rawinfer.backend.cpu import rows as cpu_rows
 from rawinfer.backend.cpu.fused import NO_BIAS, decoder_stack_batched_kernel, decoder_stack_kernel
-from rawinfer.backend.cpu.products import INT8_GEMV_MAX_ROWS, QuantizedProducts, check_array
+from rawinfer.backend.cpu.products import INT8_GEMV_MAX_ROWS, QuantizedProducts, check_array, q4_parts
 from rawinfer.backend.cpu import tileattn as cpu_tileattn
 from rawinfer.backend.cpu import variants as V
 from rawinfer.backend.cpu.threads import ThreadGovernor, configure_spin
@@ -42,7 +42,7 @@ def _items_of(chosen: np.ndarray, query_start_loc: np.ndarray, tile: int):
     return seqs[keep], q0[keep], q1[keep]
 
 
-class CPUBackend(QuantizedProducts):
+class CPUBackend(Backend):
     name = "cpu"
     xp = np
     capabilities = Capabilities(quantized_weights=("int8", "q4"))
@@ -85,10 +85,9 @@ class CPUBackend(QuantizedProducts):
         # keep cores busy (threads.py); a number given is kept as it is.
         self._governor = ThreadGovernor(self.threads) if num_threads is None and self.threads > 1 else None
         self.int_gemm = int_gemm
-        self._qx = np.empty(0, np.int16)                   # activation buffers of the integer GEMM,
-        self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
-        self._qb = np.empty(0, np.float32)                 # (and the q4 GEMM's block sums)
-        self._a8 = (np.empty(0, np.int8), np.empty(0, np.float32), np.empty(0, np.int32))   # a8gemm's
+        self.quantized = QuantizedProducts(int_gemm=int_gemm, int8_activations=int8_activations,
+                                           one_attention=one_attention, blas_on_numba_pool=self.blas_on_numba_pool,
+                                           max_threads=self.max_threads)
 
     def begin_step(self) -> None:
         if self._governor is not None and (n := self._governor.update()) != self.threads:
@@ -159,10 +158,8 @@ class CPUBackend(QuantizedProducts):
         shapes.linear(x, w.shape, out, bias)
         check_array("x", x, np.float32)              # BLAS and the int8 quantizer read it as raw float32
         check_array("out", out)
-        if isinstance(w, Int8Weight):
-            self._linear_int8(x, w, out, scratch)
-        elif isinstance(w, Q4Weight):
-            self._linear_q4(x, w, out, scratch)
+        if isinstance(w, (Int8Weight, Q4Weight)):
+            self.quantized.linear(x, w, out, scratch)
         else:
             parts = max(1, min(self.max_threads, w.shape[0] // 64))
             few = self.one_attention or x.shape[0] <= cpu_fgemm.DEFAULT_MAX_ROWS
@@ -179,6 +176,13 @@ class CPUBackend(QuantizedProducts):
                 np.matmul(x, w.T, out=out)
         if bias is not None:
             out += bias
+
+    def prepare_weight(self, w, head: bool = False):
+        return self.quantized.prepare_weight(w, head)
+
+    def linear_silu_mul(self, x, w, gate_up, out, scratch=None) -> None:
+        if not self.quantized.linear_silu_mul(x, w, out, scratch):
+            super().linear_silu_mul(x, w, gate_up, out, scratch)
 
     def rope(self, qkv, positions, cos_sin, num_heads, num_kv_heads) -> None:
         _, D = shapes.rope(qkv, positions, cos_sin, num_heads, num_kv_heads)
@@ -313,7 +317,7 @@ class CPUBackend(QuantizedProducts):
                 if isinstance(w, np.ndarray):               # float32: the batched kernel's fgemm reads W
                     a, b, packed = w, NO_BIAS, w
                 else:                                       # fused.weight_matvec takes int8 or q4
-                    a, b = self._q4_parts(w) if isinstance(w, Q4Weight) else (w.q, w.scale)
+                    a, b = q4_parts(w) if isinstance(w, Q4Weight) else (w.q, w.scale)
                     packed = w.packed
                 cols[f"w_{short}s"].append(a)
                 cols[f"s_{short}s"].append(b)
@@ -366,7 +370,7 @@ class CPUBackend(QuantizedProducts):
                              f"weights, of at most {INT8_GEMV_MAX_ROWS} sequences for another quantized model; "
                              f"got {T} tokens")
         if p["packed"]:
-            qx, qs, qb = (self._a8_buffers if p["a8"] else self._q4_gemm_buffers)(T, p["max_k"])
+            qx, qs, qb = (self.quantized.a8_buffers if p["a8"] else self.quantized.q4_gemm_buffers)(T, p["max_k"])
             decoder_stack_batched_kernel(
                 acts.hidden[:T], acts.residual[:T], acts.normed[:T], acts.qkv[:T], acts.attn[:T], acts.gate_up[:T],
                 acts.act[:T],

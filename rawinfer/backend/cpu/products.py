@@ -19,7 +19,8 @@ rows, and the buffers they share.
     (float32 where fgemm.py cannot run, no AVX2 + FMA: rows.rows_matmul_f32 for up to ROWS_MAX rows or
          in the batch-invariant mode, BLAS above: backend.py.)
 
-`QuantizedProducts` is a part of CPUBackend (backend.py), which sets the attributes it reads.
+CPUBackend (backend.py) owns one `QuantizedProducts`, made with its settings, and hands it every product
+with an int8 or q4 weight.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import numpy as np
 
 from rawinfer.backend import shapes
-from rawinfer.backend.base import Backend
 from rawinfer.backend.cpu import a8gemm as cpu_a8gemm
 from rawinfer.backend.cpu import a8q4tile as cpu_a8q4
 from rawinfer.backend.cpu import blas as cpu_blas
@@ -56,9 +56,32 @@ def check_array(name: str, x, dtype=None, contiguous: bool = True) -> None:
         raise ValueError(f"{name} must be C-contiguous")
 
 
-class QuantizedProducts(Backend):
-    """The int8 / q4 halves of CPUBackend.linear and linear_silu_mul. Reads the backend's int_gemm,
-    int8_activations, one_attention, blas_on_numba_pool, max_threads and its integer GEMM buffers _qx, _qs, _qb, _a8."""
+def q4_parts(w: Q4Weight) -> tuple[np.ndarray, np.ndarray]:
+    """(nibbles, block scales as uint16 float16 bits): what the q4 kernels take, after checking that
+    the pair is one quant.quantize_q4 makes (the kernels read it through raw addresses)."""
+    N, Kd = w.shape
+    if Kd % SPAN or w.dm.shape != (N, Kd // Q4_BLOCK, 2) or w.dm.dtype != np.float16:
+        raise ValueError(f"a q4 weight of shape {w.shape} needs K % {SPAN} == 0 and float16 block scales "
+                         f"[N, K/{Q4_BLOCK}, 2], got {w.dm.dtype} {w.dm.shape}; build it with quant.quantize_q4")
+    return w.qs, w.dm.view(np.uint16)
+
+
+class QuantizedProducts:
+    """The int8 / q4 halves of CPUBackend's prepare_weight, linear and linear_silu_mul, and the integer
+    GEMMs' activation buffers, which the backend's fused decode shares."""
+
+    def __init__(self, *, int_gemm: bool, int8_activations: bool, one_attention: bool, blas_on_numba_pool: bool,
+                 max_threads: int):
+        """int_gemm, int8_activations, one_attention: CPUBackend's options of those names (packed copies for
+        the integer GEMMs; 8-bit activations; the row-invariant kernels for every row count);
+        blas_on_numba_pool: dequantized tiles on blas.py's Numba-pool BLAS, else np.matmul; max_threads:
+        the parts blas.py splits a product into, whatever the current thread count."""
+        self.int_gemm, self.int8_activations, self.one_attention = int_gemm, int8_activations, one_attention
+        self.blas_on_numba_pool, self.max_threads = blas_on_numba_pool, max_threads
+        self._qx = np.empty(0, np.int16)                   # activation buffers of the integer GEMM,
+        self._qs = np.empty(0, np.float32)                 # grown to the largest batch seen
+        self._qb = np.empty(0, np.float32)                 # (and the q4 GEMM's block sums)
+        self._a8 = (np.empty(0, np.int8), np.empty(0, np.float32), np.empty(0, np.int32))   # a8gemm's
 
     def prepare_weight(self, w, head: bool = False):
         import dataclasses
@@ -75,16 +98,25 @@ class QuantizedProducts(Backend):
             if not cpu_a8q4.supports(w.shape):
                 raise ValueError(f"int8_activations needs q4 matrices [N, K] with N % {cpu_a8q4.BLOCK_COLS} == 0 and "
                                  f"K % {SPAN} == 0; this model has one of {w.shape}: leave the option off for it")
-            self._q4_parts(w)                        # checks the pair
+            q4_parts(w)                              # checks the pair
             return dataclasses.replace(w, packed=cpu_a8q4.pack_q4(cpu_q4gemm.unpack_nibbles(w.qs), w.dm))
         if isinstance(w, Int8Weight) and self.int_gemm and cpu_qgemm.supports(w.shape):
             return dataclasses.replace(w, packed=cpu_qgemm.pack_weights(w.q))
         if isinstance(w, Q4Weight) and self.int_gemm and cpu_q4gemm.supports(w.shape):
-            self._q4_parts(w)                        # checks the pair
+            q4_parts(w)                              # checks the pair
             return dataclasses.replace(w, packed=cpu_q4gemm.pack_weights(w.qs, w.dm))
         return w
 
-    def linear_silu_mul(self, x, w, gate_up, out, scratch=None) -> None:
+    def linear(self, x, w: Int8Weight | Q4Weight, out, scratch) -> None:
+        """out = x @ W^T (shapes, x and out checked by CPUBackend.linear)."""
+        if isinstance(w, Int8Weight):
+            self._linear_int8(x, w, out, scratch)
+        else:
+            self._linear_q4(x, w, out, scratch)
+
+    def linear_silu_mul(self, x, w, out, scratch=None) -> bool:
+        """out = silu(x @ Wg^T) * (x @ Wu^T) in one kernel where one takes this weight and these rows;
+        False where none does (a float32 weight too), for CPUBackend to run linear() and silu_mul()."""
         # int8 GEMMs on packed weights: silu * up in the GEMM's epilogue, gate_up never stored (the same
         # bits as the GEMM and silu_mul apart). Gate block j pairs with up block j + half: an even count
         # of 16-column blocks (the batched decode kernel's test too). Without a packed copy, a few rows:
@@ -98,28 +130,28 @@ class QuantizedProducts(Backend):
                 check_array("x", x, np.float32)
                 check_array("out", out)
                 if gemm and w.packed.dtype == np.uint8:         # packed for a8gemm
-                    cpu_a8gemm.a8_matmul_silu(x, w.packed, w.scale, out, *self._a8_buffers(*x.shape))
+                    cpu_a8gemm.a8_matmul_silu(x, w.packed, w.scale, out, *self.a8_buffers(*x.shape))
                 elif gemm:
                     cpu_qgemm.int8_matmul_silu(x, w.packed, w.scale, out, *self._int_gemm_buffers(*x.shape))
                 else:
                     K.rows_matmul_silu_kernel(x, w.q, w.scale, out)
-                return
+                return True
         if isinstance(w, Q4Weight) and w.packed is not None and w.packed.shape[0] % 2 == 0:
             shapes.linear_silu_mul(x, w.shape, out)
             check_array("x", x, np.float32)
             check_array("out", out)
             if self.int8_activations:                   # dm: unread by the q4 tiles (_linear_q4)
-                cpu_a8gemm.a8_matmul_silu(x, w.packed, w.dm.view(np.uint16), out, *self._a8_buffers(*x.shape))
+                cpu_a8gemm.a8_matmul_silu(x, w.packed, w.dm.view(np.uint16), out, *self.a8_buffers(*x.shape))
             else:
-                cpu_q4gemm.q4_matmul_silu(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
-            return
+                cpu_q4gemm.q4_matmul_silu(x, w.packed, out, *self.q4_gemm_buffers(*x.shape))
+            return True
         if isinstance(w, Q4Weight) and w.packed is None and self._on_rows(x, scratch):
             shapes.linear_silu_mul(x, w.shape, out)
             check_array("x", x, np.float32)
             check_array("out", out)
-            cpu_q4.q4_matvec_silu(x, *self._q4_parts(w), out)
-            return
-        super().linear_silu_mul(x, w, gate_up, out, scratch)
+            cpu_q4.q4_matvec_silu(x, *q4_parts(w), out)
+            return True
+        return False
 
     @staticmethod
     def _on_packed_gemm(x, w: Int8Weight, scratch) -> bool:
@@ -130,7 +162,7 @@ class QuantizedProducts(Backend):
     def _linear_int8(self, x, w: Int8Weight, out, scratch) -> None:
         T, Kd = x.shape[0], w.shape[1]
         if w.packed is not None and w.packed.dtype == np.uint8:     # a8gemm's layout: 8-bit activations
-            cpu_a8gemm.a8_matmul(x, w.packed, w.scale, out, *self._a8_buffers(T, Kd))
+            cpu_a8gemm.a8_matmul(x, w.packed, w.scale, out, *self.a8_buffers(T, Kd))
             return
         if self._on_packed_gemm(x, w, scratch):
             cpu_qgemm.int8_matmul(x, w.packed, w.scale, out, *self._int_gemm_buffers(T, Kd))
@@ -148,26 +180,16 @@ class QuantizedProducts(Backend):
         batch-invariant by default on every CPU), or no workspace for the tiles."""
         return x.shape[0] <= cpu_rows.ROWS_MAX or self.one_attention or scratch is None or not cpu_llvm.available()
 
-    @staticmethod
-    def _q4_parts(w: Q4Weight) -> tuple[np.ndarray, np.ndarray]:
-        """(nibbles, block scales as uint16 float16 bits): what the q4 kernels take, after checking that
-        the pair is one quant.quantize_q4 makes (the kernels read it through raw addresses)."""
-        N, Kd = w.shape
-        if Kd % SPAN or w.dm.shape != (N, Kd // Q4_BLOCK, 2) or w.dm.dtype != np.float16:
-            raise ValueError(f"a q4 weight of shape {w.shape} needs K % {SPAN} == 0 and float16 block scales "
-                             f"[N, K/{Q4_BLOCK}, 2], got {w.dm.dtype} {w.dm.shape}; build it with quant.quantize_q4")
-        return w.qs, w.dm.view(np.uint16)
-
     def _linear_q4(self, x, w: Q4Weight, out, scratch) -> None:
         if w.packed is not None and self.int8_activations:         # a8q4tile.py's layout, for every row count
             # the tiles read d and m from the packed records; dm (checked at load) only fills a8gemm's
             # column-scale argument with the type the fused decode passes, so both share one build
-            cpu_a8gemm.a8_matmul(x, w.packed, w.dm.view(np.uint16), out, *self._a8_buffers(*x.shape))
+            cpu_a8gemm.a8_matmul(x, w.packed, w.dm.view(np.uint16), out, *self.a8_buffers(*x.shape))
             return
         if w.packed is not None:
-            cpu_q4gemm.q4_matmul(x, w.packed, out, *self._q4_gemm_buffers(*x.shape))
+            cpu_q4gemm.q4_matmul(x, w.packed, out, *self.q4_gemm_buffers(*x.shape))
             return
-        qs, dm = self._q4_parts(w)
+        qs, dm = q4_parts(w)
         if self._on_rows(x, scratch):
             cpu_q4.q4_matvec(x, qs, dm, out)
             return
@@ -204,7 +226,7 @@ class QuantizedProducts(Backend):
             self._qs = np.empty(ns, np.float32)
         return self._qx, self._qs
 
-    def _a8_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def a8_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """a8gemm's activation buffers (int8 panels, float32 block scales, int32 block corrections) for up
         to rows x k, grown to the largest batch seen."""
         nx, ns = cpu_a8gemm.x_buffer_sizes(rows, k)
@@ -214,7 +236,7 @@ class QuantizedProducts(Backend):
                         np.empty(max(ns, cb.size), np.int32))
         return self._a8
 
-    def _q4_gemm_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def q4_gemm_buffers(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The q4 GEMM's activation buffers (int16 panels, row scales, block sums): the integer GEMM's
         two (the same panel layout and sizes) and one more, grown the same way."""
         _, _, nb = cpu_q4gemm.x_buffer_sizes(rows, k)
