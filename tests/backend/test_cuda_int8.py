@@ -11,7 +11,6 @@ engine test runs tiny int8 models on the CUDA backend over the shim and on the C
 
 from __future__ import annotations
 
-import types
 
 import numpy as np
 import pytest
@@ -242,41 +241,6 @@ def test_tiny_bf16_int8_model_on_cuda_stays_within_the_formats_error(monkeypatch
     np.testing.assert_array_equal(np.argmax(got, -1)[sure], np.argmax(want, -1)[sure])
 
 
-class CapturingLauncher(harness.ShimLauncher):
-    """The shim launcher plus capture(): launches and GEMMs made while capturing are recorded, and a
-    replay runs them again (as tests/exec/test_model_runner.py's, which checks graphs on float models)."""
-
-    def __init__(self, libraries):
-        super().__init__(libraries)
-        self._record = None
-        self.replayed: list[int] = []   # the launches of each replayed graph
-
-    def launch(self, *args):
-        self._run_or_record(super().launch, args)
-
-    def gemm(self, *args):
-        self._run_or_record(super().gemm, args)
-
-    def _run_or_record(self, call, args):
-        if self._record is None:
-            call(*args)
-        else:
-            self._record.append((call, args))
-
-    def capture(self, fn):
-        self._record = []
-        try:
-            fn()
-        finally:
-            calls, self._record = self._record, None
-        return types.SimpleNamespace(replay=lambda: self._replay(calls))
-
-    def _replay(self, calls):
-        self.replayed.append(len(calls))
-        for call, args in calls:
-            call(*args)
-
-
 def test_int8_decode_graphs_replay_the_eager_steps(monkeypatch, tmp_path_factory, shim_libraries):
     """Ten sequences decoding together take the 16-row bucket: the dequantized tiles + GEMM inside a
     captured graph (and the GEMV in the smaller buckets) give the eager engine's greedy tokens."""
@@ -285,7 +249,7 @@ def test_int8_decode_graphs_replay_the_eager_steps(monkeypatch, tmp_path_factory
     model_dir = _convert_tiny(tmp_path_factory, "tiny-llama", quant="int8")
     results, launchers = [], []
     for graphs in (True, False):
-        launcher = CapturingLauncher(shim_libraries)
+        launcher = harness.CapturingShimLauncher(shim_libraries)
         backend = CUDABackend(launcher=launcher)
         with monkeypatch.context() as patch:
             patch.setattr("rawinfer.engine.engine.get_backend", lambda *args, **kwargs: backend)
@@ -303,6 +267,6 @@ def test_int8_decode_graphs_replay_the_eager_steps(monkeypatch, tmp_path_factory
         results.append(out)
         launchers.append(launcher)
     assert results[0] == results[1]
-    assert launchers[0].replayed and not launchers[1].replayed
+    assert launchers[0].replays and not launchers[1].replays
     gemm_kernels = [name for name, *_ in launchers[1].launches if name.startswith("int8_dequant_kernel")]
     assert gemm_kernels     # the eager decode steps of 10 rows took the tiles too

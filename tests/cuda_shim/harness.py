@@ -164,3 +164,46 @@ class ShimLauncher:
         if beta:
             result += beta * c_view.astype(np.float64)
         c_view[...] = result.astype(c.dtype)
+
+
+class RecordedGraph:
+    """What CapturingShimLauncher.capture returns: replay() runs the recorded launches and GEMMs again."""
+
+    def __init__(self, calls, launcher):
+        self.calls, self.launcher = calls, launcher
+
+    def replay(self):
+        self.launcher.replays += 1
+        for method, args in self.calls:
+            method(*args)
+
+
+class CapturingShimLauncher(ShimLauncher):
+    """The shim launcher plus capture(): while capturing, launches and GEMMs are recorded, not run, and the
+    graph's replay runs them again, which is what a CUDA graph does. Counts captures and replays."""
+
+    def __init__(self, libraries: dict[str, Path] | None = None):
+        super().__init__(libraries)
+        self._record = None
+        self.captures = self.replays = 0
+
+    def launch(self, *args):
+        self._run_or_record(super().launch, args)
+
+    def gemm(self, *args):
+        self._run_or_record(super().gemm, args)
+
+    def _run_or_record(self, run, args):
+        if self._record is None:
+            run(*args)
+        else:
+            self._record.append((run, args))
+
+    def capture(self, fn):
+        self._record = []
+        try:
+            fn()
+        finally:
+            calls, self._record = self._record, None
+        self.captures += 1
+        return RecordedGraph(calls, self)

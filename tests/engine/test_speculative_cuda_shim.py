@@ -17,13 +17,13 @@ if harness.compiler() is None:
 
 from conftest import _convert_tiny  # noqa: E402
 from tests.engine.test_speculative import _Oracle, _stepwise  # noqa: E402
-from tests.exec.test_graphs import CapturingShimLauncher, device_reporting_backend  # noqa: E402
+from tests.exec.test_graphs import device_reporting_backend  # noqa: E402
 
 
 def shim_engine(monkeypatch, model_dir, libraries, **options) -> LLMEngine:
     """The CUDA engine on the shim, with decode graphs (recorded launches replayed, as tests/exec/test_graphs.py);
     its launcher as engine.launcher."""
-    launcher = CapturingShimLauncher(libraries)
+    launcher = harness.CapturingShimLauncher(libraries)
     backend = device_reporting_backend(launcher)
     monkeypatch.setattr("rawinfer.engine.engine.get_backend", lambda *args, **kwargs: backend)
     engine = LLMEngine(model_dir, EngineConfig(device="cuda", kv_cache_memory=2 * 1024**2, max_num_batched_tokens=16,
@@ -68,7 +68,7 @@ def test_a_draft_model_in_the_targets_pool_drafts_through_its_own_decode_graphs(
     prompts = [[5, 6, 7, 8], list(range(20, 47))]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     expected = _stepwise(shim_engine(monkeypatch, model_dir, shim_libraries), prompts, params)
-    draft_launcher = CapturingShimLauncher(shim_libraries)
+    draft_launcher = harness.CapturingShimLauncher(shim_libraries)
     draft_backend = device_reporting_backend(draft_launcher)
     monkeypatch.setattr("rawinfer.engine.draft.get_backend", lambda *args, **kwargs: draft_backend)
     eng = shim_engine(monkeypatch, model_dir, shim_libraries, speculative_model=model_dir, num_speculative_tokens=3)

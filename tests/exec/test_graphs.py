@@ -46,46 +46,6 @@ def test_padding_step_reads_and_writes_only_the_padding_block():
         np.testing.assert_array_equal(real[name][2:], padding[name][2:])
 
 
-class RecordedGraph:
-    def __init__(self, calls, launcher):
-        self.calls, self.launcher = calls, launcher
-
-    def replay(self):
-        self.launcher.replays += 1
-        for method, args in self.calls:
-            method(*args)
-
-
-class CapturingShimLauncher(harness.ShimLauncher if harness.compiler() else object):
-    """The shim launcher plus capture(): while capturing, launches and GEMMs are recorded, not run."""
-
-    def __init__(self, libraries):
-        super().__init__(libraries)
-        self._record = None
-        self.captures = self.replays = 0
-
-    def launch(self, *args):
-        self._run_or_record(super().launch, args)
-
-    def gemm(self, *args):
-        self._run_or_record(super().gemm, args)
-
-    def _run_or_record(self, run, args):
-        if self._record is None:
-            run(*args)
-        else:
-            self._record.append((run, args))
-
-    def capture(self, fn):
-        self._record = []
-        try:
-            fn()
-        finally:
-            calls, self._record = self._record, None
-        self.captures += 1
-        return RecordedGraph(calls, self)
-
-
 GRAPH_MIB = 3   # what the backend below reports each capture to take beside the pool
 
 
@@ -121,7 +81,7 @@ PROMPTS = {"a": [5, 6, 7], "b": list(range(20, 47)), "c": [300, 301, 9, 11, 40],
 @needs_shim
 def test_first_decode_step_captures_every_bucket_and_later_steps_only_replay(monkeypatch, caplog, gemma_dir):
     libraries = harness.build_all()
-    launcher = CapturingShimLauncher(libraries)
+    launcher = harness.CapturingShimLauncher(libraries)
     engine = shim_engine(monkeypatch, gemma_dir, device_reporting_backend(launcher), graphs=True)
     graphs = engine.runner.graphs
     assert graphs.buckets == (1, 2, 4, 6) and graphs.captured == ()
@@ -154,7 +114,7 @@ def test_first_decode_step_captures_every_bucket_and_later_steps_only_replay(mon
     assert graphs.device_bytes == 4 * GRAPH_MIB * MIB and f"{4 * GRAPH_MIB:.1f} MiB of device memory" in lines[0]
 
     # the same tokens as eager CUDA steps and as the CPU backend
-    eager = shim_engine(monkeypatch, gemma_dir, device_reporting_backend(CapturingShimLauncher(libraries)),
+    eager = shim_engine(monkeypatch, gemma_dir, device_reporting_backend(harness.CapturingShimLauncher(libraries)),
                         graphs=False)
     assert eager.runner.graphs is None
     assert _staggered_generation(eager, PROMPTS, 4) == got
@@ -167,7 +127,7 @@ def test_first_decode_step_captures_every_bucket_and_later_steps_only_replay(mon
 
 @needs_shim
 def test_capture_all_is_idempotent_and_graph_for_still_captures_one_bucket(monkeypatch, gemma_dir):
-    launcher = CapturingShimLauncher(harness.build_all())
+    launcher = harness.CapturingShimLauncher(harness.build_all())
     engine = shim_engine(monkeypatch, gemma_dir, device_reporting_backend(launcher), graphs=True)
     graphs = engine.runner.graphs
     kv = engine.pool.kv
@@ -188,7 +148,7 @@ def test_capture_all_is_idempotent_and_graph_for_still_captures_one_bucket(monke
 
 @needs_shim
 def test_a_capture_out_of_device_memory_names_the_fix(monkeypatch, gemma_dir):
-    launcher = CapturingShimLauncher(harness.build_all())
+    launcher = harness.CapturingShimLauncher(harness.build_all())
     engine = shim_engine(monkeypatch, gemma_dir, device_reporting_backend(launcher), graphs=True)
     real_capture = launcher.capture
 

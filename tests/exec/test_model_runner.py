@@ -154,52 +154,11 @@ harness = pytest.importorskip("cuda_shim.harness")
 needs_shim = pytest.mark.skipif(harness.compiler() is None, reason="no host C++ compiler for the CUDA shim")
 
 
-class RecordedGraph:
-    def __init__(self, calls):
-        self.calls = calls
-
-    def replay(self):
-        for method, args in self.calls:
-            method(*args)
-
-
-class CapturingShimLauncher(harness.ShimLauncher):
-    """The shim launcher plus capture(): while capturing, launches and GEMMs are recorded, not run."""
-
-    def __init__(self, libraries):
-        super().__init__(libraries)
-        self._record = None
-        self.captures = 0
-
-    def launch(self, *args):
-        run = super().launch
-        if self._record is None:
-            run(*args)
-        else:
-            self._record.append((run, args))
-
-    def gemm(self, *args):
-        run = super().gemm
-        if self._record is None:
-            run(*args)
-        else:
-            self._record.append((run, args))
-
-    def capture(self, fn):
-        self._record = []
-        try:
-            fn()
-        finally:
-            calls, self._record = self._record, None
-        self.captures += 1
-        return RecordedGraph(calls)
-
-
 def shim_engine(monkeypatch, model_dir, libraries, graphs: bool) -> LLMEngine:
     """The CUDA engine on the host shim. The step's prefill follows the fixed token budget (itl_target_ms 0):
     the shim's step times say nothing about a GPU, and these tests count the steps of a known schedule."""
     from rawinfer.backend.cuda.backend import CUDABackend
-    backend = CUDABackend(launcher=CapturingShimLauncher(libraries))
+    backend = CUDABackend(launcher=harness.CapturingShimLauncher(libraries))
     monkeypatch.setattr("rawinfer.engine.engine.get_backend", lambda *args, **kwargs: backend)
     return LLMEngine(model_dir, EngineConfig(device="cuda", kv_cache_memory=2 * MIB, max_num_batched_tokens=64,
                                              max_num_seqs=4, max_model_len=256, use_cuda_graphs=graphs,
