@@ -211,7 +211,8 @@ def test_q4_models_are_refused_on_cuda(monkeypatch, tmp_path, shim_libraries):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)
         convert(os.path.join(DATA, "tiny-llama"), dst, quant="q4", progress=False)
-    with pytest.raises(ValueError, match="q4 weight-only models run on the CPU backend; convert with --quant int8 or without --quant"):
+    with pytest.raises(ValueError, match="q4 weight-only models run on the CPU backend; convert with --quant int8 "
+                                         "or without --quant"):
         shim_engine(monkeypatch, dst, shim_libraries, graphs=True)
 
 

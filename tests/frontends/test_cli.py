@@ -177,7 +177,8 @@ def test_bench_roofline_refuses_a_malformed_workload(tiny_llama_dir):
 def test_front_end_imports_run_one_way():
     # the benchmarks and the shared options import nothing from the command line (cli/ imports them)
     code = ("import sys; import rawinfer.frontends.options, rawinfer.frontends.bench.throughput, "
-            "rawinfer.frontends.bench.serve, rawinfer.frontends.bench.roofline, rawinfer.frontends.bench.step_overhead; "
+            "rawinfer.frontends.bench.serve, rawinfer.frontends.bench.roofline, "
+            "rawinfer.frontends.bench.step_overhead; "
             "print(sorted(m for m in sys.modules if m.startswith('rawinfer.frontends.cli')))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
