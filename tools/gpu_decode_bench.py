@@ -122,8 +122,8 @@ def main(argv=None) -> int:
 
     from rawinfer.backend.cuda.backend import CUDABackend
     if args.shim:
-        from gpu_fused_bench import RecordingShimLauncher  # the host shim's launcher, with capture()
-        backend = CUDABackend(launcher=RecordingShimLauncher())
+        from gpu_fused_bench import shim_launcher  # the host shim's launcher, with capture()
+        backend = CUDABackend(launcher=shim_launcher())
         backend.decode_partition, backend.decode_min_partition, backend.decode_target_splits = 64, 16, 4
         shape, dtype, timer, graph_calls = (8, 1, 16), np.dtype(np.float32), host_timer, 2
         defaults = ("1,3", "40,100", 1)

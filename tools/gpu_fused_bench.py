@@ -31,31 +31,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FUSED_OPS = ("fused_rope_kv_write", "norm_add_rmsnorm")
 
 
-class RecordingShimLauncher:
-    """--shim: the host shim's launcher with capture(): launches recorded, replayed in order."""
-
-    def __init__(self):
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from cuda_shim import harness
-        self._shim = harness.ShimLauncher(harness.build_all())
-        self._record = None
-
-    def launch(self, *args):
-        self._call(self._shim.launch, args)
-
-    def gemm(self, *args):
-        self._call(self._shim.gemm, args)
-
-    def _call(self, fn, args):
-        fn(*args) if self._record is None else self._record.append((fn, args))
-
-    def capture(self, fn):
-        self._record = []
-        try:
-            fn()
-        finally:
-            calls, self._record = self._record, None
-        return types.SimpleNamespace(replay=lambda: [f(*a) for f, a in calls])
+def shim_launcher():
+    """--shim: the host shim's launcher with capture() (launches and GEMMs recorded, replayed in order):
+    tests/cuda_shim/harness.py's CapturingShimLauncher, as the tests use."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from cuda_shim import harness
+    return harness.CapturingShimLauncher(harness.build_all())
 
 
 def timer(backend):
@@ -146,7 +127,7 @@ def decode_engine(args, max_seqs: int):
         from rawinfer.backend.cuda.backend import CUDABackend
         cfg = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=4096)
-        backend = CUDABackend(launcher=RecordingShimLauncher())
+        backend = CUDABackend(launcher=shim_launcher())
         with mock.patch("rawinfer.engine.engine.get_backend", lambda *a, **k: backend):
             return LLMEngine.random(cfg, ecfg, seed=0)
     sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -201,7 +182,7 @@ def main(argv=None) -> int:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     if args.shim:
         from rawinfer.backend.cuda.backend import CUDABackend
-        backend = CUDABackend(launcher=RecordingShimLauncher())
+        backend = CUDABackend(launcher=shim_launcher())
         shape, tokens, dtype, repeats, prompt_len, steps = (4, 2, 16, 64), (1, 5), np.float32, 2, 8, 2
     else:
         from rawinfer.backend.cuda.runtime import cuda_status
