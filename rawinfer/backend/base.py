@@ -52,6 +52,10 @@ class Capabilities:
     device_sampling: bool = False            # sample(): filtered draws on the device (cuda/sampling.cu)
     quantized_weights: tuple[str, ...] = ()  # weight formats of rawinfer/quant.py that linear() takes
 
+    def conversions(self) -> str:
+        """How to convert a model this backend runs, for a refusal's fix: "with --quant int8 or without --quant"."""
+        return "".join(f"with --quant {q} or " for q in self.quantized_weights) + "without --quant"
+
 
 @dataclass(frozen=True)
 class FlatBatch:

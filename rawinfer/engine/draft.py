@@ -100,9 +100,8 @@ def plan_draft(model_dir: str, target_config: ModelConfig, engine_config: Engine
                           ecfg.int8_activations)
     if cfg.quant is not None and cfg.quant not in backend.capabilities.quantized_weights:
         raise ValueError(f"the draft model {model_dir} has {cfg.quant} weights, which run on the CPU backend "
-                         f"only; give --speculative-model a copy converted "
-                         f"{''.join(f'with --quant {q} or ' for q in backend.capabilities.quantized_weights)}"
-                         f"without --quant for --device {backend.name}")
+                         f"only; give --speculative-model a copy converted {backend.capabilities.conversions()} "
+                         f"for --device {backend.name}")
     return DraftSetup(model_dir, cfg, ecfg, backend, *DecodeGraphs.pool_options(cfg, ecfg, backend))
 
 

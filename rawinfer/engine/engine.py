@@ -107,9 +107,9 @@ class LLMEngine:
                              f"model is {cfg.quant or cfg.dtype}: convert it with --quant int8 or --quant q4, or leave "
                              "the option off")
         if cfg.quant is not None and cfg.quant not in self.backend.capabilities.quantized_weights:
-            runs = "".join(f"with --quant {q} or " for q in self.backend.capabilities.quantized_weights)
-            raise ValueError(f"{cfg.quant} weight-only models run on the CPU backend; convert {runs}without --quant "
-                             f"for --device {self.backend.name} (or run this model with --device cpu)")
+            raise ValueError(f"{cfg.quant} weight-only models run on the CPU backend; convert "
+                             f"{self.backend.capabilities.conversions()} for --device {self.backend.name} (or run this "
+                             "model with --device cpu)")
         graphs, extra = DecodeGraphs.pool_options(cfg, ecfg, self.backend)
         self.pool = MemoryPool(cfg, ecfg, self.backend, padding_block=graphs, extra_workspace=extra,
                                guest=Speculator.pool_guest(ecfg, cfg))    # a draft model's room, or None
