@@ -221,7 +221,7 @@ def _http_max_in_flight(args) -> int:
     """--http-max-in-flight, else enough to keep every engine's batch full with as many waiting."""
     if args.max_in_flight is not None:
         return args.max_in_flight
-    engines = max(getattr(args, "replicas", None) or 1, getattr(args, "autoscale_max", None) or 1)
+    engines = max(getattr(args, "replicas", None) or 1, getattr(args, "autoscale_max_replicas", None) or 1)
     return max(2 * args.max_num_seqs * engines, args.max_prompts_per_request)
 
 

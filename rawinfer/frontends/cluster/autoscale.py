@@ -12,18 +12,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rawinfer.settings import SECONDS, check_options, float_argument, int_argument, is_int, is_number, option
+
+
+_positive = {"check": lambda v: is_number(v) and v > 0, "what": "a positive number"}
+
 
 @dataclass
 class AutoscaleConfig:
-    min_replicas: int
-    max_replicas: int
-    up_depth: float = 8.0
-    down_depth: float = 0.5
-    up_after_s: float = 10.0
-    down_after_s: float = 60.0
+    """The autoscaling rule's settings; those with a flag are `rawinfer serve --replicas`'s --autoscale-*."""
+
+    min_replicas: int = option(flag=None, check=lambda v: is_int(v) and v >= 1, what="a positive integer",
+                               help="replicas kept when idle (the command line's --replicas)")
+    max_replicas: int = option(
+        flag="--autoscale-max", parse=int_argument, metavar="N", cli_default=None,
+        check=lambda v: is_int(v) and v >= 1, what="a positive integer",
+        help="add replicas up to N while requests per replica stay above --autoscale-queue-depth, and remove them "
+             "down to --replicas when idle (default: no autoscaling)")
+    up_depth: float = option(8.0, flag="--autoscale-queue-depth", parse=float_argument, metavar="Q", **_positive,
+                             help="requests in flight per serving replica that count as a queue (default: 8)")
+    down_depth: float = option(0.5, flag=None, check=lambda v: is_number(v) and v >= 0, what="a number >= 0",
+                               help="requests in flight per serving replica at or below which replicas count as idle")
+    up_after_s: float = option(10.0, flag="--autoscale-up-after", **SECONDS,
+                               help="how long the queue must last before a replica is added (default: 10)")
+    down_after_s: float = option(60.0, flag="--autoscale-down-after", **SECONDS,
+                                 help="how long replicas must stay idle before one is removed (default: 60)")
 
     def __post_init__(self):
-        if not 1 <= self.min_replicas <= self.max_replicas:
+        check_options(self, "autoscale option")
+        if not self.min_replicas <= self.max_replicas:
             raise ValueError(f"autoscaling needs 1 <= minimum replicas <= maximum replicas, got "
                              f"{self.min_replicas} and {self.max_replicas}")
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
+
+from rawinfer.settings import check_options, float_argument, int_argument, is_int, is_number, option, optional
 
 log = logging.getLogger("rawinfer")
 
@@ -48,20 +51,48 @@ class ReplicaActor:
         return not self.thread.is_alive()
 
 
+_count = {"parse": int_argument, "check": lambda v: is_int(v) and v >= 1, "what": "a positive integer"}
+_count_or_none = {**_count, "check": optional(_count["check"]), "what": "a positive integer or None"}
+
+
 @dataclass
 class RayPoolConfig:
-    address: str | None = None       # an existing cluster ("auto", "ray://HOST:10001", "HOST:6379"); None starts one
-    num_cpus: int | None = None      # CPUs of the local cluster started when address is None
-    cpus: float = 1.0                # per replica
-    gpus: int = 0                    # per replica (1 for CUDA replicas)
-    max_restarts: int = -1           # -1: Ray restarts a dead replica every time
-    loopback: bool = True            # replicas bind 127.0.0.1 (all on this machine) or their node's address
+    """Where the replicas run; the fields with a flag are `rawinfer serve --replicas`'s."""
+
+    address: str | None = option(
+        None, flag="--ray-address", parse=str, metavar="ADDR", check=optional(lambda v: isinstance(v, str) and v != ""),
+        what="a Ray address (auto, HOST:6379 or ray://HOST:10001) or None",
+        help="join this Ray cluster (auto, HOST:6379 or ray://HOST:10001); the model path must exist on every node "
+             "(default: start a local cluster on this machine)")
+    num_cpus: int | None = option(
+        None, flag="--ray-num-cpus", metavar="N", **_count_or_none,
+        help="CPUs of the local Ray cluster (default: all of this machine's)")
+    cpus: float = option(1.0, flag="--replica-cpus", parse=float_argument, metavar="N", cli_default=None,
+                         check=lambda v: is_number(v) and v > 0, what="a positive number",
+                         help="CPUs each CPU replica reserves and computes on (default: the cluster's CPUs / "
+                              "replicas, at least 1)")
+    prefill_replicas: int | None = option(
+        None, flag="--prefill-replicas", metavar="P", **_count_or_none,
+        help="also run P prefill instances as actors; the --replicas then run as decode instances that send them "
+             "their prompts (prefill/decode disaggregation; the --role decode options apply) (default: none, "
+             "colocated replicas)")
+    prefill_port: int = option(5600, flag="--prefill-port", metavar="PORT", **_count,
+                               help="with --prefill-replicas on a cluster (--ray-address): prefill instance i binds "
+                                    "PORT + i on its node, the same port again after a restart (default: 5600; a "
+                                    "local cluster picks free ports)")
+    gpus: int = option(0, flag=None, check=lambda v: is_int(v) and v >= 0, what="a whole number >= 0",
+                       help="GPUs per replica (1 for CUDA replicas)")
+    max_restarts: int = option(-1, flag=None, check=lambda v: is_int(v) and v >= -1, what="a whole number >= -1",
+                               help="restarts of a dead replica Ray makes; -1: every time")
+    loopback: bool = option(True, flag=None, check=lambda v: isinstance(v, bool), what="true or false",
+                            help="replicas bind 127.0.0.1 (all on this machine) or their node's address")
 
 
 class RayPool:
     """ReplicaPool (pool.py) on Ray."""
 
     def __init__(self, options: dict, cfg: RayPoolConfig, build=None):
+        check_options(cfg, "Ray pool option")
         try:
             import ray
         except ImportError:
@@ -130,12 +161,12 @@ class RayPool:
             log.debug("replica %d stop: %s", slot, e)
         self.ray.kill(actor, no_restart=True)
 
-    def start_prefill_pool(self, options: dict, ports: list[int], open_engine, timeout_s: float) -> list[str]:
-        """Prefill instances (--role prefill) as actors, one per port, each on a fixed port so that a restarted
-        one is found again where the decode replicas look; their endpoints, once all serve."""
+    def start_prefill_pool(self, options: dict, open_engine, timeout_s: float) -> list[str]:
+        """The cfg.prefill_replicas prefill instances (--role prefill) as actors, each on a fixed port so that a
+        restarted one is found again where the decode replicas look; their endpoints, once all serve."""
         host = "127.0.0.1" if self.cfg.loopback else None
         cls = self.ray.remote(PrefillActor)
-        for i, port in enumerate(ports):
+        for i, port in enumerate(self._prefill_ports()):
             self.prefill_actors.append(cls.options(
                 num_cpus=self.cfg.cpus, num_gpus=self.cfg.gpus, max_restarts=self.cfg.max_restarts,
                 max_concurrency=2).remote(options, i, host, port, open_engine))
@@ -143,6 +174,20 @@ class RayPool:
             return [e for e, _ in self.ray.get([a.endpoint.remote() for a in self.prefill_actors], timeout=timeout_s)]
         except self.ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"the prefill replicas did not serve within {timeout_s:g} s; see `ray status`") from None
+
+    def _prefill_ports(self) -> list[int]:
+        """cfg.prefill_port + i on a cluster's nodes; free ports of this machine for a local cluster."""
+        n = self.cfg.prefill_replicas or 0
+        if not self.cfg.loopback:
+            return [self.cfg.prefill_port + i for i in range(n)]
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            return [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
 
     def close(self) -> None:
         for slot in list(self.actors):

@@ -41,6 +41,7 @@ from rawinfer.frontends.server import protocol as P
 from rawinfer.frontends.server.config import ServerConfig
 from rawinfer.frontends.server.front import ClientFront
 from rawinfer.frontends.server.wakeup import install_stop_signals
+from rawinfer.settings import SECONDS, check_options, int_argument, is_int, option
 
 log = logging.getLogger("rawinfer")
 FRESH_STATS_S = 1.0
@@ -49,22 +50,44 @@ ROUTED_COUNTER = {"prefix": "routed_by_prefix", "balance": "routed_by_balance", 
 RETRYABLE = {str(P.ErrorCode.OVERLOADED), str(P.ErrorCode.SHUTTING_DOWN)}
 
 
+_count = {"parse": int_argument, "metavar": "N", "check": lambda v: is_int(v) and v >= 1, "what": "a positive integer"}
+
+
+def _curve_keys(v) -> bool:
+    return v is None or (isinstance(v, tuple) and len(v) == 3 and all(isinstance(k, bytes) for k in v))
+
+
 @dataclass
 class RouterConfig:
-    replicas: int = 2                    # started at once
-    max_replicas: int = 64               # `scale` and autoscaling stay at or below it
-    routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
-    lost_after_s: float = 5.0            # a replica silent this long is LOST
-    start_timeout_s: float = 600.0       # for a replica to load its model and serve
-    wait_s: float = 120.0                # a request waits this long for a serving replica
-    max_attempts: int = 3                # replicas a request may be sent to
-    autoscale: AutoscaleConfig | None = None
-    curve: tuple[bytes, bytes, bytes] | None = None   # (replicas' public key, ours, our secret), or plain
+    """The router's settings; those with a flag are `rawinfer serve --replicas`'s (cli/serve_replicas.py)."""
+
+    replicas: int = option(2, cli_default=None, **_count,
+                           help="serve N engine replicas, each a Ray actor, behind one router on --bind (default: one "
+                                "engine in this process, no Ray)")
+    max_replicas: int = option(64, cli_default=None, **_count,
+                               help="`rawinfer scale` and autoscaling stay at or below N (default: --autoscale-max, "
+                                    "else 64)")
+    routing: RoutingConfig = option(default_factory=RoutingConfig, flag=None,
+                                    check=lambda v: isinstance(v, RoutingConfig), what="a RoutingConfig",
+                                    help="how a replica is chosen for a request (routing.py)")
+    lost_after_s: float = option(5.0, flag="--replica-lost-after", **SECONDS,
+                                 help="a replica silent this long is taken out of the rotation, its requests retried "
+                                      "or ended (default: 5)")
+    start_timeout_s: float = option(600.0, flag=None, **SECONDS, help="for a replica to load its model and serve")
+    wait_s: float = option(120.0, flag=None, **SECONDS, help="a request waits this long for a serving replica")
+    max_attempts: int = option(3, flag=None, **_count, help="replicas a request may be sent to")
+    autoscale: AutoscaleConfig | None = option(
+        None, flag=None, check=lambda v: v is None or isinstance(v, AutoscaleConfig), what="an AutoscaleConfig or None",
+        help="the autoscaling rule; None: a fixed number of replicas")
+    curve: tuple[bytes, bytes, bytes] | None = option(
+        None, flag=None, check=_curve_keys, what="(replicas' public key, ours, our secret) as bytes, or None",
+        help="CurveZMQ keys of the links to the replicas; None: unencrypted")
 
 
 class ReplicaRouter(ClientFront):
     def __init__(self, config: ServerConfig, pool: ReplicaPool, rcfg: RouterConfig,
                  context: zmq.Context | None = None):
+        check_options(rcfg, "router option")
         super().__init__(config, context)
         self.rcfg = rcfg
         self.chooser = Chooser(rcfg.routing)

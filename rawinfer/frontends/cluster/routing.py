@@ -28,6 +28,8 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from rawinfer.settings import check_options, is_int, is_number, option
+
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 TEXT_PIECE = 64          # characters per hashed piece of a text prompt
 TOKEN_PIECE = 16         # token ids per hashed piece of a token-id prompt (the engine's default block size)
@@ -96,12 +98,24 @@ class Candidate:
 
 @dataclass
 class RoutingConfig:
-    policy: str = "cache_aware"
-    min_match: float = 0.5           # of the prompt's pieces, for a match to beat load
-    balance_abs: float = 4.0         # load difference that counts as imbalance ...
-    balance_rel: float = 1.5         # ... when the busiest also has this many times the idlest's load
-    kv_weight: float = 4.0           # a full KV pool weighs as much as this many requests in flight
-    capacity: int = 200_000          # piece hashes remembered per replica
+    """How the router chooses a replica; `policy` is `rawinfer serve --routing`, the rest the Python API's."""
+
+    policy: str = option(
+        "cache_aware", flag="--routing", parse=str, choices=POLICIES, check=lambda v: v in POLICIES,
+        what=f"one of {', '.join(POLICIES)}",
+        help="cache_aware: to the replica most likely to hold the prompt's prefix, balanced against load; "
+             "round_robin; least_loaded (default: cache_aware)")
+    min_match: float = option(0.5, flag=None, check=lambda v: is_number(v) and 0 <= v <= 1,
+                              what="a fraction from 0 to 1",
+                              help="of the prompt's pieces, for a match to beat load")
+    balance_abs: float = option(4.0, flag=None, check=lambda v: is_number(v) and v >= 0, what="a number >= 0",
+                                help="load difference that counts as imbalance ...")
+    balance_rel: float = option(1.5, flag=None, check=lambda v: is_number(v) and v > 0, what="a positive number",
+                                help="... when the busiest also has this many times the idlest's load")
+    kv_weight: float = option(4.0, flag=None, check=lambda v: is_number(v) and v >= 0, what="a number >= 0",
+                              help="a full KV pool weighs as much as this many requests in flight")
+    capacity: int = option(200_000, flag=None, check=lambda v: is_int(v) and v > 0, what="a positive integer",
+                           help="piece hashes remembered per replica")
 
 
 @dataclass
@@ -118,6 +132,7 @@ class Router:
     def __init__(self, cfg: RoutingConfig):
         if cfg.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {cfg.policy!r}; choose one of {', '.join(POLICIES)}")
+        check_options(cfg, "routing option")
         self.cfg = cfg
         self._next = 0
 
