@@ -1,8 +1,9 @@
 """Paged attention on CUDA: launch geometry of the decode and prefill kernels and the decode split-K scratch.
 
-Backend.paged_attention (base.py) checks the shapes and sends a pure decode batch to
-`paged_attention_decode`, anything else to `paged_attention_prefill`; the kernels' own comments
-(cuda/paged_attention_decode.cu, cuda/paged_attention_prefill.cu) give their layouts and shared memory.
+CUDABackend owns one `PagedAttention` and forwards its paged_attention_decode / _prefill (Backend.paged_attention,
+base.py, checks the shapes and sends a pure decode batch to the first, anything else to the second) to
+`decode` / `prefill` here; the kernels' own comments (cuda/paged_attention_decode.cu,
+cuda/paged_attention_prefill.cu) give their layouts and shared memory.
 
 Prefill on f16 / bf16 with a head dim of `kernel_specs.FLASH_HEAD_DIMS` runs on tensor cores
 (cuda/flash_attention_prefill.cu: 64 (query, head) rows of one KV head's query heads per block,
@@ -32,7 +33,7 @@ import numpy as np
 
 from rawinfer.backend import shapes
 from rawinfer.backend.cuda import kernel_specs as ks
-from rawinfer.backend.cuda.launch import MAX_SHARED_BYTES, KernelLaunches, address, round_up
+from rawinfer.backend.cuda.launch import MAX_SHARED_BYTES, Launches, address, round_up
 
 DECODE_THREADS = 128           # DECODE_THREADS in cuda/paged_attention_decode.cu
 DECODE_REDUCE_HEADS = 4        # DECODE_REDUCE_HEADS (GR) in cuda/paged_attention_decode.cu
@@ -44,17 +45,20 @@ FLASH_THREADS = 128            # FLASH_THREADS
 FLASH_PAD = 8                  # FLASH_PAD: elements of padding per shared-memory row
 
 
-class PagedAttention(KernelLaunches):
-    """Mixin of CUDABackend: paged_attention_decode / _prefill and the decode scratch they need."""
+class PagedAttention:
+    """CUDABackend's paged attention: the decode and prefill launches, their tuning and the decode scratch."""
 
-    xp: Any                        # numpy or cupy
-    decode_partition: int          # the longest decode split, positions, before rounding to whole blocks
-    decode_min_partition: int = 64  # the shortest decode split (capped at decode_partition), likewise
-    decode_target_splits: int = 16  # splits a sequence's context is cut into, between those two lengths
-    decode_heads_per_pass: int = 8  # GC of the decode kernel: 8 (4 is the baseline tools/gpu_decode_bench.py times)
-    _workspace: Any = None         # float32 [n]: split-K partial results of decode attention
-    _workspace_bound: bool = False
-    flash_prefill: bool = True     # tensor-core prefill where it applies; False: always paged_attention_prefill
+    def __init__(self, launches: Launches, xp: Any, *, decode_partition: int):
+        """launches: the backend's (launch.py); xp: numpy or cupy, for the private scratch buffer;
+        decode_partition: the longest decode split, positions, before rounding to whole blocks."""
+        self.launches, self.xp = launches, xp
+        self.decode_partition = decode_partition
+        self.decode_min_partition = 64     # the shortest decode split (capped at decode_partition), likewise
+        self.decode_target_splits = 16     # splits a sequence's context is cut into, between those two lengths
+        self.decode_heads_per_pass = 8     # GC of the decode kernel (4: the baseline tools/gpu_decode_bench.py times)
+        self.flash_prefill = True          # tensor-core prefill where it applies; False: always the paged kernel
+        self._workspace: Any = None        # float32 [n]: split-K partial results of decode attention
+        self._workspace_bound = False      # the workspace is a carve of the pool (never grown)
 
     # ---- shapes -------------------------------------------------------------------------------------
     @staticmethod
@@ -130,8 +134,8 @@ class PagedAttention(KernelLaunches):
             self._workspace = self.xp.empty(nfloats, np.float32)
         return self._workspace
 
-    def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                               scale: float, out, max_context_len: int, window: int = 0) -> None:
+    def decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+               scale: float, out, max_context_len: int, window: int = 0) -> None:
         """Grid (S, Hkv, B), S = decode_splits(min(max_context_len, window)) (window 0: max_context_len):
         max_context_len is a bound, not the batch's longest context, so a captured graph may fix it at the
         longest context the engine allows.  The splits start at each sequence's window, so a sliding layer
@@ -159,15 +163,16 @@ class PagedAttention(KernelLaunches):
         part_max = scratch[stats * head_dim:stats * (head_dim + 1)]    # [B, H, S]
         part_sum = scratch[stats * (head_dim + 1):stats * (head_dim + 2)]
         targs = (ks.element_type(qkv.dtype),)
-        self._launch("paged_attention_decode_kernel", targs + (str(self.decode_heads_per_pass),),
-                     (splits, num_kv_heads, batch), (DECODE_THREADS,),
-                     self._decode_smem(group, head_dim, longest, itemsize),
-                     part_out, part_max, part_sum, qkv, k_cache, v_cache, block_tables, context_lens,
-                     query_start_loc, scale, num_heads, num_kv_heads, head_dim, block_size,
-                     block_tables.shape[1], shortest, longest, self.decode_target_splits, splits, window)
-        self._launch("paged_attention_merge_kernel", targs, (num_heads, batch), (min(1024, round_up(head_dim, 32)),),
-                     0, out, part_out, part_max, part_sum, context_lens, query_start_loc, num_heads, head_dim,
-                     block_size, shortest, longest, self.decode_target_splits, splits, window)
+        self.launches.launch("paged_attention_decode_kernel", targs + (str(self.decode_heads_per_pass),),
+                             (splits, num_kv_heads, batch), (DECODE_THREADS,),
+                             self._decode_smem(group, head_dim, longest, itemsize),
+                             part_out, part_max, part_sum, qkv, k_cache, v_cache, block_tables, context_lens,
+                             query_start_loc, scale, num_heads, num_kv_heads, head_dim, block_size,
+                             block_tables.shape[1], shortest, longest, self.decode_target_splits, splits, window)
+        self.launches.launch("paged_attention_merge_kernel", targs, (num_heads, batch),
+                             (min(1024, round_up(head_dim, 32)),), 0,
+                             out, part_out, part_max, part_sum, context_lens, query_start_loc, num_heads, head_dim,
+                             block_size, shortest, longest, self.decode_target_splits, splits, window)
 
     # ---- prefill: query tiles x key tiles -----------------------------------------------------------
     @staticmethod
@@ -198,8 +203,8 @@ class PagedAttention(KernelLaunches):
                 and head_dim in ks.FLASH_HEAD_DIMS and address(k_cache) % 16 == 0 and address(v_cache) % 16 == 0
                 and address(qkv) % 4 == 0 and address(out) % 4 == 0)
 
-    def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                                scale: float, out, max_query_len: int, window: int = 0) -> None:
+    def prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                scale: float, out, max_query_len: int, window: int = 0) -> None:
         """Tensor cores (`uses_flash_prefill`): grid (ceil(max_query_len * G / 64), Hkv, B), one block per 64
         (query, head) rows of the G = H / Hkv heads that share a KV head.  Else grid
         (ceil(max_query_len / 16), H, B), one block per 16 query rows of one head."""
@@ -210,17 +215,17 @@ class PagedAttention(KernelLaunches):
             return
         if self.uses_flash_prefill(qkv, k_cache, v_cache, out, head_dim):
             tile, smem = self.flash_kv_tile(head_dim)
-            self._launch("flash_attention_prefill_kernel", (ks.element_type(qkv.dtype), str(head_dim)),
-                         (-(-max_query_len * (num_heads // num_kv_heads) // FLASH_ROWS), num_kv_heads, batch),
-                         (FLASH_THREADS,), smem,
-                         out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, num_heads,
-                         num_kv_heads, head_dim, block_size, block_tables.shape[1], tile, window)
+            self.launches.launch("flash_attention_prefill_kernel", (ks.element_type(qkv.dtype), str(head_dim)),
+                                 (-(-max_query_len * (num_heads // num_kv_heads) // FLASH_ROWS), num_kv_heads, batch),
+                                 (FLASH_THREADS,), smem,
+                                 out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                 num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], tile, window)
             return
         tile, smem = self.prefill_kv_tile(head_dim, np.dtype(k_cache.dtype).itemsize)
-        self._launch("paged_attention_prefill_kernel", (ks.element_type(qkv.dtype),),
-                     (-(-max_query_len // PREFILL_ROWS), num_heads, batch), (PREFILL_THREADS,), smem,
-                     out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, num_heads,
-                     num_kv_heads, head_dim, block_size, block_tables.shape[1], tile, window)
+        self.launches.launch("paged_attention_prefill_kernel", (ks.element_type(qkv.dtype),),
+                             (-(-max_query_len // PREFILL_ROWS), num_heads, batch), (PREFILL_THREADS,), smem,
+                             out, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                             num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], tile, window)
 
 
 def _check_window(op: str, window) -> int:

@@ -1,9 +1,11 @@
 """CUDABackend: the op interface on an NVIDIA GPU, as CuPy RawKernels from cuda/*.cu plus cuBLAS GEMMs.
 
 This module holds the backend itself: device memory and dtypes, the layer ops, cache maintenance and
-CUDA graphs.  Three op families live in their own modules and join the class as mixins: paged
-attention (attention.py: launch geometry, split-K scratch), token selection (sampling.py) and the
-products with int8 weight-only matrices (int8.py).
+CUDA graphs.  Three op families live in their own modules as parts the backend owns, each made with
+the backend's `Launches` (launch.py) and what else it needs, and the backend forwards their ops to
+them: paged attention (attention.py's `PagedAttention`: launch geometry, split-K scratch), token
+selection (sampling.py's `DeviceSampling`) and the products with int8 weight-only matrices (int8.py's
+`Int8Products`).
 
 Every op method checks shapes through backend/shapes.py (the contract both backends share), the
 dtypes and layout only these kernels need here, and each argument against the kernel's signature
@@ -47,7 +49,7 @@ from rawinfer.backend.base import Backend, Capabilities
 from rawinfer.backend.cuda import kernel_specs as ks
 from rawinfer.backend.cuda.attention import PagedAttention
 from rawinfer.backend.cuda.int8 import Int8Products
-from rawinfer.backend.cuda.launch import address, round_up, row_threads
+from rawinfer.backend.cuda.launch import Launches, address, round_up, row_threads
 from rawinfer.backend.cuda.runtime import (CUDAGraph, CuPyLauncher, cuda_available, cuda_status,  # noqa: F401
                                            kernel_source)
 from rawinfer.backend.cuda.sampling import DeviceSampling
@@ -62,10 +64,25 @@ except ImportError:  # pragma: no cover
     _BF16 = None
 
 
-class CUDABackend(PagedAttention, DeviceSampling, Int8Products, Backend):
-    """The op interface on one CUDA device (or, with a test launcher, on the host through tests/cuda_shim)."""
+def _attention_setting(name: str) -> property:
+    """A backend attribute that reads and writes the attention part's tuning attribute `name` (tests and
+    tools/gpu_decode_bench.py set them on the backend)."""
+    return property(lambda self: getattr(self.attention, name),
+                    lambda self, value: setattr(self.attention, name, value),
+                    doc=f"PagedAttention.{name} of this backend's attention part")
+
+
+class CUDABackend(Backend):
+    """The op interface on one CUDA device (or, with a test launcher, on the host through tests/cuda_shim).
+    It owns its op families' parts: `attention` (PagedAttention), `sampling` (DeviceSampling) and `int8`
+    (Int8Products), all launching through its one `launches` (Launches)."""
 
     name = "cuda"
+    decode_partition = _attention_setting("decode_partition")
+    decode_min_partition = _attention_setting("decode_min_partition")
+    decode_target_splits = _attention_setting("decode_target_splits")
+    decode_heads_per_pass = _attention_setting("decode_heads_per_pass")
+    flash_prefill = _attention_setting("flash_prefill")
 
     def __init__(self, launcher: Any = None, *, device_id: int = 0, decode_partition: int = 512):
         """launcher None: the GPU (CuPy).  Otherwise an object with launch()/gemm() like CuPyLauncher,
@@ -79,17 +96,28 @@ class CUDABackend(PagedAttention, DeviceSampling, Int8Products, Backend):
             import cupy
             cupy.cuda.Device(device_id).use()
             self.xp = cupy
-            self._launcher = CuPyLauncher()
+            launcher = CuPyLauncher()
         else:
             self.xp = np
-            self._launcher = launcher
-        self.decode_partition = decode_partition
+        self.launches = Launches(launcher)
+        self.attention = PagedAttention(self.launches, self.xp, decode_partition=decode_partition)
+        self.sampling = DeviceSampling(self.launches, self.xp)
+        self.int8 = Int8Products(self.launches, self.xp)
         self.capabilities = Capabilities(on_gpu=self.on_gpu, graphs=self.supports_graphs, device_sampling=True,
                                          quantized_weights=("int8",))
 
     @property
     def on_gpu(self) -> bool:
         return self.xp is not np
+
+    @property
+    def _launcher(self) -> Any:
+        """The launcher under `launches` (the tests read the shim launcher's record of launches)."""
+        return self.launches.launcher
+
+    def _launch(self, kernel: str, targs: tuple[str, ...], grid, block, shared_mem: int, *args) -> None:
+        """Launches.launch: how the layer ops below put a kernel on the device."""
+        self.launches.launch(kernel, targs, grid, block, shared_mem, *args)
 
     # ---- memory ---------------------------------------------------------------------------------
     def storage_dtype(self, dtype) -> np.dtype:
@@ -182,7 +210,7 @@ class CUDABackend(PagedAttention, DeviceSampling, Int8Products, Backend):
         """out = table[ids] * scale, the product in float32 (scale 1 copies the rows exactly); an int8
         table's rows are dequantized (int8.py)."""
         if isinstance(table, Int8Weight):
-            self._embedding_int8(ids, table, out, scale)
+            self.int8.embedding(ids, table, out, scale)
             return
         _refuse_q4(table)
         n, hidden = shapes.embedding(ids, table.shape, out)
@@ -215,7 +243,7 @@ class CUDABackend(PagedAttention, DeviceSampling, Int8Products, Backend):
         """out[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]) through cuBLAS (the call in the module docstring).
         An Int8Weight goes to int8.py, whose GEMM path dequantizes tiles of it into `scratch`."""
         if isinstance(w, Int8Weight):
-            self._linear_int8(x, w, out, bias, scratch)
+            self.int8.linear(x, w, out, bias, scratch)
             return
         _refuse_q4(w)
         n, k, n_out = shapes.linear(x, tuple(w.shape), out, bias)
@@ -234,7 +262,7 @@ class CUDABackend(PagedAttention, DeviceSampling, Int8Products, Backend):
         if bias is not None:
             out[...] = bias[None, :]   # a plain copy of bits: exact for uint16-stored bf16 too
             beta = 1.0
-        self._launcher.gemm(True, False, n_out, n, k, w, k, x, k, out, n_out, beta)
+        self.launches.gemm(True, False, n_out, n, k, w, k, x, k, out, n_out, beta)
 
     def rope(self, qkv, positions, cos_sin, num_heads: int, num_kv_heads: int) -> None:
         n, head_dim = shapes.rope(qkv, positions, cos_sin, num_heads, num_kv_heads)
@@ -293,6 +321,51 @@ class CUDABackend(PagedAttention, DeviceSampling, Int8Products, Backend):
                          qkv, k_cache, v_cache, *norm, positions, cos_sin, slot_mapping, num_heads, num_kv_heads,
                          head_dim, k_cache.shape[2], *((eps,) if norm else ()))
 
+    # ---- paged attention: attention.py's PagedAttention -----------------------------------------
+    def paged_attention_decode(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                               scale: float, out, max_context_len: int, window: int = 0) -> None:
+        self.attention.decode(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
+                              max_context_len, window)
+
+    def paged_attention_prefill(self, qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                scale: float, out, max_query_len: int, window: int = 0) -> None:
+        self.attention.prefill(qkv, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
+                               max_query_len, window)
+
+    def attention_workspace_bytes(self, max_num_seqs: int, num_heads: int, head_dim: int, block_size: int,
+                                  max_context_len: int, itemsize: int, num_kv_heads: int) -> int:
+        return self.attention.attention_workspace_bytes(max_num_seqs, num_heads, head_dim, block_size,
+                                                        max_context_len, itemsize, num_kv_heads)
+
+    def bind_attention_workspace(self, buffer) -> None:
+        self.attention.bind_attention_workspace(buffer)
+
+    # the decode split arithmetic and the prefill path, which tests and tools/gpu_*_bench.py ask the backend for
+    def decode_split_range(self, group: int, head_dim: int, block_size: int, itemsize: int) -> tuple[int, int]:
+        return self.attention.decode_split_range(group, head_dim, block_size, itemsize)
+
+    def decode_split_len(self, span: int, block_size: int, split_range: tuple[int, int]) -> int:
+        return self.attention.decode_split_len(span, block_size, split_range)
+
+    def decode_splits(self, bound: int, split_range: tuple[int, int]) -> int:
+        return self.attention.decode_splits(bound, split_range)
+
+    def uses_flash_prefill(self, qkv, k_cache, v_cache, out, head_dim: int) -> bool:
+        return self.attention.uses_flash_prefill(qkv, k_cache, v_cache, out, head_dim)
+
+    prefill_kv_tile = staticmethod(PagedAttention.prefill_kv_tile)
+    flash_kv_tile = staticmethod(PagedAttention.flash_kv_tile)
+
+    # ---- token selection: sampling.py's DeviceSampling -----------------------------------------
+    def argmax(self, logits) -> np.ndarray:
+        return self.to_host(self.sampling.argmax(logits)).astype(np.int64)
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, uniform) -> np.ndarray:
+        return self.to_host(self.sampling.sample(logits, temperature, top_k, top_p, min_p, uniform)).astype(np.int64)
+
+    def grammar_mask(self, logits, bitmask: np.ndarray, rows: np.ndarray) -> None:
+        self.sampling.grammar_mask(logits, bitmask, rows)
+
     # ---- cache maintenance and gathers ----------------------------------------------------------
     def copy_blocks(self, k_caches, v_caches, pairs: list[tuple[int, int]]) -> None:
         """One launch for every layer: grid (pairs, L), each block copies one block of one layer's K and
@@ -328,7 +401,7 @@ class CUDABackend(PagedAttention, DeviceSampling, Int8Products, Backend):
     @property
     def supports_graphs(self) -> bool:
         """True when the launcher can capture graphs (the GPU's can; a test launcher may)."""
-        return callable(getattr(self._launcher, "capture", None))
+        return callable(getattr(self.launches.launcher, "capture", None))
 
     def capture_graph(self, fn: Callable[[], None]) -> CUDAGraph:
         """Run fn eagerly once (compiles everything, warms cuBLAS; its results are real results), then
@@ -337,7 +410,7 @@ class CUDABackend(PagedAttention, DeviceSampling, Int8Products, Backend):
             raise RuntimeError("this backend's launcher cannot capture CUDA graphs; run without CUDA graphs")
         fn()
         self.synchronize()
-        return self._launcher.capture(fn)
+        return self.launches.launcher.capture(fn)
 
 
 def _refuse_q4(w) -> None:

@@ -1,6 +1,6 @@
 """int8 weight-only products on CUDA (rawinfer/quant.py's "int8": q[N, K] int8 rows, scale[N] float32).
 
-A mixin of CUDABackend, as attention.py is.  `linear` and `embedding` hand an `Int8Weight` here:
+CUDABackend owns one `Int8Products`; its `linear` and `embedding` hand an `Int8Weight` here:
 
 - decode rows (T <= INT8_GEMV_MAX_ROWS): int8_gemv_kernel (cuda/int8_linear.cu) reads every weight
   row once for all T rows, scale and bias applied to the float32 sums;
@@ -24,7 +24,7 @@ import numpy as np
 
 from rawinfer.backend import shapes
 from rawinfer.backend.cuda import kernel_specs as ks
-from rawinfer.backend.cuda.launch import KernelLaunches, row_threads
+from rawinfer.backend.cuda.launch import Launches, row_threads
 from rawinfer.quant import Int8Weight
 
 INT8_GEMV_MAX_ROWS = 8    # INT8_GEMV_MAX_ROWS in cuda/int8_linear.cu: rows one GEMV launch serves
@@ -32,12 +32,14 @@ INT8_GEMV_WARPS = 4       # INT8_GEMV_WARPS there: output rows (one warp each) p
 OWN_TILE_ROWS = 8192      # rows of the tile buffer a call without scratch allocates
 
 
-class Int8Products(KernelLaunches):
-    """Mixin of CUDABackend: linear and embedding with an Int8Weight."""
+class Int8Products:
+    """CUDABackend's linear and embedding with an Int8Weight."""
 
-    xp: Any
+    def __init__(self, launches: Launches, xp: Any):
+        """launches: the backend's (launch.py); xp: numpy or cupy, for a tile buffer of its own."""
+        self.launches, self.xp = launches, xp
 
-    def _linear_int8(self, x, w: Int8Weight, out, bias, scratch) -> None:
+    def linear(self, x, w: Int8Weight, out, bias, scratch) -> None:
         """out[T, N] = x[T, K] @ (w.q * w.scale[:, None])^T (+ bias[N]); see the module docstring."""
         n, k, n_out = shapes.linear(x, tuple(w.shape), out, bias)
         if w.q.dtype != np.int8 or w.scale.dtype != np.float32 or tuple(w.scale.shape) != (n_out,):
@@ -50,9 +52,10 @@ class Int8Products(KernelLaunches):
         if n == 0:
             return
         if n <= INT8_GEMV_MAX_ROWS:
-            self._launch("int8_gemv_kernel", (ks.element_type(x.dtype), ks.element_type(out.dtype)),
-                         (-(-n_out // INT8_GEMV_WARPS),), (32 * INT8_GEMV_WARPS,), 0,
-                         out, x, w.q, w.scale, out if bias is None else bias, n, n_out, k, int(bias is not None))
+            self.launches.launch("int8_gemv_kernel", (ks.element_type(x.dtype), ks.element_type(out.dtype)),
+                                 (-(-n_out // INT8_GEMV_WARPS),), (32 * INT8_GEMV_WARPS,), 0,
+                                 out, x, w.q, w.scale, out if bias is None else bias, n, n_out, k,
+                                 int(bias is not None))
             return
         tiles = self._dequant_tiles(x.dtype, n_out, k, scratch)
         beta = 0.0
@@ -63,10 +66,10 @@ class Int8Products(KernelLaunches):
         for n0 in range(0, n_out, tiles.shape[0]):
             rows = min(tiles.shape[0], n_out - n0)
             tile = tiles[:rows]
-            self._launch("int8_dequant_kernel", (ks.element_type(x.dtype),), (rows,), (row_threads(k),), 0,
-                         tile, w.q[n0:n0 + rows], w.scale[n0:n0 + rows], k)
+            self.launches.launch("int8_dequant_kernel", (ks.element_type(x.dtype),), (rows,), (row_threads(k),), 0,
+                                 tile, w.q[n0:n0 + rows], w.scale[n0:n0 + rows], k)
             # columns n0 .. n0 + rows of every row of out: out^T's rows n0.., leading dimension N
-            self._launcher.gemm(True, False, rows, n, k, tile, k, x, k, flat_out[n0:], n_out, beta)
+            self.launches.gemm(True, False, rows, n, k, tile, k, x, k, flat_out[n0:], n_out, beta)
 
     def _dequant_tiles(self, dtype, n_out: int, k: int, scratch):
         """A [R, K] buffer of x's dtype for the dequantized tiles: a view of scratch (the pool's float32
@@ -83,9 +86,9 @@ class Int8Products(KernelLaunches):
                              "size it with exec/memory.py's dequant_scratch_size")
         return scratch.view(dtype)[:rows * k].reshape(rows, k)
 
-    def _embedding_int8(self, ids, table: Int8Weight, out, scale: float) -> None:
+    def embedding(self, ids, table: Int8Weight, out, scale: float) -> None:
         """out[T, C] = (table.q[ids] * table.scale[ids, None]) * scale, in float32, rounded once to out's dtype."""
         n, hidden = shapes.embedding(ids, table.shape, out)
         if n:
-            self._launch("int8_embedding_kernel", (ks.element_type(out.dtype),), (n,), (row_threads(hidden),), 0,
-                         out, ids, table.q, table.scale, hidden, scale)
+            self.launches.launch("int8_embedding_kernel", (ks.element_type(out.dtype),), (n,),
+                                 (row_threads(hidden),), 0, out, ids, table.q, table.scale, hidden, scale)

@@ -1,8 +1,8 @@
 """How an op method becomes a kernel launch: thread counts, the shared-memory limit, argument packing.
 
-`KernelLaunches` is the part of CUDABackend that every op family (backend.py's layer ops, attention.py,
-sampling.py) launches through: `_launch` checks the arguments against the kernel's signature
-(kernel_specs.pack_args) and hands them to the launcher, which is the GPU's CuPyLauncher
+CUDABackend makes one `Launches` and hands it to each part it owns (attention.py, sampling.py, int8.py);
+its own layer ops launch through it too.  `Launches.launch` checks the arguments against the kernel's
+signature (kernel_specs.pack_args) and hands them to the launcher, which is the GPU's CuPyLauncher
 (runtime.py) or the host launcher of the test harness (tests/cuda_shim).
 """
 
@@ -31,12 +31,16 @@ def address(a: Any) -> int:
     return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
 
 
-class KernelLaunches:
-    """Mixin of CUDABackend: `_launch`, the one way its op methods put a kernel on the device."""
+class Launches:
+    """The one way CUDABackend and its parts (attention.py, sampling.py, int8.py) put work on the device:
+    `launch` checks a kernel's arguments and shared memory and hands them to the launcher; `gemm` is the
+    launcher's cuBLAS GEMM (the call backend.py's module docstring states)."""
 
-    _launcher: Any   # CuPyLauncher, or a test launcher with the same launch()/gemm()
+    def __init__(self, launcher: Any):
+        """launcher: CuPyLauncher, or a test launcher with the same launch()/gemm() (and capture())."""
+        self.launcher = launcher
 
-    def _launch(self, kernel: str, targs: tuple[str, ...], grid, block, shared_mem: int, *args) -> None:
+    def launch(self, kernel: str, targs: tuple[str, ...], grid, block, shared_mem: int, *args) -> None:
         """Launch kernel<targs> (a name of kernel_specs.SPECS) on grid x block with shared_mem bytes of
         dynamic shared memory; args in the order of the kernel's C++ signature."""
         spec = ks.SPECS[kernel]
@@ -44,4 +48,9 @@ class KernelLaunches:
         if shared_mem > MAX_SHARED_BYTES:
             raise ValueError(f"{kernel} would need {shared_mem} bytes of shared memory (limit {MAX_SHARED_BYTES}); "
                              "use a smaller block size or head dimension")
-        self._launcher.launch(spec, targs, grid, block, shared_mem, packed)
+        self.launcher.launch(spec, targs, grid, block, shared_mem, packed)
+
+    def gemm(self, trans_a: bool, trans_b: bool, m: int, n: int, k: int, a, lda: int, b, ldb: int,
+             c, ldc: int, beta: float) -> None:
+        """cublasGemmEx through the launcher: C = op(A) op(B) + beta C, column-major, float32 accumulation."""
+        self.launcher.gemm(trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, beta)
