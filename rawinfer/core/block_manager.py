@@ -54,8 +54,11 @@ DROPPED = KVBlock(0)     # the table entry of a block a sliding-window sequence 
 class Allocation:
     """What one allocate_slots call changed in a sequence's block table."""
 
-    new_block_ids: list[int]            # appended to the table this call (prefix hits first, then fresh blocks)
-    copies: list[tuple[int, int]]       # (src, dst) copy-on-write block copies to run before the forward pass
+    new_block_ids: tuple[int, ...]      # appended to the table this call (prefix hits first, then fresh blocks)
+    copies: tuple[tuple[int, int], ...]   # (src, dst) copy-on-write block copies to run before the forward pass
+
+
+NOTHING_ALLOCATED = Allocation((), ())   # what a call that found the table already long enough changed (shared)
 
 
 @dataclass
@@ -80,6 +83,7 @@ class _SeqBlocks:
     blocks: list[KVBlock] = field(default_factory=list)
     num_hashed_blocks: int = 0
     num_dropped: int = 0        # leading entries given back by release_before (DROPPED)
+    ids: tuple[int, ...] | None = None    # the blocks' ids, kept between the calls that change the table
 
 
 class BlockManager:
@@ -127,6 +131,14 @@ class BlockManager:
     def block_table(self, seq_id: Hashable) -> list[int]:
         """A copy of seq_id's block table (physical block ids, logical order)."""
         return [b.block_id for b in self._get(seq_id).blocks]
+
+    def block_ids(self, seq_id: Hashable) -> tuple[int, ...]:
+        """seq_id's block table as block_table() gives it, as a tuple kept until the table changes: a running
+        sequence's table changes once a block of tokens, and the scheduler reads it every step."""
+        state = self._get(seq_id)
+        if state.ids is None:
+            state.ids = tuple(b.block_id for b in state.blocks)
+        return state.ids
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in the order they will be reused (head first). O(NB): for tests and debugging."""
@@ -209,6 +221,8 @@ class BlockManager:
         shared, partially filled block that the new tokens will write into: the table entry is replaced,
         so read block_table after this call."""
         state = self._seqs.get(seq_id)
+        if state is not None and not cached_block_ids and self._fits(state.blocks, num_computed_tokens, num_new_tokens):
+            return NOTHING_ALLOCATED
         if self._num_needed(seq_id, state, num_computed_tokens, num_new_tokens, cached_block_ids) > len(self._free):
             return None
         if state is None:
@@ -237,7 +251,8 @@ class BlockManager:
             block = self._take_free_block()
             state.blocks.append(block)
             new_ids.append(block.block_id)
-        return Allocation(new_block_ids=new_ids, copies=copies)
+        state.ids = None
+        return Allocation(new_block_ids=tuple(new_ids), copies=tuple(copies))
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Give child_id a table sharing every block of parent_id (copy-on-write on the next write)."""
@@ -264,6 +279,7 @@ class BlockManager:
         for i in range(state.num_dropped, end):
             self._release(state.blocks[i])
             state.blocks[i] = DROPPED
+            state.ids = None
             released += 1
         state.num_dropped = max(state.num_dropped, end)
         return released
@@ -278,6 +294,7 @@ class BlockManager:
         released = max(0, len(state.blocks) - max(keep, state.num_dropped))
         for _ in range(released):
             self._release(state.blocks.pop())
+            state.ids = None
         return released
 
     def _release(self, block: KVBlock) -> None:
@@ -339,6 +356,15 @@ class BlockManager:
             blocks.append(self.blocks[block_id])
         return blocks
 
+    def _fits(self, blocks: list[KVBlock], num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """The common decode case, decided without the general path's checks: a sequence's table already ends
+        in the block its new tokens end in, and they start in a fresh slot or a block it owns alone (nothing
+        to allocate or copy; every argument check of the general path holds)."""
+        bs, start = self.block_size, num_computed_tokens
+        if num_new_tokens <= 0 or start < 0 or -(-(start + num_new_tokens) // bs) != len(blocks):
+            return False
+        return start % bs == 0 or blocks[start // bs].ref_cnt == 1
+
     def _plan(self, blocks: Sequence[KVBlock], num_computed_tokens: int, num_new_tokens: int) -> tuple[int, bool]:
         """(fresh blocks to append, whether the block the next token goes into must be copied first)."""
         bs = self.block_size
@@ -371,6 +397,8 @@ class BlockManager:
             assert all(b is DROPPED for b in state.blocks[:state.num_dropped]) and \
                 all(b is not DROPPED for b in state.blocks[state.num_dropped:]), \
                 f"sequence {seq_id!r}: given-back entries must be exactly its first {state.num_dropped}"
+            assert state.ids is None or state.ids == tuple(b.block_id for b in state.blocks), \
+                f"sequence {seq_id!r}: kept block ids {state.ids} are not its table's"
             ids = [b.block_id for b in state.blocks[state.num_dropped:]]
             assert len(set(ids)) == len(ids), f"sequence {seq_id!r} holds a block twice: {ids}"
             assert state.num_hashed_blocks <= len(state.blocks), \

@@ -33,14 +33,14 @@ def run_prompt(bm: BlockManager, seq_id, tokens, use_cache: bool = True) -> Allo
 def test_allocate_grows_the_table_block_by_block():
     bm = BlockManager(num_blocks=8, block_size=4)
     alloc = bm.allocate_slots("a", 0, 10)
-    assert alloc == Allocation(new_block_ids=[0, 1, 2], copies=[])
+    assert alloc == Allocation(new_block_ids=(0, 1, 2), copies=())
     assert bm.block_table("a") == [0, 1, 2]
     assert (bm.num_free_blocks, bm.num_used_blocks, bm.usage) == (5, 3, 3 / 8)
-    assert bm.allocate_slots("a", 10, 2) == Allocation([], [])
+    assert bm.allocate_slots("a", 10, 2) == Allocation((), ())
     assert bm.num_blocks_needed("a", 12, 1) == 1
-    assert bm.allocate_slots("a", 12, 1).new_block_ids == [3]
+    assert bm.allocate_slots("a", 12, 1).new_block_ids == (3,)
     assert bm.num_blocks_needed(None, 0, 17) == 5
-    assert bm.allocate_slots("b", 0, 1).new_block_ids == [4]
+    assert bm.allocate_slots("b", 0, 1).new_block_ids == (4,)
     bm.check_invariants()
     table = bm.block_table("a")
     table.append(99)                            # a copy: the manager's table is untouched
@@ -70,7 +70,7 @@ def test_exhaustion_returns_none_and_changes_nothing():
     assert bm.num_blocks_needed("c", 8, 12, cached) == 5
     assert bm.allocate_slots("c", 8, 12, cached) is None
     assert snapshot(bm, ["c"]) == before
-    assert bm.allocate_slots("c", 8, 8, cached).new_block_ids[:2] == [0, 1]
+    assert bm.allocate_slots("c", 8, 8, cached).new_block_ids[:2] == (0, 1)
     assert bm.num_free_blocks == 0
     bm.check_invariants()
 
@@ -90,7 +90,7 @@ def test_prefix_hit_reuses_blocks_and_recomputes_the_last_token():
     cached = bm.find_cached_prefix(prompt + [1, 2])
     assert bm.num_blocks_needed("b", 12, 2, cached) == 1                      # blocks of "a" are in use
     alloc = bm.allocate_slots("b", 12, 2, cached)
-    assert alloc.new_block_ids[:3] == a and alloc.copies == []
+    assert list(alloc.new_block_ids[:3]) == a and alloc.copies == ()
     assert [bm.blocks[i].ref_cnt for i in a] == [2, 2, 2]
     bm.cache_full_blocks("b", prompt + [1, 2], 14)
     bm.check_invariants()
@@ -111,12 +111,12 @@ def test_lru_evicts_the_least_recently_freed_block_first():
     for s in ("b", "a", "c"):
         bm.free(s)
     assert bm.free_block_ids() == [first["b"], first["a"], first["c"]]
-    assert bm.allocate_slots("d", 0, 1).new_block_ids == [first["b"]]
+    assert bm.allocate_slots("d", 0, 1).new_block_ids == (first["b"],)
     assert bm.stats.evicted_blocks == 1
     assert bm.find_cached_prefix(prompts["b"]) == []
     assert bm.find_cached_prefix(prompts["a"]) == [first["a"]]
     assert bm.find_cached_prefix(prompts["c"]) == [first["c"]]
-    assert bm.allocate_slots("e", 0, 1).new_block_ids == [first["a"]]
+    assert bm.allocate_slots("e", 0, 1).new_block_ids == (first["a"],)
     bm.check_invariants()
 
 
@@ -165,17 +165,17 @@ def test_copy_on_write_after_fork():
     assert bm.num_blocks_needed("p", 6, 1) == 1
     alloc = bm.allocate_slots("p", 6, 1)        # p writes position 6 into the shared block 1
     dst = alloc.copies[0][1]
-    assert alloc == Allocation(new_block_ids=[], copies=[(p1, dst)])
+    assert alloc == Allocation(new_block_ids=(), copies=((p1, dst),))
     assert bm.block_table("p") == [p0, dst] and bm.block_table("c") == [p0, p1]
     assert bm.blocks[p1].ref_cnt == 1
-    assert bm.allocate_slots("c", 6, 1) == Allocation([], [])   # c is now the sole owner of p1
-    assert bm.allocate_slots("c", 7, 1) == Allocation([], [])
+    assert bm.allocate_slots("c", 6, 1) == Allocation((), ())   # c is now the sole owner of p1
+    assert bm.allocate_slots("c", 7, 1) == Allocation((), ())
     bm.check_invariants()
     # A fork whose last block is full shares nothing that will be written: no copy, a new block.
     bm.cache_full_blocks("c", [1, 2, 3, 4, 5, 6, 7, 8], 8)
     bm.fork("c", "g")
     alloc = bm.allocate_slots("g", 8, 1)
-    assert alloc.copies == [] and len(alloc.new_block_ids) == 1
+    assert alloc.copies == () and len(alloc.new_block_ids) == 1
     bm.check_invariants()
     for s in ("p", "c", "g"):
         bm.free(s)
@@ -389,7 +389,7 @@ class PoolSim:
             return False
         assert needed <= free_before and bm.num_free_blocks == free_before - needed
         table = bm.block_table(seq_id)
-        assert table[len(table) - len(alloc.new_block_ids):] == alloc.new_block_ids
+        assert table[len(table) - len(alloc.new_block_ids):] == list(alloc.new_block_ids)
         for src, dst in alloc.copies:
             index = old_table.index(src)
             assert table[index] == dst and bm.blocks[dst].ref_cnt == 1
