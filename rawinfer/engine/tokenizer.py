@@ -289,6 +289,18 @@ def load_chat_template(path: str) -> str:
     return source
 
 
+def _decode_stream(context: list[int], skip_special_tokens: bool):
+    """A tokenizers DecodeStream seeded with the context ids, or None where the installed tokenizers has none
+    (or cannot seed one)."""
+    stream_type = getattr(tokenizers.decoders, "DecodeStream", None)
+    if stream_type is None:
+        return None
+    try:
+        return stream_type(ids=context, skip_special_tokens=skip_special_tokens)
+    except TypeError:
+        return None
+
+
 class IncrementalDetokenizer:
     """Streams the text of generated ids, one id at a time, as deltas.
 
@@ -304,6 +316,11 @@ class IncrementalDetokenizer:
     token of a multi-byte character); nothing is emitted and the window grows until the character
     completes. Invariant: the emitted deltas concatenate to decode(output ids) whenever that decode
     does not end in U+FFFD; `finish()` releases whatever is still held.
+
+    Where the tokenizers package has `DecodeStream` (seeded with ids), it runs these same windows in Rust, one
+    call a token instead of two decodes and the Python around them; the windows are still tracked here, for
+    `finish()` and for the one case the stream refuses (a window whose text does not extend the shown text, as
+    a decoder's clean-up rules can make it), after which this sample decodes its windows here.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
@@ -318,6 +335,8 @@ class IncrementalDetokenizer:
         self._prefix = 0                          # window start
         self._read = len(context)                 # ids before this were emitted
         self._num_output = 0
+        self._stream = _decode_stream(context, skip_special_tokens)
+        self._hf = tokenizer._hf
 
     @property
     def num_output_tokens(self) -> int:
@@ -328,8 +347,19 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Feed one generated id; returns the newly complete text (possibly "")."""
+        token_id = int(token_id)
         self._ids.append(token_id)
         self._num_output += 1
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._hf, token_id)
+            except Exception:        # the stream's refusal (see the class docstring): this window is decoded below
+                self._stream = None
+            else:
+                if text is None:
+                    return ""
+                self._prefix, self._read = self._read, len(self._ids)
+                return text
         shown = self._decode(self._ids[self._prefix:self._read])
         text = self._decode(self._ids[self._prefix:])
         if len(text) <= len(shown) or text.endswith(REPLACEMENT_CHAR):

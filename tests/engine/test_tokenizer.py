@@ -371,10 +371,55 @@ def test_special_tokens(bl):
     assert "".join(stream(bl, ids, skip_special_tokens=False)) == "hello world</s>"
 
 
+def python_windows(tok: Tokenizer, ids: list[int], **kw) -> list[str]:
+    """stream() through the detokenizer's own windows (as where tokenizers has no DecodeStream)."""
+    detok = IncrementalDetokenizer(tok, **kw)
+    detok._stream = None
+    return [detok.add(i) for i in ids]
+
+
+@pytest.mark.parametrize("name", ["bl", "sp"])
+def test_decode_stream_and_python_windows_agree(name, request):
+    """The Rust DecodeStream runs the same windows: the same deltas token by token, with and without prompt
+    context, special tokens skipped or not, on random ids (incomplete characters included)."""
+    tok = request.getfixturevalue(name)
+    assert IncrementalDetokenizer(tok)._stream is not None      # the installed tokenizers has it
+    rng = random.Random(7)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 30))]
+        kw = {"skip_special_tokens": rng.random() < 0.5,
+              "prompt_ids": [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 8))]}
+        assert stream(tok, ids, **kw) == python_windows(tok, ids, **kw)
+
+
+def test_a_refused_window_continues_in_python(bl):
+    """Where DecodeStream raises (a window whose text does not extend the shown text), the sample goes on
+    through its own windows from the same place: nothing is lost or repeated."""
+    ids = bl.encode(" ".join(SENTENCES), add_special_tokens=False)
+
+    class Refusing:
+        def __init__(self, real, refuse_at):
+            self.real, self.calls, self.refuse_at = real, 0, refuse_at
+
+        def step(self, hf, token_id):
+            self.calls += 1
+            if self.calls == self.refuse_at:
+                raise Exception("Invalid prefix encountered")
+            return self.real.step(hf, token_id)
+
+    for refuse_at in (1, 2, 7, len(ids)):
+        detok = IncrementalDetokenizer(bl)
+        detok._stream = Refusing(detok._stream, refuse_at)
+        deltas = [detok.add(i) for i in ids]
+        assert detok._stream is None
+        assert deltas == python_windows(bl, ids)
+
+
 def test_window_stays_small(bl):
     """Each step decodes a bounded window, not the whole output."""
     ids = bl.encode(" ".join(SENTENCES * 20), add_special_tokens=False)
     detok = IncrementalDetokenizer(bl)
+    detok._stream = None
     widths = []
     real_decode = bl.decode
 
