@@ -264,6 +264,13 @@ class Scheduler:
         forks = samples and seq.index == 0 and not seq.num_output_tokens and seq.params.max_tokens > 0
         return ScheduledSeq(seq, n, samples, prompt_rows, self._forks_of(seq) if forks else ())
 
+    def _scheduled_decode(self, seq: Sequence) -> ScheduledSeq:
+        """_scheduled(seq, 1) for a plain decode (its last token uncomputed, no draft, not scoring): it samples,
+        has no prompt rows (its chunk starts at or after the prompt's last token), and forks the other samples
+        only when that token is the prompt's last."""
+        forks = seq.index == 0 and len(seq.token_ids) == seq.num_prompt_tokens and seq.params.max_tokens > 0
+        return ScheduledSeq(seq, 1, True, 0, self._forks_of(seq) if forks else ())
+
     def _draft(self, seq: Sequence, drafts, budget: int, rows: int) -> tuple[int, ...]:
         """The proposed tokens a decoding seq verifies this step: within the token budget (with its own token)
         and the logits rows the step has left beside one per sampling sequence."""
@@ -281,7 +288,7 @@ class Scheduler:
         budget = self._schedule_running(out, copies, drafts or {}, allowance)
         self._admit_waiting(out, copies, budget, allowance)
         if out.seqs:
-            tables = [self.bm.block_table(s.seq.seq_id) for s in out.seqs]
+            tables = [self.bm.block_ids(s.seq.seq_id) for s in out.seqs]
             out.plan = build_step_plan(out.seqs, tables, copies, self.layout)
         return out
 
@@ -296,9 +303,13 @@ class Scheduler:
         # max_num_seqs sequences; a step takes at most max_num_seqs of them, oldest first.
         while i < len(self.running) and budget > 0 and len(out.seqs) < self.ecfg.max_num_seqs:
             seq = self.running[i]
-            prefill = allowance if seq.num_uncomputed_tokens > 1 else None    # decodes are in its estimate
-            draft = self._draft(seq, drafts, budget, rows)
-            n = self._chunk(seq, budget, prefill) + len(draft)
+            decode = seq.num_computed_tokens + 1 == len(seq.token_ids) and not seq.is_scoring and seq.seq_id not in drafts
+            if decode:
+                n, prefill, draft = 1, None, ()        # what _chunk and _draft give a plain decode, without the calls
+            else:
+                prefill = allowance if seq.num_uncomputed_tokens > 1 else None    # decodes are in its estimate
+                draft = self._draft(seq, drafts, budget, rows)
+                n = self._chunk(seq, budget, prefill) + len(draft)
             if n == 0:
                 i += 1
                 continue
@@ -313,7 +324,7 @@ class Scheduler:
             if alloc is None:
                 break
             copies.extend(alloc.copies)
-            out.seqs.append(self._scheduled(seq, n, prefill, draft))
+            out.seqs.append(self._scheduled_decode(seq) if decode else self._scheduled(seq, n, prefill, draft))
             budget -= n
             rows -= len(draft)
             i += 1

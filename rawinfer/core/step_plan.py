@@ -126,11 +126,15 @@ def build_step_plan(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], copies:
 
 
 def _padded_tables(tables: Seq[Seq[int]], pad_block: int) -> np.ndarray:
-    """int32 [B, longest table] with each row's table copied in, the rest pad_block."""
-    out = np.full((len(tables), max((len(t) for t in tables), default=1) or 1), pad_block, np.int32)
-    for b, t in enumerate(tables):
-        out[b, :len(t)] = t
-    return out
+    """int32 [B, longest table] with each row's table copied in, the rest pad_block (padded as Python lists and
+    converted once: a NumPy assignment per row would cost more than the rows' data)."""
+    width = max(map(len, tables), default=1) or 1
+    flat: list[int] = []
+    for t in tables:
+        flat += t
+        if len(t) < width:
+            flat += [pad_block] * (width - len(t))
+    return np.array(flat, np.int32).reshape(len(tables), width)
 
 
 def _decode_arrays(scheduled: Seq[ScheduledSeq], tables: Seq[Seq[int]], layout: PlanLayout) -> dict:

@@ -275,12 +275,22 @@ class LLMEngine:
         started = time.monotonic()
         # in logits-row order, a draft row's grammar as it stands after the drafts before it; on a GPU filled
         # during the pass
-        mask = self.structured.masks([x for s in out.seqs if s.samples
-                                      for x in (self._state(s.seq), *draft_rows(self._state(s.seq), s.draft))])
+        mask = self.structured.masks(self._mask_rows(out))
         result = self.runner.run(out.plan)
         self.kv_transfer.after_step(out)                # exports copy their blocks before update() frees them
         update = self.scheduler.update(out)
         return outputs + self._outputs(out, result, update, mask, started)
+
+    def _mask_rows(self, out: SchedulerOutput) -> list:
+        """The states masks() reads, one per logits row of the step (draft rows' stand-ins after their sample's)."""
+        rows = []
+        for s in out.seqs:
+            if s.samples:
+                st = self._state(s.seq)
+                rows.append(st)
+                if s.draft:
+                    rows += draft_rows(st, s.draft)
+        return rows
 
     def _release_held(self) -> list[RequestOutput]:
         """Requests held for their grammar: scheduled once it compiled, ended with its error if it did not."""
@@ -361,6 +371,8 @@ class LLMEngine:
     def _add_tokens(self, st: SampleState, kept, now: float, logprobs: list, drafts: dict) -> RequestOutput:
         """One sample's kept tokens through the output rules, in order, until one finishes it; a sequence that
         verified drafts and still runs then counts the agreeing ones as computed (scheduler.accept)."""
+        if len(kept) == 1 and not drafts:      # a plain decode row: one token, nothing to accept
+            return self._add_token(st, kept[0][0], now, logprobs[0])
         outs = []
         for (tok, _), lp in zip(kept, logprobs):
             outs.append(self._add_token(st, tok, now, lp))
