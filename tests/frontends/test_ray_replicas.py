@@ -156,11 +156,14 @@ def test_a_replica_actor_logs_each_line_with_its_time_and_level():
     import logging
     import re
 
-    from rawinfer.frontends.cluster.ray_pool import _actor_setup
+    from rawinfer.config import EngineConfig
+    from rawinfer.frontends.cluster.ray_pool import ReplicaSpec, _actor_setup
+    from rawinfer.frontends.server.config import ServerConfig
     root = logging.getLogger()
     kept, level = root.handlers[:], root.level
+    spec = ReplicaSpec("model", EngineConfig(), ServerConfig(), log_level=logging.WARNING)     # as with -q
     try:
-        assert _actor_setup({"quiet": True}, "replica 3", "127.0.0.1") == "127.0.0.1"
+        assert _actor_setup(spec, "replica 3", "127.0.0.1") == "127.0.0.1"
         record = logging.LogRecord("rawinfer", logging.WARNING, __file__, 1, "request %s finished", ("r1",), None)
         line = root.handlers[-1].format(record)
         assert root.level == logging.WARNING

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from collections import Counter
 
 import pytest
@@ -119,4 +120,27 @@ def test_configs_built_in_python_are_refused_by_field_name():
     with pytest.raises(ValueError, match="routing="):
         ReplicaRouter(ServerConfig(), None, RouterConfig(routing="cache_aware"))
     with pytest.raises(ValueError, match="cpus=0"):
-        RayPool({}, RayPoolConfig(cpus=0))
+        RayPool(RayPoolConfig(cpus=0))
+
+
+def test_what_travels_to_the_actors_is_typed_configs_built_from_the_flags():
+    """The replicas get a ReplicaSpec (the engine's, the server's and the roles' configs, checked here), not
+    the parsed arguments; it pickles, as Ray sends it."""
+    import pickle
+
+    from rawinfer.frontends.cli.serve_replicas import replica_spec
+    p = build_parser("serve")
+    args = p.parse_args(["serve", "--replicas", "2", "--prefill-replicas", "1", "--min-remote-tokens", "8",
+                         "--kv-transfer-timeout", "2.5", "--prefill-max-queued", "5", "--block-size", "32", "-q"])
+    server = ServerConfig(bind="tcp://127.0.0.1:5999", heartbeat_interval_s=0.5)
+    decode = replica_spec(args, server, "/models/m", 3.0, "cpu", ["tcp://127.0.0.1:7000"])
+    assert (decode.model, decode.server, decode.prefill) == ("/models/m", server, None)
+    assert (decode.engine.device, decode.engine.num_threads, decode.engine.block_size) == ("cpu", 3, 32)
+    assert (decode.decode.prefill, decode.decode.min_remote_tokens, decode.decode.transfer_timeout_s) == (
+        ["tcp://127.0.0.1:7000"], 8, 2.5)
+    assert pickle.loads(pickle.dumps(decode)) == decode
+    prefill = replica_spec(args, server, "/models/m", 3.0, "cpu", role="prefill")
+    assert (prefill.decode, prefill.prefill.max_queued, prefill.prefill.insecure) == (None, 5, False)
+    gpu = replica_spec(p.parse_args(["serve", "--replicas", "1", "--threads", "1"]), server, "/models/m", 1.0, "cuda")
+    assert (gpu.engine.device, gpu.engine.num_threads, gpu.decode, gpu.prefill) == ("cuda", 1, None, None)
+    assert (decode.log_level, gpu.log_level) == (logging.WARNING, logging.INFO)

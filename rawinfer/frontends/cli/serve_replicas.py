@@ -11,12 +11,13 @@ connects to it, so clients see one endpoint. The replicas take every engine opti
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import logging
 import os
 
-from rawinfer.frontends.cli.models import open_engine
-from rawinfer.frontends.cli.serve_roles import decode_connector
-from rawinfer.frontends.options import CLIError
+from rawinfer.frontends.cli.serve_roles import prefill_public_key
+from rawinfer.frontends.options import CLIError, engine_config_from_args, is_quiet
 from rawinfer.settings import add_options, options_from_args
 
 log = logging.getLogger("rawinfer")
@@ -70,21 +71,38 @@ def max_replicas(args) -> int:
     return args.max_replicas or args.autoscale_max_replicas or RouterConfig().max_replicas
 
 
-def _replica_options(args, model_path: str, cpus: float, device: str, prefill: list[str]) -> dict:
-    """The engine and server options every replica starts with (a plain dict: it travels to the actors);
-    with prefill endpoints, those of a decode instance."""
-    opts = {k: v for k, v in vars(args).items() if k != "func"}
-    opts.update(model=model_path, device=device, http=False, role="decode" if prefill else "colocated",
-                prefill=list(prefill))
-    if device == "cpu" and opts.get("num_threads") is None:
-        opts["num_threads"] = max(1, int(cpus))
-    return opts
+def replica_spec(args, server, model_path: str, cpus: float, device: str, prefill: list[str] | None = None,
+                 role: str = "colocated"):
+    """What every replica starts with (it travels to the actors): the engine options on `device` (on the CPU,
+    as many threads as the replica's CPUs unless --threads says), the server's of --bind; with the endpoints
+    of `prefill`, the decode link of a decode replica; role "prefill": the PrefillConfig of a prefill instance.
+    CLIError naming the flag of a bad value."""
+    from rawinfer.frontends.cluster.ray_pool import ReplicaSpec
+    from rawinfer.frontends.disagg.connector import DecodeConfig
+    from rawinfer.frontends.disagg.prefill import PrefillConfig
+    engine = dataclasses.replace(engine_config_from_args(args), device=device)
+    if device == "cpu" and engine.num_threads is None:
+        engine = dataclasses.replace(engine, num_threads=max(1, int(cpus)))
+    level = logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING if is_quiet(args) else logging.INFO
+    try:
+        decode = options_from_args(DecodeConfig, args, "decode option", prefill=list(prefill),
+                                   server_key=prefill_public_key(args)).validate() if prefill else None
+        pre = options_from_args(PrefillConfig, args, "prefill option", dest_prefix="prefill_", insecure=args.insecure,
+                                curve_secret_key_file=args.curve_secret_key_file) if role == "prefill" else None
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return ReplicaSpec(model_path, engine, server, decode=decode, prefill=pre, log_level=level)
 
 
-def replica_engine(args):
-    """What a replica actor serves: the engine of the options, and its prefill link when it decodes."""
-    engine = open_engine(args)
-    return engine, decode_connector(args, engine)
+def replica_engine(spec):
+    """What an actor serves (ray_pool.ReplicaSpec): the engine, and its prefill link when it decodes."""
+    from rawinfer.engine.engine import LLMEngine
+    from rawinfer.frontends.disagg.connector import DecodeConnector
+    log.info("starting the engine on %s", spec.model)
+    engine = LLMEngine(spec.model, spec.engine)
+    gc.collect()                         # as cli/models.py's open_engine: the engine's objects, out of the
+    gc.freeze()                          # collector's sight for as long as the actor serves
+    return engine, DecodeConnector(engine, spec.decode) if spec.decode is not None else None
 
 
 def run_replicas(args, open_front) -> int:
@@ -107,8 +125,8 @@ def run_replicas(args, open_front) -> int:
         pool = _open_pool(args, local)
         res = pool.resources()
         device, cpus = _place_replicas(args, pool, res)
-        prefill = _start_prefill(args, pool, model_path, cpus, device)
-        pool.options = _replica_options(args, model_path, cpus, device, prefill)
+        prefill = _start_prefill(args, pool, cfg, model_path, cpus, device)
+        pool.spec = replica_spec(args, cfg, model_path, cpus, device, prefill)
         log.info("Ray cluster: %g CPUs, %g GPUs; %d %s%s replica(s) of %s, %s each", res.get("CPU", 0),
                  res.get("GPU", 0), rcfg.replicas, device, " decode" if prefill else "",
                  os.path.basename(model_path), "1 GPU" if device == "cuda" else f"{cpus:g} CPU(s)")
@@ -130,10 +148,10 @@ def ray_pool_config(args, local: bool):
 
 
 def _open_pool(args, local: bool):
-    """The Ray actor pool on --ray-address (or a local cluster), its replica options still to be set."""
+    """The Ray actor pool on --ray-address (or a local cluster), what its replicas serve still to be set."""
     from rawinfer.frontends.cluster.ray_pool import RayPool
     try:
-        return RayPool({}, ray_pool_config(args, local), replica_engine)
+        return RayPool(ray_pool_config(args, local), replica_engine)
     except RuntimeError as e:
         raise CLIError(str(e)) from None
 
@@ -147,13 +165,13 @@ def _place_replicas(args, pool, res: dict) -> tuple[str, float]:
     return device, cpus
 
 
-def _start_prefill(args, pool, model_path: str, cpus: float, device: str) -> list[str]:
+def _start_prefill(args, pool, server, model_path: str, cpus: float, device: str) -> list[str]:
     """Start the --prefill-replicas instances and return their endpoints (none without the option)."""
     if not pool.cfg.prefill_replicas:
         return []
     log.info("starting %d prefill replica(s)", pool.cfg.prefill_replicas)
     try:
-        prefill = pool.start_prefill_pool(_replica_options(args, model_path, cpus, device, []), open_engine, 600.0)
+        prefill = pool.start_prefill_pool(replica_spec(args, server, model_path, cpus, device, role="prefill"), 600.0)
     except RuntimeError as e:
         raise CLIError(str(e)) from None
     log.info("prefill replicas serving on %s", " ".join(prefill))

@@ -9,7 +9,7 @@ reports. Ray is imported only here, so the rest of rawinfer runs without it.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -17,25 +17,46 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from rawinfer.settings import check_options, float_argument, int_argument, is_int, is_number, option, optional
 
+if TYPE_CHECKING:
+    from rawinfer.config import EngineConfig
+    from rawinfer.frontends.disagg.connector import DecodeConfig
+    from rawinfer.frontends.disagg.prefill import PrefillConfig
+    from rawinfer.frontends.server.config import ServerConfig
+
 log = logging.getLogger("rawinfer")
+
+
+@dataclass
+class ReplicaSpec:
+    """What an actor serves, built and checked by the command before any actor starts: the configs travel
+    (they pickle), so an actor parses no command line."""
+
+    model: str                              # the converted model's folder, the same path on every node
+    engine: EngineConfig
+    server: ServerConfig                    # its bind becomes a port of the actor's node
+    decode: DecodeConfig | None = None      # a decode replica's link to the prefill instances; None: colocated
+    prefill: PrefillConfig | None = None    # a prefill instance's; its bind becomes the instance's fixed port
+    log_level: int = logging.INFO
+
+
+# (ReplicaSpec) -> (LLMEngine, the decode link or None): the command line's, passed in so that this package
+# does not import the command line
+Build = Callable[[ReplicaSpec], tuple]
 
 
 class ReplicaActor:
     """The body of one replica actor (made a Ray actor class by RayPool)."""
 
-    def __init__(self, options: dict, slot: int, bind_host: str | None, build):
-        """build(argparse.Namespace of options) -> (LLMEngine, the decode role's connector or None): the
-        command line's, passed in so that this package does not import the command line."""
-        bind_host = _actor_setup(options, f"replica {slot}", bind_host)
-        from rawinfer.frontends.server.server import Server, ServerConfig
-        from rawinfer.settings import options_from_args
-        engine, connector = build(argparse.Namespace(**options))
-        # the command's server options, on a port of this node; clients are the router, not the users
-        cfg = options_from_args(ServerConfig, argparse.Namespace(**options), "server option",
-                                bind=f"tcp://{bind_host}:0", curve_client_keys_dir=None)
+    def __init__(self, spec: ReplicaSpec, slot: int, bind_host: str | None, build: Build):
+        bind_host = _actor_setup(spec, f"replica {slot}", bind_host)
+        from rawinfer.frontends.server.server import Server
+        engine, connector = build(spec)
+        # the command's server options on a port of this node; its clients are the router, not the users
+        cfg = dataclasses.replace(spec.server, bind=f"tcp://{bind_host}:0", curve_client_keys_dir=None)
         self.server = Server(engine, cfg, kv_connector=connector)
         self.thread = threading.Thread(target=self.server.run, name="rawinfer-replica", daemon=True)
         self.thread.start()
@@ -91,14 +112,15 @@ class RayPoolConfig:
 class RayPool:
     """ReplicaPool (pool.py) on Ray."""
 
-    def __init__(self, options: dict, cfg: RayPoolConfig, build=None):
+    def __init__(self, cfg: RayPoolConfig, build: Build | None = None, spec: ReplicaSpec | None = None):
+        """spec: what the replicas serve; set before the first start()."""
         check_options(cfg, "Ray pool option")
         try:
             import ray
         except ImportError:
             raise RuntimeError("--replicas runs replicas on Ray, which is not installed: "
                                "pip install 'rawinfer[ray]'") from None
-        self.ray, self.cfg, self.options, self.build = ray, cfg, options, build
+        self.ray, self.cfg, self.spec, self.build = ray, cfg, spec, build
         self._started_ray = False
         if not ray.is_initialized():
             kw = {"address": cfg.address} if cfg.address else {"num_cpus": cfg.num_cpus or os.cpu_count()}
@@ -127,7 +149,7 @@ class RayPool:
         host = "127.0.0.1" if self.cfg.loopback else None      # None: the actor's own node's address
         self.actors[slot] = self._actor_cls.options(
             num_cpus=self.cfg.cpus, num_gpus=self.cfg.gpus, max_restarts=self.cfg.max_restarts,
-            max_concurrency=4).remote(self.options, slot, host, self.build)
+            max_concurrency=4).remote(self.spec, slot, host, self.build)
 
     def endpoint(self, slot: int, timeout_s: float) -> tuple[str, dict]:
         ray = self.ray
@@ -161,7 +183,7 @@ class RayPool:
             log.debug("replica %d stop: %s", slot, e)
         self.ray.kill(actor, no_restart=True)
 
-    def start_prefill_pool(self, options: dict, open_engine, timeout_s: float) -> list[str]:
+    def start_prefill_pool(self, spec: ReplicaSpec, timeout_s: float) -> list[str]:
         """The cfg.prefill_replicas prefill instances (--role prefill) as actors, each on a fixed port so that a
         restarted one is found again where the decode replicas look; their endpoints, once all serve."""
         host = "127.0.0.1" if self.cfg.loopback else None
@@ -169,7 +191,7 @@ class RayPool:
         for i, port in enumerate(self._prefill_ports()):
             self.prefill_actors.append(cls.options(
                 num_cpus=self.cfg.cpus, num_gpus=self.cfg.gpus, max_restarts=self.cfg.max_restarts,
-                max_concurrency=2).remote(options, i, host, port, open_engine))
+                max_concurrency=2).remote(spec, i, host, port, self.build))
         try:
             return [e for e, _ in self.ray.get([a.endpoint.remote() for a in self.prefill_actors], timeout=timeout_s)]
         except self.ray.exceptions.GetTimeoutError:
@@ -204,14 +226,11 @@ class RayPool:
 class PrefillActor:
     """The body of one prefill instance's actor: the disaggregation's PrefillServer on a fixed port."""
 
-    def __init__(self, options: dict, index: int, bind_host: str | None, port: int, open_engine):
-        from rawinfer.frontends.disagg.prefill import PrefillConfig, PrefillServer
-        bind_host = _actor_setup(options, f"prefill {index}", bind_host)
-        engine = open_engine(argparse.Namespace(**options))
-        self.server = PrefillServer(engine, PrefillConfig(bind=f"tcp://{bind_host}:{port}",
-                                                          max_queued=options["prefill_max_queued"],
-                                                          insecure=bool(options.get("insecure")),
-                                                          curve_secret_key_file=options.get("curve_secret_key_file")))
+    def __init__(self, spec: ReplicaSpec, index: int, bind_host: str | None, port: int, build: Build):
+        from rawinfer.frontends.disagg.prefill import PrefillServer
+        bind_host = _actor_setup(spec, f"prefill {index}", bind_host)
+        engine, _ = build(spec)
+        self.server = PrefillServer(engine, dataclasses.replace(spec.prefill, bind=f"tcp://{bind_host}:{port}"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"warm": True}, name="rawinfer-prefill",
                                        daemon=True)
         self.thread.start()
@@ -221,16 +240,15 @@ class PrefillActor:
         return self.server.endpoint, self.facts
 
 
-def _actor_setup(options: dict, name: str, bind_host: str | None) -> str:
+def _actor_setup(spec: ReplicaSpec, name: str, bind_host: str | None) -> str:
     """Logging as a server's (each line with its time and level), named after the actor; the address to bind
     (the node's, if not given)."""
     import ray
 
     from rawinfer.frontends.options import size_cpu_pool
     from rawinfer.frontends.server.activity import time_format
-    size_cpu_pool(options.get("num_threads"))           # before anything of the engine imports Numba
-    level = logging.DEBUG if options.get("verbose") else logging.WARNING if options.get("quiet") else logging.INFO
-    logging.basicConfig(level=level, format=time_format(f"rawinfer {name}"), force=True)
+    size_cpu_pool(spec.engine.num_threads)           # before anything of the engine imports Numba
+    logging.basicConfig(level=spec.log_level, format=time_format(f"rawinfer {name}"), force=True)
     return bind_host or ray.util.get_node_ip_address()
 
 
