@@ -26,6 +26,9 @@
 
 struct __align__(2) f16 { unsigned short bits; };
 struct __align__(2) bf16 { unsigned short bits; };
+// A float8 e4m3fn weight (rawinfer/quant.py's "fp8"): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
+// infinities, S.1111.111 is NaN, the largest finite value 448.  Stored as uint8 (or ml_dtypes' float8_e4m3fn).
+struct __align__(1) e4m3 { unsigned char bits; };
 
 #define RAWINFER_FULL_MASK 0xFFFFFFFFu
 
@@ -49,6 +52,19 @@ RAWINFER_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // ---- conversions -----------------------------------------------------------------------------------
 RAWINFER_DEVICE float to_float(float x) { return x; }
+
+// A weight-only format's stored value as float32 (weight_only_linear.cu): exact for both.  e4m3: normal values
+// move their exponent (rebiased 7 -> 127) and mantissa into float32's fields; subnormals are the mantissa
+// times 2^-9.  (Own name, not a to_float overload: an integer argument would make to_float ambiguous.)
+RAWINFER_DEVICE float weight_value(e4m3 x) {
+  const unsigned mag = x.bits & 0x7Fu;
+  float v = static_cast<float>(mag) * 0.001953125f;
+  if (mag >= 0x08u) v = __uint_as_float((((mag >> 3) + 120u) << 23) | ((mag & 7u) << 20));
+  if (mag == 0x7Fu) v = __uint_as_float(0x7FC00000u);
+  return (x.bits & 0x80u) ? -v : v;
+}
+
+RAWINFER_DEVICE float weight_value(signed char x) { return static_cast<float>(x); }
 
 RAWINFER_DEVICE float to_float(f16 x) {
 #ifdef RAWINFER_SHIM

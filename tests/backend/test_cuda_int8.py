@@ -1,4 +1,4 @@
-"""int8 weight-only products on CUDA (cuda/int8_linear.cu, cuda/int8_embedding.cu, backend/cuda/int8.py),
+"""int8 weight-only products on CUDA (cuda/weight_only_linear.cu, cuda/weight_only_embedding.cu, backend/cuda/weight_only.py),
 on the host shim (no GPU), against NumPy references and against the CPU backend.
 
 The kernels run through the real `CUDABackend` methods (`linear`, `linear_silu_mul`, `embedding`) with
@@ -23,7 +23,7 @@ from ml_dtypes import bfloat16  # noqa: E402
 
 from rawinfer import LLMEngine  # noqa: E402
 from rawinfer.backend.cuda.backend import CUDABackend  # noqa: E402
-from rawinfer.backend.cuda.int8 import INT8_GEMV_MAX_ROWS  # noqa: E402
+from rawinfer.backend.cuda.weight_only import WO_GEMV_MAX_ROWS  # noqa: E402
 from rawinfer.config import EngineConfig  # noqa: E402
 from rawinfer.quant import Int8Weight, Q4Weight  # noqa: E402
 from reference_ops import assert_close, f64, int8_linear_ref, linear_ref, rand, silu_mul_ref  # noqa: E402
@@ -46,7 +46,7 @@ def int8_weight(rng, n, k) -> Int8Weight:
 
 
 def dequantized(w: Int8Weight, dtype) -> np.ndarray:
-    """q * scale as int8_dequant_kernel writes it: the float32 product rounded once to dtype."""
+    """q * scale as wo_dequant_kernel writes it: the float32 product rounded once to dtype."""
     return (w.q.astype(np.float32) * w.scale[:, None]).astype(dtype)
 
 
@@ -60,14 +60,14 @@ def test_gemv_decode_rows(backend, dtype, n_out, k):
     """Every row count of the GEMV kernel, out in x's dtype and in float32 (logits), with and without bias."""
     rng = np.random.default_rng(n_out * 1000 + k)
     w = int8_weight(rng, n_out, k)
-    for rows in range(1, INT8_GEMV_MAX_ROWS + 1):
+    for rows in range(1, WO_GEMV_MAX_ROWS + 1):
         x = rand(rng, (rows, k), dtype)
         for out_dtype in {np.dtype(dtype), np.dtype(np.float32)}:
             bias = rand(rng, (n_out,), out_dtype) if rows % 2 else None
             out = np.full((rows, n_out), np.nan, out_dtype)
             backend._launcher.launches.clear()
             backend.linear(x, w, out, bias=bias)
-            assert kernels_run(backend) == [f"int8_gemv_kernel<{_ct(dtype)}, {_ct(out_dtype)}>"]
+            assert kernels_run(backend) == [f"wo_gemv_kernel<signed char, {_ct(dtype)}, {_ct(out_dtype)}>"]
             assert_close(out, int8_linear_ref(x, w.q, w.scale, bias), out_dtype,
                          f"gemv rows={rows} out={out_dtype} bias={bias is not None}")
 
@@ -94,7 +94,7 @@ def test_prefill_rows_take_dequantized_tiles(backend, dtype, n_out, k, rows):
             out = np.full((rows, n_out), np.nan, out_dtype)
             backend._launcher.launches.clear()
             backend.linear(x, w, out, bias=bias, scratch=scratch)
-            assert kernels_run(backend).count(f"int8_dequant_kernel<{_ct(dtype)}>") == -(-n_out // tile_rows)
+            assert kernels_run(backend).count(f"wo_dequant_kernel<signed char, {_ct(dtype)}>") == -(-n_out // tile_rows)
             assert_close(out, linear_ref(x, dequantized(w, dtype), bias), out_dtype, "tiled int8 GEMM")
             exact = int8_linear_ref(x, w.q, w.scale, bias)
             weight_error = 2.0**-8 if np.dtype(dtype) == np.dtype(bfloat16) else 2.0**-10   # the tile's rounding
@@ -111,7 +111,7 @@ def test_dequant_kernel_rounds_once(backend, dtype):
     rng = np.random.default_rng(3)
     w = int8_weight(rng, 6, 77)
     out = np.zeros((6, 77), dtype)
-    backend._launch("int8_dequant_kernel", (_ct(dtype),), (6,), (32,), 0, out, w.q, w.scale, 77)
+    backend._launch("wo_dequant_kernel", ("signed char", _ct(dtype)), (6,), (32,), 0, out, w.q, w.scale, 77)
     np.testing.assert_array_equal(f64(out), f64(dequantized(w, dtype)))
 
 
@@ -211,7 +211,7 @@ def test_tiny_int8_model_on_cuda_gives_the_cpu_backends_tokens(monkeypatch, tmp_
     launches = engine.backend._launcher.launches
     got = staggered_generation(engine, PROMPTS, 6)
     kernels = {name.split("<")[0] for name, *_ in launches}
-    assert {"int8_gemv_kernel", "int8_dequant_kernel", "int8_embedding_kernel"} <= kernels
+    assert {"wo_gemv_kernel", "wo_dequant_kernel", "wo_embedding_kernel"} <= kernels
     cpu = cpu_engine(model_dir)
     cpu_logits = _recording(cpu)
     assert staggered_generation(cpu, PROMPTS, 6) == got
@@ -268,5 +268,5 @@ def test_int8_decode_graphs_replay_the_eager_steps(monkeypatch, tmp_path_factory
         launchers.append(launcher)
     assert results[0] == results[1]
     assert launchers[0].replays and not launchers[1].replays
-    gemm_kernels = [name for name, *_ in launchers[1].launches if name.startswith("int8_dequant_kernel")]
+    gemm_kernels = [name for name, *_ in launchers[1].launches if name.startswith("wo_dequant_kernel")]
     assert gemm_kernels     # the eager decode steps of 10 rows took the tiles too

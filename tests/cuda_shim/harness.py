@@ -49,7 +49,9 @@ def cache_dir() -> Path:
 
 
 def symbol(spec: ks.KernelSpec, targs: tuple[str, ...]) -> str:
-    return "rawinfer_launch_" + spec.name + "".join("__" + t for t in targs)
+    """The C name of one instance's launcher: template arguments joined by "__", a space ("signed char")
+    written as "_"."""
+    return "rawinfer_launch_" + spec.name + "".join("__" + t.replace(" ", "_") for t in targs)
 
 
 def stub_source(kernel_file: Path, specs: list[ks.KernelSpec]) -> str:

@@ -4,8 +4,8 @@ This module holds the backend itself: device memory and dtypes, the layer ops, c
 CUDA graphs.  Three op families live in their own modules as parts the backend owns, each made with
 the backend's `Launches` (launch.py) and what else it needs, and the backend forwards their ops to
 them: paged attention (attention.py's `PagedAttention`: launch geometry, split-K scratch), token
-selection (sampling.py's `DeviceSampling`) and the products with int8 weight-only matrices (int8.py's
-`Int8Products`).
+selection (sampling.py's `DeviceSampling`) and the products with weight-only quantized matrices
+(weight_only.py's `WeightOnlyProducts`).
 
 Every op method checks shapes through backend/shapes.py (the contract both backends share), the
 dtypes and layout only these kernels need here, and each argument against the kernel's signature
@@ -20,7 +20,7 @@ embedding, rmsnorm and add_rmsnorm take a second element type R for it); every k
 float32.  CuPy has no bfloat16, so a bfloat16 tensor lives on the device as uint16 bit patterns:
 `carve`, `upload` and `to_host` translate, and no other uint16 device array exists in this backend.
 `linear` may write float32 output from 16-bit inputs (for logits).  int8 weight-only models run here
-(int8.py); q4 models do not (the engine refuses them at start: Capabilities.quantized_weights).
+(weight_only.py); q4 models do not (the engine refuses them at start: Capabilities.quantized_weights).
 
 GEMM convention, stated once.  rawinfer stores matrices row-major: x[T, K], w[N, K] (out features x in
 features), out[T, N], and computes out = x @ w^T.  cuBLAS reads column-major, and a row-major [r, c]
@@ -48,11 +48,11 @@ from rawinfer.backend import shapes
 from rawinfer.backend.base import Backend, Capabilities
 from rawinfer.backend.cuda import kernel_specs as ks
 from rawinfer.backend.cuda.attention import PagedAttention
-from rawinfer.backend.cuda.int8 import Int8Products
 from rawinfer.backend.cuda.launch import Launches, address, round_up, row_threads
 from rawinfer.backend.cuda.runtime import (CUDAGraph, CuPyLauncher, cuda_available, cuda_status,  # noqa: F401
                                            kernel_source)
 from rawinfer.backend.cuda.sampling import DeviceSampling
+from rawinfer.backend.cuda.weight_only import WeightOnlyProducts
 from rawinfer.quant import Int8Weight, Q4Weight
 
 HEAD_RMSNORM_HEADS_PER_BLOCK = 4   # HEADS_PER_BLOCK in cuda/head_rmsnorm.cu: one warp per head
@@ -74,8 +74,8 @@ def _attention_setting(name: str) -> property:
 
 class CUDABackend(Backend):
     """The op interface on one CUDA device (or, with a test launcher, on the host through tests/cuda_shim).
-    It owns its op families' parts: `attention` (PagedAttention), `sampling` (DeviceSampling) and `int8`
-    (Int8Products), all launching through its one `launches` (Launches)."""
+    It owns its op families' parts: `attention` (PagedAttention), `sampling` (DeviceSampling) and
+    `weight_only` (WeightOnlyProducts), all launching through its one `launches` (Launches)."""
 
     name = "cuda"
     decode_partition = _attention_setting("decode_partition")
@@ -102,7 +102,7 @@ class CUDABackend(Backend):
         self.launches = Launches(launcher)
         self.attention = PagedAttention(self.launches, self.xp, decode_partition=decode_partition)
         self.sampling = DeviceSampling(self.launches, self.xp)
-        self.int8 = Int8Products(self.launches, self.xp)
+        self.weight_only = WeightOnlyProducts(self.launches, self.xp)
         self.capabilities = Capabilities(on_gpu=self.on_gpu, graphs=self.supports_graphs, device_sampling=True,
                                          quantized_weights=("int8",))
 
@@ -208,9 +208,9 @@ class CUDABackend(Backend):
     # ---- layer ops ------------------------------------------------------------------------------
     def embedding(self, ids, table, out, scale: float = 1.0) -> None:
         """out = table[ids] * scale, the product in float32 (scale 1 copies the rows exactly); an int8
-        table's rows are dequantized (int8.py)."""
+        table's rows are dequantized (weight_only.py)."""
         if isinstance(table, Int8Weight):
-            self.int8.embedding(ids, table, out, scale)
+            self.weight_only.embedding(ids, table, out, scale)
             return
         _refuse_q4(table)
         n, hidden = shapes.embedding(ids, table.shape, out)
@@ -241,9 +241,9 @@ class CUDABackend(Backend):
 
     def linear(self, x, w, out, bias=None, scratch=None) -> None:
         """out[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]) through cuBLAS (the call in the module docstring).
-        An Int8Weight goes to int8.py, whose GEMM path dequantizes tiles of it into `scratch`."""
+        An Int8Weight goes to weight_only.py, whose GEMM path dequantizes tiles of it into `scratch`."""
         if isinstance(w, Int8Weight):
-            self.int8.linear(x, w, out, bias, scratch)
+            self.weight_only.linear(x, w, out, bias, scratch)
             return
         _refuse_q4(w)
         n, k, n_out = shapes.linear(x, tuple(w.shape), out, bias)

@@ -28,8 +28,9 @@ import numpy as np
 
 try:  # ml_dtypes is a dependency, but the packing below must work without it too
     from ml_dtypes import bfloat16 as _bfloat16
+    from ml_dtypes import float8_e4m3fn as _float8_e4m3fn
 except ImportError:  # pragma: no cover
-    _bfloat16 = None
+    _bfloat16 = _float8_e4m3fn = None
 
 # C++ element type name -> the NumPy dtypes an array of it may have.
 ELEMENT_TYPES: dict[str, tuple[np.dtype, ...]] = {
@@ -38,6 +39,13 @@ ELEMENT_TYPES: dict[str, tuple[np.dtype, ...]] = {
     "bf16": ((np.dtype(_bfloat16),) if _bfloat16 is not None else ()) + (np.dtype(np.uint16),),
 }
 FLOAT_TYPES = tuple(ELEMENT_TYPES)  # the instances of every kernel templated on its storage type
+
+# The one-byte weight types of the weight-only formats (common.cuh's weight_value) and the dtypes their
+# arrays may have: int8's signed char; fp8's e4m3 (uint8 bit patterns, or ml_dtypes' float8_e4m3fn).
+WEIGHT_TYPES: dict[str, tuple[np.dtype, ...]] = {
+    "signed char": (np.dtype(np.int8),),
+    "e4m3": (np.dtype(np.uint8),) + ((np.dtype(_float8_e4m3fn),) if _float8_e4m3fn is not None else ()),
+}
 
 _POINTEE_DTYPES = {"int": np.dtype(np.int32), "float": np.dtype(np.float32), "signed char": np.dtype(np.int8),
                    "unsigned long long": np.dtype(np.uint64), "unsigned": np.dtype(np.uint32)}
@@ -186,15 +194,17 @@ SPECS: dict[str, KernelSpec] = {s.name: s for s in (
                signature("const unsigned long long* k_ptrs, const unsigned long long* v_ptrs, const int* pairs, "
                     "int words_per_block")),
     _each_float("take_rows_kernel", "take_rows.cu", "T* out, const T* x, const int* indices, int cols"),
-    # int8 weight-only products: (T, O) = (activation type, output type), as RESIDUAL_PAIRS pairs them
-    KernelSpec("int8_gemv_kernel", "int8_linear.cu", signature(
-                "O* out, const T* x, const signed char* q, const float* scale, const O* bias, int rows, "
-                "int n_out, int k, int has_bias"), ("T", "O"), RESIDUAL_PAIRS),
-    _each_float("int8_dequant_kernel", "int8_linear.cu",
-                "T* out, const signed char* q, const float* scale, int k"),
-    KernelSpec("int8_embedding_kernel", "int8_embedding.cu", signature(
-                "R* out, const int* ids, const signed char* q, const float* row_scale, int hidden, float scale"),
-               ("R",), tuple((t,) for t in FLOAT_TYPES)),
+    # weight-only products (int8 and fp8 weights): W the weight type, (T, O) = (activation type, output type)
+    # as RESIDUAL_PAIRS pairs them
+    KernelSpec("wo_gemv_kernel", "weight_only_linear.cu", signature(
+                "O* out, const T* x, const W* q, const float* scale, const O* bias, int rows, int n_out, int k, "
+                "int has_bias"), ("W", "T", "O"), tuple((w, *pair) for w in WEIGHT_TYPES for pair in RESIDUAL_PAIRS)),
+    KernelSpec("wo_dequant_kernel", "weight_only_linear.cu", signature(
+                "T* out, const W* q, const float* scale, int k"), ("W", "T"),
+               tuple((w, t) for w in WEIGHT_TYPES for t in FLOAT_TYPES)),
+    KernelSpec("wo_embedding_kernel", "weight_only_embedding.cu", signature(
+                "R* out, const int* ids, const W* q, const float* row_scale, int hidden, float scale"),
+               ("W", "R"), tuple((w, t) for w in WEIGHT_TYPES for t in FLOAT_TYPES)),
 )}
 
 
@@ -228,7 +238,7 @@ def pack_args(spec: KernelSpec, targs: tuple[str, ...], values) -> list:
         where = f"{spec.name} argument {arg.name!r} ({arg.ctype})"
         if arg.is_pointer:
             pointee = subst.get(arg.pointee, arg.pointee)
-            allowed = ELEMENT_TYPES.get(pointee) or (_POINTEE_DTYPES[pointee],)
+            allowed = ELEMENT_TYPES.get(pointee) or WEIGHT_TYPES.get(pointee) or (_POINTEE_DTYPES[pointee],)
             dtype = getattr(value, "dtype", None)
             if dtype is None or not hasattr(value, "flags"):
                 raise KernelArgumentError(f"{where} must be an array, got {type(value).__name__}")

@@ -1,6 +1,6 @@
 """How an op method becomes a kernel launch: thread counts, the shared-memory limit, argument packing.
 
-CUDABackend makes one `Launches` and hands it to each part it owns (attention.py, sampling.py, int8.py);
+CUDABackend makes one `Launches` and hands it to each part it owns (attention.py, sampling.py, weight_only.py);
 its own layer ops launch through it too.  `Launches.launch` checks the arguments against the kernel's
 signature (kernel_specs.pack_args) and hands them to the launcher, which is the GPU's CuPyLauncher
 (runtime.py) or the host launcher of the test harness (tests/cuda_shim).
@@ -32,7 +32,7 @@ def address(a: Any) -> int:
 
 
 class Launches:
-    """The one way CUDABackend and its parts (attention.py, sampling.py, int8.py) put work on the device:
+    """The one way CUDABackend and its parts (attention.py, sampling.py, weight_only.py) put work on the device:
     `launch` checks a kernel's arguments and shared memory and hands them to the launcher; `gemm` is the
     launcher's cuBLAS GEMM (the call backend.py's module docstring states)."""
 

@@ -1,14 +1,17 @@
-"""int8 weight-only products on CUDA (rawinfer/quant.py's "int8": q[N, K] int8 rows, scale[N] float32).
+"""Weight-only quantized products on CUDA: rawinfer/quant.py's "int8" (q[N, K] int8 rows) and "fp8" (q[N, K]
+float8 e4m3fn bytes), each with scale[N] float32; a weight is q * scale.
 
-CUDABackend owns one `Int8Products`; its `linear` and `embedding` hand an `Int8Weight` here:
+CUDABackend owns one `WeightOnlyProducts`; its `linear` and `embedding` hand such a weight here.  The two
+formats share every kernel: both are one byte a weight, read by common.cuh's weight_value, so the
+kernels are templates over the weight type W (`weight_type` below names it from q's dtype):
 
-- decode rows (T <= INT8_GEMV_MAX_ROWS): int8_gemv_kernel (cuda/int8_linear.cu) reads every weight
+- decode rows (T <= WO_GEMV_MAX_ROWS): wo_gemv_kernel (cuda/weight_only_linear.cu) reads every weight
   row once for all T rows, scale and bias applied to the float32 sums;
-- more rows (prefill, large decode batches): int8_dequant_kernel writes a tile of weight rows as
+- more rows (prefill, large decode batches): wo_dequant_kernel writes a tile of weight rows as
   q * scale in the activation dtype into `scratch` (the pool's dequantization workspace, the float32
   buffer the CPU backend's int8 path uses too, viewed as the activation dtype), and the backend's one
   cuBLAS GEMM (backend.py's module docstring) multiplies x with the tile into out's columns of that tile;
-- embedding lookups: int8_embedding_kernel (cuda/int8_embedding.cu) dequantizes the gathered rows.
+- embedding lookups: wo_embedding_kernel (cuda/weight_only_embedding.cu) dequantizes the gathered rows.
 
 Tiles of weight rows for the GEMM path:
 
@@ -25,35 +28,43 @@ import numpy as np
 from rawinfer.backend import shapes
 from rawinfer.backend.cuda import kernel_specs as ks
 from rawinfer.backend.cuda.launch import Launches, row_threads
-from rawinfer.quant import Int8Weight
 
-INT8_GEMV_MAX_ROWS = 8    # INT8_GEMV_MAX_ROWS in cuda/int8_linear.cu: rows one GEMV launch serves
-INT8_GEMV_WARPS = 4       # INT8_GEMV_WARPS there: output rows (one warp each) per block
+WO_GEMV_MAX_ROWS = 8      # WO_GEMV_MAX_ROWS in cuda/weight_only_linear.cu: rows one GEMV launch serves
+WO_GEMV_WARPS = 4         # WO_GEMV_WARPS there: output rows (one warp each) per block
 OWN_TILE_ROWS = 8192      # rows of the tile buffer a call without scratch allocates
 
 
-class Int8Products:
-    """CUDABackend's linear and embedding with an Int8Weight."""
+def weight_type(q) -> str:
+    """The kernels' weight type W for a weight-only matrix's q (kernel_specs.WEIGHT_TYPES)."""
+    for name, dtypes in ks.WEIGHT_TYPES.items():
+        if np.dtype(q.dtype) in dtypes:
+            return name
+    raise ValueError(f"a weight-only matrix holds int8 or float8 e4m3fn (uint8) values, got {q.dtype}")
+
+
+class WeightOnlyProducts:
+    """CUDABackend's linear and embedding with an int8 or fp8 weight (anything with q [N, K] and scale [N])."""
 
     def __init__(self, launches: Launches, xp: Any):
         """launches: the backend's (launch.py); xp: numpy or cupy, for a tile buffer of its own."""
         self.launches, self.xp = launches, xp
 
-    def linear(self, x, w: Int8Weight, out, bias, scratch) -> None:
+    def linear(self, x, w, out, bias, scratch) -> None:
         """out[T, N] = x[T, K] @ (w.q * w.scale[:, None])^T (+ bias[N]); see the module docstring."""
         n, k, n_out = shapes.linear(x, tuple(w.shape), out, bias)
-        if w.q.dtype != np.int8 or w.scale.dtype != np.float32 or tuple(w.scale.shape) != (n_out,):
-            raise ValueError(f"linear: an int8 weight is q [N, K] int8 and scale [N] float32, got q {w.q.dtype} and "
-                             f"scale {w.scale.dtype} {tuple(w.scale.shape)}")
+        wt = weight_type(w.q)
+        if w.scale.dtype != np.float32 or tuple(w.scale.shape) != (n_out,):
+            raise ValueError(f"linear: a weight-only matrix's scale is [N] float32, got {w.scale.dtype} "
+                             f"{tuple(w.scale.shape)}")
         if out.dtype not in (x.dtype, np.dtype(np.float32)):
             raise ValueError(f"linear: out ({out.dtype}) must have x's dtype ({x.dtype}) or be float32")
         if bias is not None and bias.dtype != out.dtype:
             raise ValueError(f"linear: bias ({bias.dtype}) must have out's dtype ({out.dtype})")
         if n == 0:
             return
-        if n <= INT8_GEMV_MAX_ROWS:
-            self.launches.launch("int8_gemv_kernel", (ks.element_type(x.dtype), ks.element_type(out.dtype)),
-                                 (-(-n_out // INT8_GEMV_WARPS),), (32 * INT8_GEMV_WARPS,), 0,
+        if n <= WO_GEMV_MAX_ROWS:
+            self.launches.launch("wo_gemv_kernel", (wt, ks.element_type(x.dtype), ks.element_type(out.dtype)),
+                                 (-(-n_out // WO_GEMV_WARPS),), (32 * WO_GEMV_WARPS,), 0,
                                  out, x, w.q, w.scale, out if bias is None else bias, n, n_out, k,
                                  int(bias is not None))
             return
@@ -66,7 +77,7 @@ class Int8Products:
         for n0 in range(0, n_out, tiles.shape[0]):
             rows = min(tiles.shape[0], n_out - n0)
             tile = tiles[:rows]
-            self.launches.launch("int8_dequant_kernel", (ks.element_type(x.dtype),), (rows,), (row_threads(k),), 0,
+            self.launches.launch("wo_dequant_kernel", (wt, ks.element_type(x.dtype)), (rows,), (row_threads(k),), 0,
                                  tile, w.q[n0:n0 + rows], w.scale[n0:n0 + rows], k)
             # columns n0 .. n0 + rows of every row of out: out^T's rows n0.., leading dimension N
             self.launches.gemm(True, False, rows, n, k, tile, k, x, k, flat_out[n0:], n_out, beta)
@@ -86,9 +97,9 @@ class Int8Products:
                              "size it with exec/memory.py's dequant_scratch_size")
         return scratch.view(dtype)[:rows * k].reshape(rows, k)
 
-    def embedding(self, ids, table: Int8Weight, out, scale: float) -> None:
+    def embedding(self, ids, table, out, scale: float) -> None:
         """out[T, C] = (table.q[ids] * table.scale[ids, None]) * scale, in float32, rounded once to out's dtype."""
         n, hidden = shapes.embedding(ids, table.shape, out)
         if n:
-            self.launches.launch("int8_embedding_kernel", (ks.element_type(out.dtype),), (n,),
+            self.launches.launch("wo_embedding_kernel", (weight_type(table.q), ks.element_type(out.dtype)), (n,),
                                  (row_threads(hidden),), 0, out, ids, table.q, table.scale, hidden, scale)
