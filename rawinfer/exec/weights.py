@@ -52,7 +52,8 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def weight_plan(cfg: ModelConfig, float_dtype) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     """(name, shape, dtype) of every stored tensor: a quantized model's matrices as their parts
-    (quant.stored_parts: int8 + float32 scales, or q4 nibbles + float16 block scales)."""
+    (quant.stored_parts: int8 + float32 scales, q4 nibbles + float16 block scales, or fp8 codes + float32
+    scales)."""
     plan = []
     for name, shape in weight_shapes(cfg).items():
         plan.extend(stored_parts(name, shape, storage_kind(name, shape, cfg.quant), float_dtype))
@@ -87,12 +88,37 @@ def load_weights(cfg: ModelConfig, model_dir: str, views: dict, upload) -> None:
     after checking every name, shape and storage type against config.json."""
     path = os.path.join(model_dir, "model.safetensors")
     shapes = {name: shape for name, shape, _ in weight_plan(cfg, np.float32)}
+    header = read_safetensors_header(path)
+    check_header(cfg, path, header, shapes)
+    fp8_codes = {name for name, shape in weight_shapes(cfg).items() if storage_kind(name, shape, cfg.quant) == "fp8"}
+    from safetensors import safe_open
+    if any(header[name].get("dtype") == "BF16" for name in shapes):
+        try:    # only then: its import takes seconds of every start
+            import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy so bf16 checkpoints load)
+        except ImportError:
+            pass
+    try:
+        with safe_open(path, framework="numpy") as f:
+            for name in shapes:
+                host = f.get_tensor(name)
+                check_finite(path, name, host)
+                if name in fp8_codes:
+                    check_fp8_codes(path, name, host)
+                upload(views[name], host)
+    except ModelFormatError:
+        raise
+    except Exception as e:  # safetensors raises its own error types on truncation/corruption
+        raise ModelFormatError(f"cannot read {path} ({e}); the file is corrupt or truncated: re-convert the model") from e
+
+
+def check_header(cfg: ModelConfig, path: str, header: dict, shapes: dict) -> None:
+    """ModelFormatError unless the file's header holds exactly the tensors of config.json's plan (`shapes`),
+    each with its shape and, for a quantized matrix's parts, its storage type (quant.stored_parts)."""
     quant_parts = {}        # name -> dtype of each stored part of a quantized matrix
     for name, shape in weight_shapes(cfg).items():
         kind = storage_kind(name, shape, cfg.quant)
         if kind is not None:
             quant_parts.update({n: d for n, _, d in stored_parts(name, shape, kind, np.float32)})
-    header = read_safetensors_header(path)
     missing = sorted(set(shapes) - set(header))
     if missing:
         raise ModelFormatError(f"{path} lacks tensor(s) {', '.join(missing[:5])}; re-convert the model")
@@ -110,22 +136,6 @@ def load_weights(cfg: ModelConfig, model_dir: str, views: dict, upload) -> None:
             raise ModelFormatError(
                 f"{path}: tensor {name} has shape {tuple(header[name]['shape'])}, config.json says {shape}; "
                 "re-convert the model")
-    from safetensors import safe_open
-    if any(header[name].get("dtype") == "BF16" for name in shapes):
-        try:    # only then: its import takes seconds of every start
-            import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy so bf16 checkpoints load)
-        except ImportError:
-            pass
-    try:
-        with safe_open(path, framework="numpy") as f:
-            for name in shapes:
-                host = f.get_tensor(name)
-                check_finite(path, name, host)
-                upload(views[name], host)
-    except ModelFormatError:
-        raise
-    except Exception as e:  # safetensors raises its own error types on truncation/corruption
-        raise ModelFormatError(f"cannot read {path} ({e}); the file is corrupt or truncated: re-convert the model") from e
 
 
 def check_finite(path: str, name: str, host: np.ndarray) -> None:
@@ -136,6 +146,15 @@ def check_finite(path: str, name: str, host: np.ndarray) -> None:
     bad = non_finite_count(host.astype(np.float32) if host.dtype.kind == "V" else host)
     if bad:
         raise ModelFormatError(f"{path}: tensor {name} holds {bad} NaN or Inf value(s); the file is damaged: "
+                               "re-convert the model")
+
+
+def check_fp8_codes(path: str, name: str, host: np.ndarray) -> None:
+    """ModelFormatError if an fp8 matrix holds the e4m3fn NaN codes (0x7F, 0xFF), which the converter
+    never writes."""
+    bad = int(np.count_nonzero((host & 0x7F) == 0x7F))
+    if bad:
+        raise ModelFormatError(f"{path}: fp8 tensor {name} holds {bad} NaN code(s); the file is damaged: "
                                "re-convert the model")
 
 

@@ -1,5 +1,11 @@
 """CPUBackend: the op interface on NumPy (BLAS GEMMs) and Numba kernels, float32 storage and compute
-(quantized weights' products: the QuantizedProducts of products.py it owns)."""
+(quantized weights' products: the QuantizedProducts of products.py it owns).
+
+fp8 models (quant.py) run on the reference path: prepare_weight dequantizes each fp8 matrix, the
+embedding table too, to float32 once at load (quant.dequantize_fp8), and every op then computes as for
+a float32 model with those weights (float32 K/V by default as well). This costs memory: the pool holds
+the fp8 codes (1 byte a weight) and the float32 copies (4 bytes a weight) live beside it, 5 bytes a
+weight in all against a float32 model's 4; the format's speed is for GPUs with FP8 tensor cores."""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from rawinfer.backend.cpu.products import INT8_GEMV_MAX_ROWS, QuantizedProducts,
 from rawinfer.backend.cpu import tileattn as cpu_tileattn
 from rawinfer.backend.cpu import variants as V
 from rawinfer.backend.cpu.threads import ThreadGovernor, configure_spin
-from rawinfer.quant import Int8Weight, Q4Weight
+from rawinfer.quant import Fp8Weight, Int8Weight, Q4Weight, dequantize_fp8
 
 ATTN_QUERY_TILE = 16       # queries per attention work item: K/V rows are streamed once per tile
 ATTN_BLAS_MIN_QUERY = 32   # sequences with this many queries in a step take the BLAS attention...
@@ -45,12 +51,13 @@ def _items_of(chosen: np.ndarray, query_start_loc: np.ndarray, tile: int):
 class CPUBackend(Backend):
     name = "cpu"
     xp = np
-    capabilities = Capabilities(quantized_weights=("int8", "q4"))
+    capabilities = Capabilities(quantized_weights=("int8", "q4", "fp8"))
 
     def fused_max_tokens(self, quant):
         # Decode steps with every layer in one Numba call (fused.py), which saves the per-op dispatch: int8 / q4
-        # models, and float32 ones where fgemm runs (AVX2 + FMA; fused_limits: which batches; docs/kernels.md).
-        if quant is None:
+        # models, and float32 ones where fgemm runs (AVX2 + FMA; fused_limits: which batches; docs/kernels.md);
+        # fp8 models are float32 ones once loaded (prepare_weight).
+        if quant in (None, "fp8"):
             return 1 if cpu_fgemm.available() else 0
         return INT8_GEMV_MAX_ROWS if quant in ("int8", "q4") else 0
 
@@ -105,10 +112,10 @@ class CPUBackend(Backend):
         # int8 for int8 models, built for many sequences, whose golden agreement holds with it
         # (tests/backend/test_quant.py); float16 for q4 models, built for one stream, whose agreement
         # is best with it (test_q4.py: the int8 cache's rounding flips near-ties that float16 keeps);
-        # float32 for float models, exact. float16 converts with F16C where the CPU has it, else in
-        # integer operations with the same results (half.py).
+        # float32 for float models and fp8 ones (the reference path), exact. float16 converts with F16C
+        # where the CPU has it, else in integer operations with the same results (half.py).
         if choice == "auto":
-            choice = "float32" if quant is None else "float16" if quant == "q4" else "int8"
+            choice = "float32" if quant in (None, "fp8") else "float16" if quant == "q4" else "int8"
         return np.dtype(choice)
 
     # ---- memory (memory.py) ------------------------------------------------------------------
@@ -178,6 +185,8 @@ class CPUBackend(Backend):
             out += bias
 
     def prepare_weight(self, w, head: bool = False):
+        if isinstance(w, Fp8Weight):            # the reference path: float32 weights from here on
+            return dequantize_fp8(w.q, w.scale)
         return self.quantized.prepare_weight(w, head)
 
     def linear_silu_mul(self, x, w, gate_up, out, scratch=None) -> None:

@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="storage dtype of the weights (default: float32)")
     p.add_argument("--quant", default=None, choices=QUANT_TYPES,
-                   help="weight-only quantization: int8 rows, or q4 blocks for the layers, rawinfer/quant.py "
+                   help="weight-only quantization: int8 rows, q4 blocks for the layers, or fp8 (e4m3) rows "
+                        "for GPUs with FP8 tensor cores (the CPU runs them as float32), rawinfer/quant.py "
                         "(default: none)")
     p.add_argument("--force", action="store_true", help="replace DST if it holds files (default: refuse)")
     p.set_defaults(func=cmd_convert)
