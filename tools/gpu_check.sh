@@ -8,8 +8,8 @@
 #
 # 1. nvidia-smi summary and package versions      -> OUTDIR/nvidia-smi.txt, OUTDIR/versions.txt
 # 2. the GPU test suite: pytest -m gpu tests/backend/test_gpu*.py tests/backend/test_cuda_fused_gpu.py
-#    tests/backend/test_cuda_int8_gpu.py (int8 weight-only products: GEMV, dequantized tiles + cuBLAS,
-#    embedding, tiny int8 models against the CPU) tests/backend/test_grammar_mask.py
+#    tests/backend/test_cuda_int8_gpu.py (int8 and fp8 weight-only products: GEMV, dequantized tiles +
+#    cuBLAS, embedding, tiny int8 and fp8 models against the CPU) tests/backend/test_grammar_mask.py
 #    (the structured-output mask kernel; the K/V transfer between two
 #    CUDA processes over ZeroMQ, test_gpu_disagg.py, needs pyzmq; it skips without)
 #    -> OUTDIR/gpu-tests.log, gpu-tests.xml (kernels incl. the Gemma 3 / Qwen3 ops and sliding-window

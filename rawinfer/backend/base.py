@@ -53,8 +53,10 @@ class Capabilities:
     quantized_weights: tuple[str, ...] = ()  # weight formats of rawinfer/quant.py that linear() takes
 
     def conversions(self) -> str:
-        """How to convert a model this backend runs, for a refusal's fix: "with --quant int8 or without --quant"."""
-        return "".join(f"with --quant {q} or " for q in self.quantized_weights) + "without --quant"
+        """How to convert a model this backend runs, for a refusal's fix: "with --quant int8, with --quant fp8
+        or without --quant"."""
+        return "".join(f"with --quant {q}, " for q in self.quantized_weights[:-1]) + "".join(
+            f"with --quant {q} or " for q in self.quantized_weights[-1:]) + "without --quant"
 
 
 @dataclass(frozen=True)

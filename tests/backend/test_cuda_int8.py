@@ -159,7 +159,7 @@ def test_bad_int8_arguments_are_refused_by_name(backend):
     q4 = Q4Weight(np.zeros((8, 32), np.uint8), np.zeros((8, 2, 2), np.float16))
     with pytest.raises(ValueError, match="q4 weight-only models run on the CPU backend"):
         backend.linear(rand(rng, (2, 64), np.float32), q4, np.zeros((2, 8), np.float32))
-    assert backend.capabilities.quantized_weights == ("int8",)
+    assert backend.capabilities.quantized_weights == ("int8", "fp8")
 
 
 # ---- the whole model ---------------------------------------------------------------------------------
@@ -178,8 +178,9 @@ def shim_engine(monkeypatch, model_dir, libraries) -> tuple[LLMEngine, list]:
 
 
 def cpu_engine(model_dir) -> LLMEngine:
-    """The CPU backend on the same int8 file, with what CUDA does elsewhere: float32 K/V (an int8 model's
-    CPU default is an int8 cache) and float activations in the products (no integer GEMM)."""
+    """The CPU backend on the same int8 (or fp8) file, with what CUDA does elsewhere: float32 K/V (an int8
+    model's CPU default is an int8 cache) and float activations in the products (no integer GEMM); the CPU
+    runs an fp8 file as float32 weights dequantized at load (its reference path)."""
     engine = LLMEngine(model_dir, device="cpu", kv_cache_memory="2MiB", max_num_batched_tokens=16, max_num_seqs=4,
                        max_model_len=128, itl_target_ms=0, warmup=False, kv_cache_dtype="float32",
                        cpu_int_gemm=False)
@@ -198,15 +199,16 @@ def _recording(engine) -> list:
     return logits
 
 
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_tiny_int8_model_on_cuda_gives_the_cpu_backends_tokens(monkeypatch, tmp_path_factory, shim_libraries,
-                                                                 staggered_generation, name):
-    """float32 activations, int8 weights: the same greedy tokens as the CPU backend on the same file, and
-    every step's logits within float32 rounding of the CPU's. Prompt chunks of 16 rows take the
+                                                                 staggered_generation, name, quant):
+    """float32 activations, int8 (or fp8 e4m3) weights: the same greedy tokens as the CPU backend on the same
+    file, and every step's logits within float32 rounding of the CPU's. Prompt chunks of 16 rows take the
     dequantized tiles, decode steps (1 to 3 rows) and the 3-token prompt the GEMV; Qwen2 adds the QKV
-    bias; the LM head is the int8 embedding table (tied)."""
+    bias; the LM head is the quantized embedding table (tied)."""
     from conftest import _convert_tiny
-    model_dir = _convert_tiny(tmp_path_factory, name, quant="int8")
+    model_dir = _convert_tiny(tmp_path_factory, name, quant=quant)
     engine, logits = shim_engine(monkeypatch, model_dir, shim_libraries)
     launches = engine.backend._launcher.launches
     got = staggered_generation(engine, PROMPTS, 6)
@@ -220,13 +222,15 @@ def test_tiny_int8_model_on_cuda_gives_the_cpu_backends_tokens(monkeypatch, tmp_
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(b).max())))
 
 
-def test_tiny_bf16_int8_model_on_cuda_stays_within_the_formats_error(monkeypatch, tmp_path_factory, shim_libraries):
-    """bf16 activations with int8 weights against the CPU backend (float32 activations) on the same file:
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+def test_tiny_bf16_int8_model_on_cuda_stays_within_the_formats_error(monkeypatch, tmp_path_factory, shim_libraries,
+                                                                      quant):
+    """bf16 activations with int8 (or fp8) weights against the CPU backend (float32 activations) on the same file:
     the logits within a bound stated relative to bf16 (8 units of its rounding, 2^-8, times the logits'
     scale: under twice the difference the same model converted without --quant shows between the two
     backends, docs/gpu-kernels.md), the greedy tokens equal where the CPU's top-2 margin exceeds twice it."""
     from conftest import _convert_tiny
-    model_dir = _convert_tiny(tmp_path_factory, "tiny-llama", dtype="bfloat16", quant="int8")
+    model_dir = _convert_tiny(tmp_path_factory, "tiny-llama", dtype="bfloat16", quant=quant)
     engine, _ = shim_engine(monkeypatch, model_dir, shim_libraries)
     assert engine.pool.workspace.acts.hidden.dtype == np.dtype(bfloat16)
     prompt = list(range(20, 47))

@@ -1,7 +1,7 @@
-"""GPU suite (marker `gpu`) for the int8 weight-only products: the GEMV kernel (decode rows), the
-dequantized tiles + cuBLAS (prefill rows) and the int8 embedding on the device, at Llama-3-8B's matrix
-shapes, against NumPy; and tiny int8 models through the engine on the device against the CPU backend.
-The same kernels on the host shim: test_cuda_int8.py.
+"""GPU suite (marker `gpu`) for the weight-only products, int8 and fp8 e4m3: the GEMV kernel (decode rows),
+the dequantized tiles + cuBLAS (prefill rows) and the embedding on the device, at Llama-3-8B's matrix
+shapes, against NumPy; and tiny int8 and fp8 models through the engine on the device against the CPU
+backend. The same kernels on the host shim: test_cuda_int8.py, test_cuda_fp8.py.
 
 Skipped wherever no usable GPU is present. tools/gpu_check.sh runs it with the rest of the GPU suite.
 """
@@ -16,10 +16,10 @@ from rawinfer.backend.cuda.runtime import cuda_status
 USABLE, WHY = cuda_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]
 
-from ml_dtypes import bfloat16  # noqa: E402
+from ml_dtypes import bfloat16, float8_e4m3fn  # noqa: E402
 
 from conftest import _convert_tiny, _staggered_generation, dev, host  # noqa: E402
-from rawinfer.quant import Int8Weight  # noqa: E402
+from rawinfer.quant import Fp8Weight, Int8Weight  # noqa: E402
 from reference_ops import assert_close, int8_linear_ref, linear_ref, rand  # noqa: E402
 
 
@@ -27,14 +27,29 @@ def int8_weight(rng, n, k) -> Int8Weight:
     return Int8Weight(rng.integers(-127, 128, (n, k)).astype(np.int8), rng.uniform(0.002, 0.03, n).astype(np.float32))
 
 
+def fp8_weight(rng, n, k) -> Fp8Weight:
+    q = rng.integers(0, 256, (n, k)).astype(np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x7E             # no NaN codes: 448
+    return Fp8Weight(q, rng.uniform(0.5, 2.0, n).astype(np.float32) / 448)
+
+
+def values(w) -> np.ndarray:
+    """The weight's stored values as float32 (before the row scales)."""
+    return w.q.view(float8_e4m3fn).astype(np.float32) if isinstance(w, Fp8Weight) else w.q.astype(np.float32)
+
+
+FORMATS = {"int8": int8_weight, "fp8": fp8_weight}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("dtype", [bfloat16, np.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("n_out,k", [(6144, 4096), (4096, 14336), (1000, 136)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
-def test_int8_linear_on_the_device(gpu, dtype, n_out, k, rows):
+def test_int8_linear_on_the_device(gpu, dtype, n_out, k, rows, fmt):
     rng = np.random.default_rng(rows + k)
-    w = int8_weight(rng, n_out, k)
+    w = FORMATS[fmt](rng, n_out, k)
     x = rand(rng, (rows, k), dtype)
-    d_w = Int8Weight(dev(gpu, w.q), dev(gpu, w.scale))
+    d_w = type(w)(dev(gpu, w.q), dev(gpu, w.scale))
     scratch = gpu.empty((2048 * k // 2,), np.float32)   # tiles of 2,048 rows of 16-bit weights
     for out_dtype in (dtype, np.float32):
         out = gpu.empty((rows, n_out), out_dtype)
@@ -42,27 +57,29 @@ def test_int8_linear_on_the_device(gpu, dtype, n_out, k, rows):
         gpu.linear(dev(gpu, x), d_w, out, bias=dev(gpu, bias), scratch=scratch)
         got = host(gpu, out)
         if rows <= 8:
-            assert_close(got, int8_linear_ref(x, w.q, w.scale, bias), out_dtype, "gemv")
+            assert_close(got, int8_linear_ref(x, values(w), w.scale, bias), out_dtype, "gemv")
         else:
-            deq = (w.q.astype(np.float32) * w.scale[:, None]).astype(dtype)
+            deq = (values(w) * w.scale[:, None]).astype(dtype)
             ref = linear_ref(x, deq, bias)
             err = np.abs(got.astype(np.float64) - ref) / np.maximum(1.0, np.abs(ref))
             assert err.max() < 4 * 2.0**-7, f"tiled GEMM: worst relative error {err.max()}"
 
 
-def test_int8_embedding_on_the_device(gpu):
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_int8_embedding_on_the_device(gpu, fmt):
     rng = np.random.default_rng(1)
-    table = int8_weight(rng, 32000, 4096)
+    table = FORMATS[fmt](rng, 32000, 4096)
     ids = rng.integers(0, 32000, 77).astype(np.int32)
     out = gpu.empty((77, 4096), np.float32)
-    gpu.embedding(dev(gpu, ids), Int8Weight(dev(gpu, table.q), dev(gpu, table.scale)), out)
-    np.testing.assert_array_equal(host(gpu, out), table.q[ids].astype(np.float32) * table.scale[ids, None])
+    gpu.embedding(dev(gpu, ids), type(table)(dev(gpu, table.q), dev(gpu, table.scale)), out)
+    np.testing.assert_array_equal(host(gpu, out), values(table)[ids] * table.scale[ids, None])
 
 
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
-def test_tiny_int8_model_on_the_device_gives_the_cpu_backends_tokens(tmp_path_factory, name):
+def test_tiny_int8_model_on_the_device_gives_the_cpu_backends_tokens(tmp_path_factory, name, quant):
     from rawinfer import LLMEngine
-    model = _convert_tiny(tmp_path_factory, name, quant="int8")
+    model = _convert_tiny(tmp_path_factory, name, quant=quant)
     prompts = {"a": [5, 6, 7], "b": list(range(20, 47)), "c": [300, 301, 9, 11, 40, 41]}
     opts = dict(kv_cache_memory="16MiB", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128, itl_target_ms=0)
     got = _staggered_generation(LLMEngine(model, device="cuda", **opts), prompts, 8)

@@ -205,14 +205,14 @@ def test_decode_graphs_on_the_shim_match_eager(monkeypatch, tiny_llama_dir, shim
 
 @needs_shim
 def test_q4_models_are_refused_on_cuda(monkeypatch, tmp_path, shim_libraries):
-    """int8 models run on CUDA (tests/backend/test_cuda_int8.py); q4 ones are refused at start."""
+    """int8 and fp8 models run on CUDA (tests/backend/test_cuda_int8.py); q4 ones are refused at start."""
     from rawinfer.convert import ConversionWarning, convert
     dst = str(tmp_path / "tiny-q4")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)
         convert(os.path.join(DATA, "tiny-llama"), dst, quant="q4", progress=False)
-    with pytest.raises(ValueError, match="q4 weight-only models run on the CPU backend; convert with --quant int8 "
-                                         "or without --quant"):
+    with pytest.raises(ValueError, match="^q4 weight-only models run on the CPU backend; convert with --quant int8, "
+                                         "with --quant fp8 or without --quant for --device cuda"):
         shim_engine(monkeypatch, dst, shim_libraries, graphs=True)
 
 

@@ -19,8 +19,8 @@ float16 or bfloat16), except the residual stream, which may be float32 (the pool
 embedding, rmsnorm and add_rmsnorm take a second element type R for it); every kernel computes in
 float32.  CuPy has no bfloat16, so a bfloat16 tensor lives on the device as uint16 bit patterns:
 `carve`, `upload` and `to_host` translate, and no other uint16 device array exists in this backend.
-`linear` may write float32 output from 16-bit inputs (for logits).  int8 weight-only models run here
-(weight_only.py); q4 models do not (the engine refuses them at start: Capabilities.quantized_weights).
+`linear` may write float32 output from 16-bit inputs (for logits).  int8 and fp8 weight-only models run
+here (weight_only.py); q4 models do not (the engine refuses them at start: Capabilities.quantized_weights).
 
 GEMM convention, stated once.  rawinfer stores matrices row-major: x[T, K], w[N, K] (out features x in
 features), out[T, N], and computes out = x @ w^T.  cuBLAS reads column-major, and a row-major [r, c]
@@ -53,8 +53,9 @@ from rawinfer.backend.cuda.runtime import (CUDAGraph, CuPyLauncher, cuda_availab
                                            kernel_source)
 from rawinfer.backend.cuda.sampling import DeviceSampling
 from rawinfer.backend.cuda.weight_only import WeightOnlyProducts
-from rawinfer.quant import Int8Weight, Q4Weight
+from rawinfer.quant import Fp8Weight, Int8Weight, Q4Weight
 
+WEIGHT_ONLY = (Int8Weight, Fp8Weight)   # the quantized matrices weight_only.py multiplies
 HEAD_RMSNORM_HEADS_PER_BLOCK = 4   # HEADS_PER_BLOCK in cuda/head_rmsnorm.cu: one warp per head
 FUSED_HEADS_PER_BLOCK = 4          # FUSED_HEADS_PER_BLOCK in cuda/fused_rope_kv_write.cu: one warp per head
 
@@ -104,7 +105,7 @@ class CUDABackend(Backend):
         self.sampling = DeviceSampling(self.launches, self.xp)
         self.weight_only = WeightOnlyProducts(self.launches, self.xp)
         self.capabilities = Capabilities(on_gpu=self.on_gpu, graphs=self.supports_graphs, device_sampling=True,
-                                         quantized_weights=("int8",))
+                                         quantized_weights=("int8", "fp8"))
 
     @property
     def on_gpu(self) -> bool:
@@ -207,9 +208,9 @@ class CUDABackend(Backend):
 
     # ---- layer ops ------------------------------------------------------------------------------
     def embedding(self, ids, table, out, scale: float = 1.0) -> None:
-        """out = table[ids] * scale, the product in float32 (scale 1 copies the rows exactly); an int8
-        table's rows are dequantized (weight_only.py)."""
-        if isinstance(table, Int8Weight):
+        """out = table[ids] * scale, the product in float32 (scale 1 copies the rows exactly); an int8 or
+        fp8 table's rows are dequantized (weight_only.py)."""
+        if isinstance(table, WEIGHT_ONLY):
             self.weight_only.embedding(ids, table, out, scale)
             return
         _refuse_q4(table)
@@ -241,8 +242,9 @@ class CUDABackend(Backend):
 
     def linear(self, x, w, out, bias=None, scratch=None) -> None:
         """out[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]) through cuBLAS (the call in the module docstring).
-        An Int8Weight goes to weight_only.py, whose GEMM path dequantizes tiles of it into `scratch`."""
-        if isinstance(w, Int8Weight):
+        An Int8Weight or Fp8Weight goes to weight_only.py, whose GEMM path dequantizes tiles of it into
+        `scratch`."""
+        if isinstance(w, WEIGHT_ONLY):
             self.weight_only.linear(x, w, out, bias, scratch)
             return
         _refuse_q4(w)
@@ -415,5 +417,5 @@ class CUDABackend(Backend):
 
 def _refuse_q4(w) -> None:
     if isinstance(w, Q4Weight):
-        raise ValueError("q4 weight-only models run on the CPU backend; convert with --quant int8 or without "
-                         "--quant for --device cuda")
+        raise ValueError("q4 weight-only models run on the CPU backend; convert with --quant int8, with --quant fp8 "
+                         "or without --quant for --device cuda")
