@@ -20,6 +20,15 @@ DEFAULT_SLO_TTFT_MS = 1000.0
 DEFAULT_SLO_ITL_MS = 200.0
 
 
+def fraction_argument(text: str) -> float:
+    """--long-fraction's text: a number (its range is the option's check, said as "a number in [0, 1]")."""
+    try:
+        return float(text)
+    except ValueError:
+        import argparse
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}") from None
+
+
 def check_mixed_lengths(args, limit: int) -> None:
     """check_lengths for the short requests, and for the long ones when there are any: their prompt and
     output must fit the context (their output is what the long class is measured by)."""

@@ -26,6 +26,78 @@ import numpy as np
 
 from rawinfer.engine.metrics import summarize
 from rawinfer.frontends.bench import mixed, multiturn, speculative
+from rawinfer.frontends.bench.throughput import NONNEGATIVE, POSITIVE, WorkloadConfig, is_switch
+from rawinfer.frontends.options import positive_float
+from rawinfer.frontends.server.protocol import DEFAULT_ADDR
+from rawinfer.settings import api_key_default, check_options, is_number, optional, option
+
+
+def _text(v) -> bool:
+    return isinstance(v, str) and v != ""
+
+
+def _positive_number(v) -> bool:       # inf included: --request-rate inf sends everything at once
+    return is_number(v) and v > 0 or v == float("inf")
+
+
+POSITIVE_NUMBER = {"parse": positive_float, "check": _positive_number, "what": "a positive number"}
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig(WorkloadConfig):
+    """The options of `rawinfer bench serve`: the server to load, the workload (WorkloadConfig's, a mixed
+    one of long prompts: mixed.py, or multi-turn conversations: multiturn.py), the arrivals and the polling."""
+
+    num_requests: int = option(200, **POSITIVE, help="requests to send (default: 200)")
+    backend: str = option("zmq", parse=str, choices=("zmq", "openai"), check=lambda v: v in ("zmq", "openai"),
+                          what="zmq or openai", help="zmq: the ZeroMQ protocol at --addr; openai: the OpenAI HTTP "
+                                                     "API at --base-url (default: zmq)")
+    addr: str = option(DEFAULT_ADDR, parse=str, metavar="ENDPOINT", check=_text, what="a ZeroMQ endpoint",
+                       help=f"server endpoint of --backend zmq (default: {DEFAULT_ADDR})")
+    base_url: str = option("http://127.0.0.1:8000", parse=str, metavar="URL", check=_text, what="a URL",
+                           help="server of --backend openai, without /v1 (default: http://127.0.0.1:8000)")
+    api_key: str | None = option(None, parse=str, metavar="KEY", check=optional(_text), what="a key or None",
+                                 cli_default=api_key_default,
+                                 help="API key of --backend openai (default: $RAWINFER_API_KEY, else none)")
+    server_key: str | None = option(None, parse=str, metavar="FILE", check=optional(_text), what="a file or None",
+                                    help="the server's public key when it uses CurveZMQ (default: none)")
+    request_rate: float = option(float("inf"), **POSITIVE_NUMBER, metavar="RATE",
+                                 help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
+    long_fraction: float = option(0.0, parse=mixed.fraction_argument, metavar="F", what="a number in [0, 1]",
+                                  check=lambda v: is_number(v) and 0 <= v <= 1,
+                                  help="share of the requests that are long prompts, at seeded random places "
+                                       "(default: 0)")
+    long_input_len: int = option(2048, **POSITIVE, help="prompt tokens of a long request (default: 2048)")
+    long_output_len: int = option(32, **POSITIVE, help="tokens to generate for a long request (default: 32)")
+    slo_ttft_ms: float = option(mixed.DEFAULT_SLO_TTFT_MS, **POSITIVE_NUMBER, metavar="MS",
+                                help="goodput counts requests whose first token came within this "
+                                     f"(default: {mixed.DEFAULT_SLO_TTFT_MS:g})")
+    slo_itl_ms: float = option(mixed.DEFAULT_SLO_ITL_MS, **POSITIVE_NUMBER, metavar="MS",
+                               help="... and whose every gap between tokens stayed within this "
+                                    f"(default: {mixed.DEFAULT_SLO_ITL_MS:g})")
+    conversations: int = option(0, **{**NONNEGATIVE, "metavar": "C"},
+                                help="send C conversations whose turns resend the growing history, and report the "
+                                     "server's prefix-cache hit rate; C * --turns requests, --num-requests is "
+                                     "ignored (default: 0, off)")
+    turns: int = option(4, **{**POSITIVE, "metavar": "T"},
+                        help="turns per conversation; turn 1 is --input-len tokens (default: 4)")
+    turn_input_len: int = option(64, **POSITIVE, help="new user tokens of each turn after the first, after the "
+                                                      "previous prompt and output (default: 64)")
+    stats_interval: float = option(0.25, **POSITIVE_NUMBER, metavar="SECONDS",
+                                   help="seconds between polls of the server's stats (default: 0.25)")
+    timeout: float = option(120.0, **POSITIVE_NUMBER, metavar="SECONDS",
+                            help="a request fails when the server stays silent this long (default: 120)")
+    warmup: bool = option(True, flag="--no-warmup", check=is_switch, what="True or False",
+                          help="measure from the first request (default: one short request runs first, unmeasured)")
+
+
+MIXED_FIELDS = ("long_fraction", "long_input_len", "long_output_len", "slo_ttft_ms", "slo_itl_ms")
+MULTITURN_FIELDS = ("conversations", "turns", "turn_input_len")
+
+
+def run_config(cfg) -> dict:
+    """The config a report carries: the options but the API key."""
+    return {k: v for k, v in asdict(cfg).items() if k != "api_key"}
 
 
 @dataclass
@@ -118,9 +190,10 @@ async def _poll_stats(client, t0: float, interval: float, samples: list[dict], s
             pass
 
 
-async def run_load(args, progress: bool = False) -> dict:
+async def run_load(args: ServeBenchConfig, progress: bool = False) -> dict:
     """Send the workload of the options of `rawinfer bench serve`; with progress, a bar of finished
-    requests on stderr (when it is a terminal)."""
+    requests on stderr (when it is a terminal). A ValueError naming the field of a bad value."""
+    check_options(args, "bench serve option")
     multiturn.check_options(args)
     if getattr(args, "backend", "zmq") == "openai":
         return await run_http_load(args, progress)
@@ -168,7 +241,7 @@ async def run_load(args, progress: bool = False) -> dict:
     finally:
         client.close()
         stats_client.close()
-    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config = run_config(args)
     config.update(model=info.get("model"), device=info.get("device"), kv_blocks_total=info.get("kv_blocks_total"))
     result = summarize_run(records, duration, samples, config)
     if turns:
@@ -178,7 +251,7 @@ async def run_load(args, progress: bool = False) -> dict:
     return result
 
 
-async def run_http_load(args, progress: bool = False) -> dict:
+async def run_http_load(args: ServeBenchConfig, progress: bool = False) -> dict:
     """run_load over the OpenAI HTTP API at args.base_url (http_load.py)."""
     import httpx
     from tqdm import tqdm
@@ -215,7 +288,7 @@ async def run_http_load(args, progress: bool = False) -> dict:
         spec = speculative.run_report(spec0, await http_load.spec_totals(client))
     finally:
         await client.aclose()
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    config = run_config(args)
     config.update(model=card.get("id"), device=None, kv_blocks_total=None)
     return {**summarize_run(records, duration, samples, config), "speculative": spec}
 

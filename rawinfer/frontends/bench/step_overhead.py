@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from rawinfer.backend.null import NullBackend
 from rawinfer.config import EngineConfig, ModelConfig, resolve_max_model_len
@@ -36,11 +37,48 @@ from rawinfer.core import scheduler as core_scheduler
 from rawinfer.engine.engine import LLMEngine
 from rawinfer.exec.memory import kv_bytes_per_block
 from rawinfer.frontends.bench.throughput import make_workload
+from rawinfer.frontends.options import nonnegative_int, positive_int
 from rawinfer.sampling import SamplingParams
+from rawinfer.settings import check_options, is_int, option
 
 DEFAULT_BATCH_SIZES = (1, 64, 256)
 PHASES = ("schedule", "plan", "inputs", "forward", "update", "sample", "outputs", "other")
 WORD = " the"     # the token every step samples: an ordinary word, so detokenizing does real work
+
+
+def batch_sizes_argument(text: str) -> tuple[int, ...]:
+    """--batch-sizes 1,64,256 -> (1, 64, 256)."""
+    import argparse
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, e.g. 1,64,256; got {text!r}")
+    return sizes
+
+
+def _positive(v) -> bool:
+    return is_int(v) and v > 0
+
+
+@dataclass(frozen=True)
+class StepOverheadConfig:
+    """What `rawinfer bench step-overhead` measures, besides the engine's options (its flags come from here)."""
+
+    batch_sizes: tuple = option(DEFAULT_BATCH_SIZES, parse=batch_sizes_argument, metavar="B,B,...",
+                                check=lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(map(_positive, v)),
+                                what="one or more positive integers",
+                                help="decoding sequences per step, each measured in turn (default: 1,64,256; "
+                                     "--max-num-seqs is raised to the largest)")
+    steps: int = option(200, parse=positive_int, check=_positive, what="a positive integer",
+                        help="timed steps per batch size (default: 200)")
+    warmup_steps: int = option(20, parse=nonnegative_int, check=lambda v: is_int(v) and v >= 0, what="an integer of 0 or more",
+                               help="decode steps before the timed ones (default: 20)")
+    prompt_len: int = option(128, parse=positive_int, check=_positive, what="a positive integer",
+                             help="prompt tokens per request, random ids (default: 128)")
+    seed: int = option(0, parse=nonnegative_int, check=lambda v: is_int(v) and v >= 0, what="an integer of 0 or more",
+                       help="seed of the prompts (default: 0)")
 
 
 def engine_config(model_dir: str, ecfg: EngineConfig, batch_sizes, prompt_len: int, steps: int) -> EngineConfig:
@@ -197,28 +235,29 @@ def summarize_steps(batch: int, totals: list[float], phases: list[dict]) -> dict
             "phases_mean_ms": {k: 1e3 * statistics.fmean(p[k] for p in phases) for k in PHASES}}
 
 
-def run(model_dir: str, ecfg: EngineConfig, batch_sizes=DEFAULT_BATCH_SIZES, steps: int = 200,
-        warmup_steps: int = 20, prompt_len: int = 128, seed: int = 0, progress: bool = False,
+def run(model_dir: str, ecfg: EngineConfig, cfg: StepOverheadConfig = StepOverheadConfig(), progress: bool = False,
         freeze: bool = False) -> dict:
-    """The benchmark: one engine over the NullBackend, each batch size measured in turn (measure()). ecfg:
-    engine_config()'s for the same options. freeze: once the engine is built, its objects are moved out of
-    the garbage collector's sight (gc.freeze), as the command line's open_engine leaves a serving process."""
+    """The benchmark: one engine over the NullBackend, each of cfg's batch sizes measured in turn (measure()).
+    ecfg: engine_config()'s for the same options. freeze: once the engine is built, its objects are moved out of
+    the garbage collector's sight (gc.freeze), as the command line's open_engine leaves a serving process.
+    A ValueError naming the field of a bad value of cfg."""
+    check_options(cfg, "step-overhead option")
     t0 = time.monotonic()
     engine = open_null_engine(model_dir, ecfg)
     if freeze:
         gc.collect()
         gc.freeze()
     results = []
-    for batch in batch_sizes:
+    for batch in cfg.batch_sizes:
         if progress:
-            print(f"batch {batch}: {steps} timed steps after {warmup_steps}", file=sys.stderr)
-        results.append(measure(engine, batch, steps, warmup_steps, prompt_len, seed))
+            print(f"batch {batch}: {cfg.steps} timed steps after {cfg.warmup_steps}", file=sys.stderr)
+        results.append(measure(engine, batch, cfg.steps, cfg.warmup_steps, cfg.prompt_len, cfg.seed))
     return {"benchmark": "step-overhead", "model": model_dir, "backend": engine.backend.name,
             "model_config": {"architecture": engine.model_config.architecture, "layers": engine.model_config.num_layers,
                              "vocab_size": engine.model_config.vocab_size, "quant": engine.model_config.quant},
             "engine": {"max_num_seqs": ecfg.max_num_seqs, "max_num_batched_tokens": ecfg.max_num_batched_tokens,
                        "block_size": ecfg.block_size, "prefix_caching": ecfg.enable_prefix_caching},
-            "prompt_len": prompt_len, "warmup_steps": warmup_steps, "sampled_token": engine.backend.token_id,
+            "prompt_len": cfg.prompt_len, "warmup_steps": cfg.warmup_steps, "sampled_token": engine.backend.token_id,
             "seconds": time.monotonic() - t0, "results": results}
 
 

@@ -12,7 +12,9 @@ import numpy as np
 
 from rawinfer.engine.metrics import summarize
 from rawinfer.frontends.bench import speculative
+from rawinfer.frontends.options import nonnegative_int, positive_int
 from rawinfer.sampling import SamplingParams
+from rawinfer.settings import check_options, float_argument, is_int, is_number, option
 
 
 # --structured-output's schema: product records with every kind of JSON value (bounded strings and numbers,
@@ -30,6 +32,64 @@ BENCH_RECORD = {
                                     "rating": {"type": "integer", "minimum": 1, "maximum": 5}}}}}
 BENCH_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["records"],
                 "properties": {"records": {"type": "array", "minItems": BENCH_MIN_RECORDS, "items": BENCH_RECORD}}}
+
+
+def positive(v) -> bool:
+    return is_int(v) and v > 0
+
+
+def nonnegative(v) -> bool:
+    return is_int(v) and v >= 0
+
+
+def is_switch(v) -> bool:
+    return isinstance(v, bool)
+
+
+def range_ratio_argument(text: str) -> float:
+    """--range-ratio's text: a number (its range is the option's check, said as "a number in [0, 1)")."""
+    import argparse
+    try:
+        return float_argument(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}") from None
+
+
+POSITIVE = {"parse": positive_int, "check": positive, "what": "a positive integer", "metavar": "N"}
+NONNEGATIVE = {"parse": nonnegative_int, "check": nonnegative, "what": "an integer of 0 or more", "metavar": "N"}
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """The seeded random workload that `bench throughput` and `bench serve` send (the "workload" flags)."""
+
+    num_requests: int = option(64, **POSITIVE, help="requests to send (default: 64)")
+    input_len: int = option(128, **POSITIVE, help="prompt tokens per request, random ids (default: 128)")
+    output_len: int = option(128, **POSITIVE, help="tokens to generate per request, end-of-sequence ignored "
+                                                   "(default: 128)")
+    range_ratio: float = option(0.0, parse=range_ratio_argument, metavar="R", what="a number in [0, 1)",
+                                check=lambda v: is_number(v) and 0 <= v < 1,
+                                help="draw lengths uniformly in len*(1-R) .. len*(1+R) (default: 0, fixed lengths)")
+    seed: int = option(0, **NONNEGATIVE, help="seed of the random prompts and lengths (default: 0)")
+
+
+WORKLOAD_FIELDS = ("num_requests", "input_len", "output_len", "range_ratio", "seed")
+
+
+@dataclass(frozen=True)
+class ThroughputConfig(WorkloadConfig):
+    """The options of `rawinfer bench throughput` besides the engine's: its workload and what to measure."""
+
+    shared_prefix: int = option(0, **NONNEGATIVE, help="tokens of a prefix common to every prompt (default: 0)")
+    compare_single: bool = option(False, check=is_switch, what="True or False",
+                                  help="first measure one request alone and report the batched/single ratio "
+                                       "(default: off)")
+    warmup: bool = option(True, flag="--no-warmup", check=is_switch, what="True or False",
+                          help="measure from the first request (default: two short requests run first, unmeasured)")
+    structured_output: bool = option(False, check=is_switch, what="True or False",
+                                     help="run the workload twice: unconstrained, then every request constrained by "
+                                          "a JSON schema (structured_outputs), and report the ratio, the grammar's "
+                                          "compile and mask times (default: off)")
 
 
 @dataclass
@@ -126,9 +186,11 @@ def print_report(r: dict, file=sys.stdout) -> None:
     speculative.print_report(r.get("speculative"), file)
 
 
-def run(engine, args, progress: bool = False) -> dict:
-    """The benchmark for the options of `rawinfer bench throughput` (a warm-up, optionally one request
-    alone, then the batch), printing as it goes; returns the numbers without the config."""
+def run(engine, args: ThroughputConfig, progress: bool = False) -> dict:
+    """The benchmark of `rawinfer bench throughput`'s options (a warm-up, optionally one request alone, then
+    the batch), printing as it goes; returns the numbers without the config. A ValueError naming the field of a
+    bad value."""
+    check_options(args, "throughput option")
     check_lengths(args, engine.max_model_len)
     V = engine.model_config.vocab_size
     wl = make_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, V, args.seed,

@@ -17,24 +17,12 @@ import time
 from rawinfer.frontends.cli.connect import ping_server
 from rawinfer.frontends.cli.models import open_engine, resolve_model
 from rawinfer.frontends.options import (EXIT_FAILED, CLIError, add_command, add_engine_args, engine_config_from_args,
-                                        is_quiet, nonnegative_int, positive_float, positive_int)
-from rawinfer.frontends.server.protocol import DEFAULT_ADDR
-from rawinfer.settings import api_key_default, user_cache_dir
+                                        is_quiet, positive_int)
+from rawinfer.settings import add_options, options_from_args, user_cache_dir
 
 
 def default_output_dir() -> str:
     return os.path.join(user_cache_dir(), "bench")
-
-
-def _range_ratio(text: str) -> float:
-    import argparse
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}")
-    return value
 
 
 def _workload_spec(text: str):
@@ -61,100 +49,42 @@ def _add_output(p, figure: bool = False) -> None:
                        help="write the PNG figure here instead; '' for no figure (default: none)")
 
 
-def _add_workload(p, num_requests: int) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument("--num-requests", type=positive_int, default=num_requests, metavar="N",
-                   help=f"requests to send (default: {num_requests})")
-    g.add_argument("--input-len", type=positive_int, default=128, metavar="N",
-                   help="prompt tokens per request, random ids (default: 128)")
-    g.add_argument("--output-len", type=positive_int, default=128, metavar="N",
-                   help="tokens to generate per request, end-of-sequence ignored (default: 128)")
-    g.add_argument("--range-ratio", type=_range_ratio, default=0.0, metavar="R",
-                   help="draw lengths uniformly in len*(1-R) .. len*(1+R) (default: 0, fixed lengths)")
-    g.add_argument("--seed", type=nonnegative_int, default=0, metavar="N",
-                   help="seed of the random prompts and lengths (default: 0)")
+def _add_fields(p, cls, names: tuple[str, ...], title: str | None = None) -> None:
+    """The flags of cls's fields `names` (settings.option), in a group of their own when titled, else among the
+    command's options; every other field is left to another call."""
+    from rawinfer.settings import specs
+    add_options(p.add_argument_group(title) if title else p, cls,
+                skip=tuple(name for name, _ in specs(cls) if name not in names))
 
 
-def _fraction(text: str) -> float:
-    import argparse
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
-    return value
-
-
-def _add_mixed(p) -> None:
-    from rawinfer.frontends.bench.mixed import DEFAULT_SLO_ITL_MS, DEFAULT_SLO_TTFT_MS
-    g = p.add_argument_group("mixed workload and service-level objectives")
-    g.add_argument("--long-fraction", type=_fraction, default=0.0, metavar="F",
-                   help="share of the requests that are long prompts, at seeded random places (default: 0)")
-    g.add_argument("--long-input-len", type=positive_int, default=2048, metavar="N",
-                   help="prompt tokens of a long request (default: 2048)")
-    g.add_argument("--long-output-len", type=positive_int, default=32, metavar="N",
-                   help="tokens to generate for a long request (default: 32)")
-    g.add_argument("--slo-ttft-ms", type=positive_float, default=DEFAULT_SLO_TTFT_MS, metavar="MS",
-                   help=f"goodput counts requests whose first token came within this (default: {DEFAULT_SLO_TTFT_MS:g})")
-    g.add_argument("--slo-itl-ms", type=positive_float, default=DEFAULT_SLO_ITL_MS, metavar="MS",
-                   help="... and whose every gap between tokens stayed within this "
-                        f"(default: {DEFAULT_SLO_ITL_MS:g})")
-
-
-def _add_multiturn(p) -> None:
-    g = p.add_argument_group("multi-turn conversations")
-    g.add_argument("--conversations", type=nonnegative_int, default=0, metavar="C",
-                   help="send C conversations whose turns resend the growing history, and report the server's "
-                        "prefix-cache hit rate; C * --turns requests, --num-requests is ignored (default: 0, off)")
-    g.add_argument("--turns", type=positive_int, default=4, metavar="T",
-                   help="turns per conversation; turn 1 is --input-len tokens (default: 4)")
-    g.add_argument("--turn-input-len", type=positive_int, default=64, metavar="N",
-                   help="new user tokens of each turn after the first, after the previous prompt and output "
-                        "(default: 64)")
+def _own_fields(cls, *groups: tuple[str, ...]) -> tuple[str, ...]:
+    """cls's option fields in none of `groups`: the command's own options."""
+    from rawinfer.settings import specs
+    return tuple(name for name, _ in specs(cls) if not any(name in g for g in groups))
 
 
 def add_parser(sub) -> None:
+    """The bench commands; their own options are generated from ThroughputConfig's, ServeBenchConfig's and
+    StepOverheadConfig's fields (settings.option), imported here, when the bench commands are built."""
+    from rawinfer.frontends.bench.serve import MIXED_FIELDS, MULTITURN_FIELDS, ServeBenchConfig
+    from rawinfer.frontends.bench.throughput import WORKLOAD_FIELDS, ThroughputConfig
     p = add_command(sub, "bench", "benchmarks: throughput, serve, roofline, step-overhead")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
 
     t = add_command(bsub, "throughput", "offline: N requests submitted at once to a local engine")
-    _add_workload(t, 64)
-    t.add_argument("--shared-prefix", type=nonnegative_int, default=0, metavar="N",
-                   help="tokens of a prefix common to every prompt (default: 0)")
-    t.add_argument("--compare-single", action="store_true",
-                   help="first measure one request alone and report the batched/single ratio (default: off)")
-    t.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="measure from the first request (default: two short requests run first, unmeasured)")
-    t.add_argument("--structured-output", action="store_true",
-                   help="run the workload twice: unconstrained, then every request constrained by a JSON schema "
-                        "(structured_outputs), and report the ratio, the grammar's compile and mask times (default: off)")
+    _add_fields(t, ThroughputConfig, WORKLOAD_FIELDS, "workload")
+    _add_fields(t, ThroughputConfig, _own_fields(ThroughputConfig, WORKLOAD_FIELDS))
     _add_output(t)
     add_engine_args(t)
     t.set_defaults(func=cmd_throughput)
 
     s = add_command(bsub, "serve", "online: Poisson load against a running `rawinfer serve`")
-    s.add_argument("--backend", choices=("zmq", "openai"), default="zmq",
-                   help="zmq: the ZeroMQ protocol at --addr; openai: the OpenAI HTTP API at --base-url (default: zmq)")
-    s.add_argument("--addr", default=DEFAULT_ADDR, metavar="ENDPOINT",
-                   help=f"server endpoint of --backend zmq (default: {DEFAULT_ADDR})")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000", metavar="URL",
-                   help="server of --backend openai, without /v1 (default: http://127.0.0.1:8000)")
-    s.add_argument("--api-key", default=api_key_default(), metavar="KEY",
-                   help="API key of --backend openai (default: $RAWINFER_API_KEY, else none)")
-    s.add_argument("--server-key", default=None, metavar="FILE",
-                   help="the server's public key when it uses CurveZMQ (default: none)")
-    _add_workload(s, 200)
-    s.add_argument("--request-rate", type=positive_float, default=float("inf"), metavar="RATE",
-                   help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
-    _add_mixed(s)
-    _add_multiturn(s)
-    s.add_argument("--stats-interval", type=positive_float, default=0.25, metavar="SECONDS",
-                   help="seconds between polls of the server's stats (default: 0.25)")
-    s.add_argument("--timeout", type=positive_float, default=120.0, metavar="SECONDS",
-                   help="a request fails when the server stays silent this long (default: 120)")
-    s.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="measure from the first request (default: one short request runs first, unmeasured)")
+    _add_fields(s, ServeBenchConfig, ("backend", "addr", "base_url", "api_key", "server_key"))
+    _add_fields(s, ServeBenchConfig, WORKLOAD_FIELDS, "workload")
+    _add_fields(s, ServeBenchConfig, ("request_rate",))
+    _add_fields(s, ServeBenchConfig, MIXED_FIELDS, "mixed workload and service-level objectives")
+    _add_fields(s, ServeBenchConfig, MULTITURN_FIELDS, "multi-turn conversations")
+    _add_fields(s, ServeBenchConfig, ("stats_interval", "timeout", "warmup"))
     _add_output(s, figure=True)
     s.set_defaults(func=cmd_serve_bench)
 
@@ -182,30 +112,11 @@ def _add_step_overhead(bsub) -> None:
              "options have no effect. Without --model: the float32 default model, as a GPU engine runs it.")
     o = add_command(bsub, "step-overhead", "the engine's host time per decode step, over a backend whose ops do "
                                            "nothing", description=about)
-    o.add_argument("--batch-sizes", type=_batch_sizes, default=(1, 64, 256), metavar="B,B,...",
-                   help="decoding sequences per step, each measured in turn (default: 1,64,256; --max-num-seqs is "
-                        "raised to the largest)")
-    o.add_argument("--steps", type=positive_int, default=200, metavar="N",
-                   help="timed steps per batch size (default: 200)")
-    o.add_argument("--warmup-steps", type=nonnegative_int, default=20, metavar="N",
-                   help="decode steps before the timed ones (default: 20)")
-    o.add_argument("--prompt-len", type=positive_int, default=128, metavar="N",
-                   help="prompt tokens per request, random ids (default: 128)")
-    o.add_argument("--seed", type=nonnegative_int, default=0, metavar="N", help="seed of the prompts (default: 0)")
+    from rawinfer.frontends.bench.step_overhead import StepOverheadConfig
+    _add_fields(o, StepOverheadConfig, _own_fields(StepOverheadConfig))
     _add_output(o)
     add_engine_args(o)
     o.set_defaults(func=cmd_step_overhead)
-
-
-def _batch_sizes(text: str) -> tuple[int, ...]:
-    import argparse
-    try:
-        sizes = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, e.g. 1,64,256; got {text!r}")
-    return sizes
 
 
 def _output_path(args, kind: str, ext: str, given: str | None) -> str:
@@ -243,12 +154,21 @@ def _config(args) -> dict:
     return {k: v for k, v in vars(args).items() if k != "func"}
 
 
+def _bench_config(cls, args):
+    """cls from the parsed arguments (settings.options_from_args): CLIError naming the flag of a bad value."""
+    try:
+        return options_from_args(cls, args, "bench option")
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
 def cmd_throughput(args) -> int:
     from rawinfer.frontends.bench import throughput
+    cfg = _bench_config(throughput.ThroughputConfig, args)
     _output_path(args, "throughput", "json", args.json)          # a bad folder fails before the run
     engine = open_engine(args)
     result = {"config": _config(args)}
-    result.update(throughput.run(engine, args, progress=not is_quiet(args)))
+    result.update(throughput.run(engine, cfg, progress=not is_quiet(args)))
     _write_json(args, "throughput", result)
     return 0
 
@@ -257,17 +177,19 @@ def cmd_serve_bench(args) -> int:
     import asyncio
 
     from rawinfer.frontends.bench import figure, multiturn, serve
-    multiturn.check_options(args)
+    cfg = _bench_config(serve.ServeBenchConfig, args)
+    multiturn.check_options(cfg)
     _output_path(args, "serve", "json", args.json)
     draw = args.figure != "" and figure.available()       # said before the run, not after it
-    if args.backend == "openai":
-        _check_http(args.base_url, args.api_key)
+    if cfg.backend == "openai":
+        _check_http(cfg.base_url, cfg.api_key)
     else:
-        ping_server(args.addr, args.server_key)
-    r = asyncio.run(serve.run_load(args, progress=not is_quiet(args)))
+        ping_server(cfg.addr, cfg.server_key)
+    r = asyncio.run(serve.run_load(cfg, progress=not is_quiet(args)))
     serve.print_report(r)
-    rate = "inf" if math.isinf(args.request_rate) else args.request_rate   # JSON has no infinity
-    path = _write_json(args, "serve", {**r, "config": {**r["config"], "request_rate": rate}})
+    rate = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate   # JSON has no infinity
+    given = {k: v for k, v in _config(args).items() if k != "api_key"}     # the results' options too (--json)
+    path = _write_json(args, "serve", {**r, "config": {**given, **r["config"], "request_rate": rate}})
     if draw:
         fig = args.figure or os.path.splitext(path)[0] + ".png"
         fig = fig if fig.lower().endswith(".png") else fig + ".png"     # what matplotlib writes
@@ -316,14 +238,15 @@ def cmd_step_overhead(args) -> int:
     from rawinfer.frontends.bench import step_overhead
     _output_path(args, "step-overhead", "json", args.json)
     # without --model the float32 default, which a GPU engine runs: its host work is what overlap must hide
+    bench = _bench_config(step_overhead.StepOverheadConfig, args)
     path = resolve_model(args.model, progress=not is_quiet(args), device="cuda")
     cfg = engine_config_from_args(args)
     try:
-        cfg = step_overhead.engine_config(path, cfg, args.batch_sizes, args.prompt_len, args.warmup_steps + args.steps)
+        cfg = step_overhead.engine_config(path, cfg, bench.batch_sizes, bench.prompt_len,
+                                          bench.warmup_steps + bench.steps)
     except ValueError as e:
         raise CLIError(str(e)) from None
-    r = step_overhead.run(path, cfg, args.batch_sizes, args.steps, args.warmup_steps, args.prompt_len, args.seed,
-                          progress=not is_quiet(args), freeze=True)
+    r = step_overhead.run(path, cfg, bench, progress=not is_quiet(args), freeze=True)
     step_overhead.print_report(r)
     _write_json(args, "step-overhead", {**r, "config": _config(args)})
     return 0
