@@ -52,14 +52,16 @@ class Spec:
     cli_default: Any = AS_API      # where the command line's default differs from the Python API's (said in
                                    # help); a function: called when the parser is built (an environment switch)
     nargs: str | None = None       # "+": the flag takes one or more values, the field a list of them
+    repeat: bool = False           # the flag may be given again and again, the field the list of its values
 
 
 def option(default: Any = MISSING, *, help: str, check: Callable[[Any], bool], what: str, flag: str | None = "",
            parse: Callable[[str], Any] | None = None, choices: tuple | None = None, metavar: str | None = None,
-           default_factory: Any = MISSING, cli_default: Any = AS_API, nargs: str | None = None) -> Any:
+           default_factory: Any = MISSING, cli_default: Any = AS_API, nargs: str | None = None,
+           repeat: bool = False) -> Any:
     """A dataclass field with its Spec. flag "" derives --field-name; a bool field True by default is offered as
     the switch `flag` (--no-...) that turns it off, one False by default as a switch that turns it on."""
-    spec = Spec(help, check, what, flag, parse, choices, metavar, cli_default, nargs)
+    spec = Spec(help, check, what, flag, parse, choices, metavar, cli_default, nargs, repeat)
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata={"spec": spec})
     return field(default=default, metadata={"spec": spec})
@@ -97,7 +99,7 @@ def _checked(spec: Spec) -> Callable[[str], Any]:
     takes several), so that a bad value is argparse's one line naming the flag."""
     def parse(text: str) -> Any:
         value = spec.parse(text)
-        if not spec.check([value] if spec.nargs else value):
+        if not spec.check([value] if spec.nargs or spec.repeat else value):
             what = re.split(r",? or None\b", spec.what)[0]        # a flag cannot give None: left out
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
@@ -120,7 +122,9 @@ def add_options(group, cls, skip: tuple[str, ...] = (), dest_prefix: str = "") -
             continue
         default = spec.cli_default if spec.cli_default is not AS_API else (
             f.default if f.default is not MISSING else None)
-        group.add_argument(flag, dest=dest_prefix + f.name, type=_checked(spec), choices=spec.choices, nargs=spec.nargs,
+        # a repeated flag: argparse appends to a given default, so such a field's default is None
+        kind = {"action": "append"} if spec.repeat else {"nargs": spec.nargs}
+        group.add_argument(flag, dest=dest_prefix + f.name, type=_checked(spec), choices=spec.choices, **kind,
                            default=default() if callable(default) else default,
                            metavar=None if spec.choices else spec.metavar or "N",
                            help=spec.help + _default_text(f, spec))

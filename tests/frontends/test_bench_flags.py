@@ -1,5 +1,5 @@
-"""`rawinfer bench throughput | serve | step-overhead`'s own flags are generated from ThroughputConfig's,
-ServeBenchConfig's and StepOverheadConfig's fields (settings.option) and read back into those configs: the
+"""`rawinfer bench throughput | serve | roofline | step-overhead`'s own flags are generated from the fields of
+ThroughputConfig, ServeBenchConfig, RooflineConfig and StepOverheadConfig (settings.option) and read back into those configs: the
 flags users have typed keep their names and defaults, every one is a field, a bad value is argparse's error
 naming the flag, and a config built in Python is refused field by field by the benchmark. Nothing here
 starts an engine or a server."""
@@ -11,6 +11,8 @@ import math
 
 import pytest
 
+from rawinfer.frontends.bench.roofline import RooflineConfig
+from rawinfer.frontends.bench.roofline import report as roofline_report
 from rawinfer.frontends.bench.serve import MIXED_FIELDS, MULTITURN_FIELDS, ServeBenchConfig, run_config
 from rawinfer.frontends.bench.step_overhead import StepOverheadConfig
 from rawinfer.frontends.bench.step_overhead import run as step_overhead_run
@@ -31,6 +33,8 @@ USER_FLAGS = {
                                  "--slo-ttft-ms": 1000.0, "--slo-itl-ms": 200.0, "--conversations": 0, "--turns": 4,
                                  "--turn-input-len": 64, "--stats-interval": 0.25, "--timeout": 120.0,
                                  "--no-warmup": True}),
+    "roofline": (RooflineConfig, {"--prompt-len": 500, "--batch": None, "--context": 128,
+                                  "--workload": (64, 128, 128)}),
     "step-overhead": (StepOverheadConfig, {"--batch-sizes": (1, 64, 256), "--steps": 200, "--warmup-steps": 20,
                                            "--prompt-len": 128, "--seed": 0}),
 }
@@ -95,6 +99,13 @@ def test_the_flags_build_the_configs():
     args = bench_parser("step-overhead").parse_args(["--batch-sizes", "1,8", "--steps", "20", "--warmup-steps", "0"])
     assert options_from_args(StepOverheadConfig, args, "bench option") == StepOverheadConfig(
         batch_sizes=(1, 8), steps=20, warmup_steps=0)
+    roofline = bench_parser("roofline")        # --batch repeats; none given: 1 and 64
+    cfg = options_from_args(RooflineConfig, roofline.parse_args(["--batch", "3", "--batch", "5", "--workload", "0"]),
+                            "bench option")
+    assert (cfg.batch, cfg.batches, cfg.workload) == ([3, 5], [3, 5], None)
+    cfg = options_from_args(RooflineConfig, roofline.parse_args(["--workload", "4x16/8", "--context", "9"]),
+                            "bench option")
+    assert (cfg.batches, cfg.workload, cfg.context, cfg.prompt_len) == ([1, 64], (4, 16, 8), 9, 500)
 
 
 @pytest.mark.parametrize("name,argv,says", [
@@ -107,6 +118,9 @@ def test_the_flags_build_the_configs():
     ("serve", ["--turns", "0"], "must be at least 1, got 0"),
     ("serve", ["--slo-itl-ms", "-5"], "must be a positive number, got -5"),
     ("serve", ["--stats-interval", "nan"], "must be a positive number, got nan"),
+    ("roofline", ["--batch", "0"], "must be at least 1, got 0"),
+    ("roofline", ["--workload", "64x128"], "expected N x P / O with positive integers"),
+    ("roofline", ["--context", "x"], "'x' is not a whole number"),
     ("step-overhead", ["--batch-sizes", "0,4"], "expected positive integers separated by commas"),
     ("step-overhead", ["--batch-sizes", ""], "expected positive integers separated by commas"),
     ("step-overhead", ["--warmup-steps", "x"], "'x' is not a whole number"),
@@ -128,6 +142,10 @@ def test_a_bad_value_from_parsed_arguments_is_named_by_its_flag():
 def test_configs_built_in_python_are_refused_by_field_name():
     with pytest.raises(ValueError, match=r"step-overhead option batch_sizes=\(\) is invalid"):
         step_overhead_run("/no/model", None, StepOverheadConfig(batch_sizes=()))
+    with pytest.raises(ValueError, match=r"roofline option batch=\[\] is invalid"):
+        roofline_report(None, RooflineConfig(batch=[]))
+    with pytest.raises(ValueError, match=r"roofline option workload=\(4, 0, 8\) is invalid"):
+        roofline_report(None, RooflineConfig(workload=(4, 0, 8)))
     with pytest.raises(ValueError, match="throughput option range_ratio=1.0 is invalid: it must be a number in"):
         throughput_run(None, ThroughputConfig(range_ratio=1.0))
     import asyncio

@@ -22,10 +22,59 @@ every decode step, attention included) over its wall time, against the float32 G
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from rawinfer.config import ModelConfig
+from rawinfer.frontends.options import positive_int
+from rawinfer.settings import check_options, is_int, optional, option
+
+DEFAULT_BATCHES = (1, 64)
+
+
+def _positive(v) -> bool:
+    return is_int(v) and v > 0
+
+
+def workload_argument(text: str):
+    """--workload NxP/O (e.g. 64x128/128) -> (N, P, O); "0" -> None."""
+    import argparse
+    import re
+    if text.strip() == "0":
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m or min(int(g) for g in m.groups()) < 1:
+        raise argparse.ArgumentTypeError(f"expected N x P / O with positive integers, e.g. 64x128/128 (or 0 to skip); "
+                                         f"got {text!r}")
+    return tuple(int(g) for g in m.groups())
+
+
+def _workload(v) -> bool:
+    return isinstance(v, (tuple, list)) and len(v) == 3 and all(map(_positive, v))
+
+
+@dataclass(frozen=True)
+class RooflineConfig:
+    """What `rawinfer bench roofline` times, besides the engine's options (its flags come from here)."""
+
+    prompt_len: int = option(500, parse=positive_int, check=_positive, what="a positive integer",
+                             help="prefill length in tokens (default: 500)")
+    batch: list | None = option(None, parse=positive_int, repeat=True, metavar="B",
+                                check=optional(lambda v: isinstance(v, (tuple, list)) and len(v) > 0
+                                               and all(map(_positive, v))),
+                                what="a list of positive integers, or None (1 and 64)",
+                                help="decode batch size, repeatable (default: 1 and 64)")
+    context: int = option(128, parse=positive_int, check=_positive, what="a positive integer",
+                          help="cached tokens per decoding sequence (default: 128)")
+    workload: tuple | None = option((64, 128, 128), parse=workload_argument, metavar="NxP/O",
+                                    check=optional(_workload), what="(requests, prompt, output tokens), or None",
+                                    help="last, N requests of P prompt + O output tokens at once, timed whole and set "
+                                         "against the float32 GEMM ceiling; 0 skips it (default: 64x128/128)")
+
+    @property
+    def batches(self) -> list[int]:
+        return list(self.batch or DEFAULT_BATCHES)
 
 
 def _best(fn, repeat: int) -> float:
@@ -182,15 +231,16 @@ def weight_bytes_per_param(cfg: ModelConfig, be) -> float:
     return stored / params
 
 
-def report(engine, prompt_len: int, batches: list[int], context: int, progress: bool = False,
-           workload: tuple[int, int, int] | None = (64, 128, 128)) -> dict:
+def report(engine, cfg: RooflineConfig = RooflineConfig(), progress: bool = False) -> dict:
     """Ceilings, then prefill, each decode batch and the workload (requests, prompt, output tokens; None:
-    skipped) timed; with progress, a bar of these phases on stderr."""
+    skipped) timed; with progress, a bar of these phases on stderr. A ValueError naming the field of a bad
+    value of cfg."""
     from tqdm import tqdm
-    bar = tqdm(total=2 + len(batches) + (workload is not None), desc="roofline", unit="phase", leave=False,
+    check_options(cfg, "roofline option")
+    bar = tqdm(total=2 + len(cfg.batches) + (cfg.workload is not None), desc="roofline", unit="phase", leave=False,
                disable=None if progress else True)
     try:
-        return _report(engine, prompt_len, batches, context, workload, bar)
+        return _report(engine, cfg.prompt_len, cfg.batches, cfg.context, cfg.workload, bar)
     finally:
         bar.close()
 

@@ -17,25 +17,12 @@ import time
 from rawinfer.frontends.cli.connect import ping_server
 from rawinfer.frontends.cli.models import open_engine, resolve_model
 from rawinfer.frontends.options import (EXIT_FAILED, CLIError, add_command, add_engine_args, engine_config_from_args,
-                                        is_quiet, positive_int)
+                                        is_quiet)
 from rawinfer.settings import add_options, options_from_args, user_cache_dir
 
 
 def default_output_dir() -> str:
     return os.path.join(user_cache_dir(), "bench")
-
-
-def _workload_spec(text: str):
-    """--workload NxP/O (e.g. 64x128/128) -> (N, P, O); "0" -> None."""
-    import argparse
-    import re
-    if text.strip() == "0":
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*/\s*(\d+)\s*", text)
-    if not m or min(int(g) for g in m.groups()) < 1:
-        raise argparse.ArgumentTypeError(f"expected N x P / O with positive integers, e.g. 64x128/128 (or 0 to skip); "
-                                         f"got {text!r}")
-    return tuple(int(g) for g in m.groups())
 
 
 def _add_output(p, figure: bool = False) -> None:
@@ -89,15 +76,8 @@ def add_parser(sub) -> None:
     s.set_defaults(func=cmd_serve_bench)
 
     r = add_command(bsub, "roofline", "machine ceilings vs achieved prefill/decode FLOP/s and bytes/s")
-    r.add_argument("--prompt-len", type=positive_int, default=500, metavar="N",
-                   help="prefill length in tokens (default: 500)")
-    r.add_argument("--batch", type=positive_int, action="append", default=None, metavar="B",
-                   help="decode batch size, repeatable (default: 1 and 64)")
-    r.add_argument("--context", type=positive_int, default=128, metavar="N",
-                   help="cached tokens per decoding sequence (default: 128)")
-    r.add_argument("--workload", type=_workload_spec, default=(64, 128, 128), metavar="NxP/O",
-                   help="last, N requests of P prompt + O output tokens at once, timed whole and set against "
-                        "the float32 GEMM ceiling; 0 skips it (default: 64x128/128)")
+    from rawinfer.frontends.bench.roofline import RooflineConfig
+    _add_fields(r, RooflineConfig, _own_fields(RooflineConfig))
     _add_output(r)
     add_engine_args(r)
     r.set_defaults(func=cmd_roofline)
@@ -217,18 +197,16 @@ def _check_http(base_url: str, api_key: str | None) -> None:
 
 def cmd_roofline(args) -> int:
     from rawinfer.frontends.bench import roofline
-    if not args.batch:
-        args.batch = [1, 64]
-    if max(args.batch) > args.max_num_seqs:
-        raise CLIError(f"--batch {max(args.batch)} is more than --max-num-seqs {args.max_num_seqs}: a decode step "
+    cfg = _bench_config(roofline.RooflineConfig, args)
+    if max(cfg.batches) > args.max_num_seqs:
+        raise CLIError(f"--batch {max(cfg.batches)} is more than --max-num-seqs {args.max_num_seqs}: a decode step "
                        "cannot hold it; raise --max-num-seqs or lower --batch")
     _output_path(args, "roofline", "json", args.json)
     engine = open_engine(args)
-    if args.workload is not None and args.workload[0] > args.max_num_seqs:
-        raise CLIError(f"--workload of {args.workload[0]} requests is more than --max-num-seqs {args.max_num_seqs}: "
+    if cfg.workload is not None and cfg.workload[0] > args.max_num_seqs:
+        raise CLIError(f"--workload of {cfg.workload[0]} requests is more than --max-num-seqs {args.max_num_seqs}: "
                        "they would not run as one batch; raise --max-num-seqs or send fewer")
-    r = roofline.report(engine, args.prompt_len, args.batch, args.context, progress=not is_quiet(args),
-                        workload=args.workload)
+    r = roofline.report(engine, cfg, progress=not is_quiet(args))
     roofline.print_report(r)
     _write_json(args, "roofline", r)
     return 0
