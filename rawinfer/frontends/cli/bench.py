@@ -1,8 +1,8 @@
 """`rawinfer bench throughput | serve | roofline | step-overhead`: their options, and running them with results
 to files.
 
-The measuring lives in frontends/bench/ (which imports nothing from cli/); this module builds the engine
-or reaches the server from the options, calls it, and writes the JSON (and figure) it makes into
+The measuring lives in frontends/bench/ (which imports nothing from cli/), and so do the dataclasses whose
+fields are each benchmark's own flags; this module builds the engine or reaches the server from the options, calls it, and writes the JSON (and figure) it makes into
 --output-dir (default: the user cache's bench/ folder, outside any checkout), one file per run named by
 the benchmark and the time, unless --json / --figure name a file.
 """
@@ -18,7 +18,7 @@ from rawinfer.frontends.cli.connect import ping_server
 from rawinfer.frontends.cli.models import open_engine, resolve_model
 from rawinfer.frontends.options import (EXIT_FAILED, CLIError, add_command, add_engine_args, engine_config_from_args,
                                         is_quiet)
-from rawinfer.settings import add_options, options_from_args, user_cache_dir
+from rawinfer.settings import add_options, options_from_args, specs, user_cache_dir
 
 
 def default_output_dir() -> str:
@@ -39,20 +39,19 @@ def _add_output(p, figure: bool = False) -> None:
 def _add_fields(p, cls, names: tuple[str, ...], title: str | None = None) -> None:
     """The flags of cls's fields `names` (settings.option), in a group of their own when titled, else among the
     command's options; every other field is left to another call."""
-    from rawinfer.settings import specs
     add_options(p.add_argument_group(title) if title else p, cls,
                 skip=tuple(name for name, _ in specs(cls) if name not in names))
 
 
 def _own_fields(cls, *groups: tuple[str, ...]) -> tuple[str, ...]:
     """cls's option fields in none of `groups`: the command's own options."""
-    from rawinfer.settings import specs
     return tuple(name for name, _ in specs(cls) if not any(name in g for g in groups))
 
 
 def add_parser(sub) -> None:
-    """The bench commands; their own options are generated from ThroughputConfig's, ServeBenchConfig's and
-    StepOverheadConfig's fields (settings.option), imported here, when the bench commands are built."""
+    """The bench commands; their own options are generated from the fields (settings.option) of
+    ThroughputConfig, ServeBenchConfig, RooflineConfig and StepOverheadConfig, imported when the bench
+    commands are built."""
     from rawinfer.frontends.bench.serve import MIXED_FIELDS, MULTITURN_FIELDS, ServeBenchConfig
     from rawinfer.frontends.bench.throughput import WORKLOAD_FIELDS, ThroughputConfig
     p = add_command(sub, "bench", "benchmarks: throughput, serve, roofline, step-overhead")
