@@ -130,11 +130,11 @@ class BlockManager:
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """A copy of seq_id's block table (physical block ids, logical order)."""
-        return [b.block_id for b in self._get(seq_id).blocks]
+        return list(self.block_ids(seq_id))
 
     def block_ids(self, seq_id: Hashable) -> tuple[int, ...]:
-        """seq_id's block table as block_table() gives it, as a tuple kept until the table changes: a running
-        sequence's table changes once a block of tokens, and the scheduler reads it every step."""
+        """seq_id's block table (physical block ids, logical order) as a tuple kept until the table changes: a
+        running sequence's table changes once a block of tokens, and the scheduler reads it every step."""
         state = self._get(seq_id)
         if state.ids is None:
             state.ids = tuple(b.block_id for b in state.blocks)

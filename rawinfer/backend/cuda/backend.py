@@ -120,6 +120,11 @@ class CUDABackend(Backend):
         """Launches.launch: how the layer ops below put a kernel on the device."""
         self.launches.launch(kernel, targs, grid, block, shared_mem, *args)
 
+    def _refuse_q4(self, w) -> None:
+        if isinstance(w, Q4Weight):
+            raise ValueError(f"q4 weight-only models run on the CPU backend; convert {self.capabilities.conversions()} "
+                             "for --device cuda")
+
     # ---- memory ---------------------------------------------------------------------------------
     def storage_dtype(self, dtype) -> np.dtype:
         """The dtype an array of logical dtype `dtype` has in this backend's memory (bf16 -> uint16 on GPU)."""
@@ -213,7 +218,7 @@ class CUDABackend(Backend):
         if isinstance(table, WEIGHT_ONLY):
             self.weight_only.embedding(ids, table, out, scale)
             return
-        _refuse_q4(table)
+        self._refuse_q4(table)
         n, hidden = shapes.embedding(ids, table.shape, out)
         if n:
             self._launch("embedding_kernel", (ks.element_type(table.dtype), ks.element_type(out.dtype)), (n,),
@@ -247,7 +252,7 @@ class CUDABackend(Backend):
         if isinstance(w, WEIGHT_ONLY):
             self.weight_only.linear(x, w, out, bias, scratch)
             return
-        _refuse_q4(w)
+        self._refuse_q4(w)
         n, k, n_out = shapes.linear(x, tuple(w.shape), out, bias)
         # cuBLAS takes raw pointers, so what pack_args checks for a kernel is checked here.
         if x.dtype != w.dtype or out.dtype not in (x.dtype, np.dtype(np.float32)):
@@ -413,9 +418,3 @@ class CUDABackend(Backend):
         fn()
         self.synchronize()
         return self.launches.launcher.capture(fn)
-
-
-def _refuse_q4(w) -> None:
-    if isinstance(w, Q4Weight):
-        raise ValueError("q4 weight-only models run on the CPU backend; convert with --quant int8, with --quant fp8 "
-                         "or without --quant for --device cuda")

@@ -47,7 +47,7 @@ WEIGHT_TYPES: dict[str, tuple[np.dtype, ...]] = {
     "e4m3": (np.dtype(np.uint8),) + ((np.dtype(_float8_e4m3fn),) if _float8_e4m3fn is not None else ()),
 }
 
-_POINTEE_DTYPES = {"int": np.dtype(np.int32), "float": np.dtype(np.float32), "signed char": np.dtype(np.int8),
+_POINTEE_DTYPES = {"int": np.dtype(np.int32), "float": np.dtype(np.float32),
                    "unsigned long long": np.dtype(np.uint64), "unsigned": np.dtype(np.uint32)}
 _SCALAR_TYPES = {"int": np.int32, "float": np.float32, "unsigned long long": np.uint64}
 
@@ -213,13 +213,28 @@ def sources() -> list[str]:
     return sorted({s.source for s in SPECS.values()})
 
 
+def _type_name(types: dict[str, tuple[np.dtype, ...]], dtype) -> str | None:
+    """The C++ type of `types` (ELEMENT_TYPES or WEIGHT_TYPES) whose arrays may have dtype, or None."""
+    dtype = np.dtype(dtype)
+    return next((name for name, dtypes in types.items() if dtype in dtypes), None)
+
+
 def element_type(dtype) -> str:
     """The C++ element type name for a NumPy/CuPy dtype ('float', 'f16' or 'bf16')."""
-    dtype = np.dtype(dtype)
-    for name, dtypes in ELEMENT_TYPES.items():
-        if dtype in dtypes:
-            return name
-    raise KernelArgumentError(f"no CUDA kernel takes elements of dtype {dtype}; use float32, float16 or bfloat16")
+    name = _type_name(ELEMENT_TYPES, dtype)
+    if name is None:
+        raise KernelArgumentError(f"no CUDA kernel takes elements of dtype {np.dtype(dtype)}; use float32, float16 "
+                                  "or bfloat16")
+    return name
+
+
+def weight_type(dtype) -> str:
+    """The C++ weight type W of a weight-only matrix's q of this dtype ('signed char' or 'e4m3')."""
+    name = _type_name(WEIGHT_TYPES, dtype)
+    if name is None:
+        raise KernelArgumentError(f"a weight-only matrix holds int8 or float8 e4m3fn (uint8) values, got "
+                                  f"{np.dtype(dtype)}")
+    return name
 
 
 def pack_args(spec: KernelSpec, targs: tuple[str, ...], values) -> list:

@@ -3,7 +3,7 @@ float8 e4m3fn bytes), each with scale[N] float32; a weight is q * scale.
 
 CUDABackend owns one `WeightOnlyProducts`; its `linear` and `embedding` hand such a weight here.  The two
 formats share every kernel: both are one byte a weight, read by common.cuh's weight_value, so the
-kernels are templates over the weight type W (`weight_type` below names it from q's dtype):
+kernels are templates over the weight type W (kernel_specs.weight_type names it from q's dtype):
 
 - decode rows (T <= WO_GEMV_MAX_ROWS): wo_gemv_kernel (cuda/weight_only_linear.cu) reads every weight
   row once for all T rows, scale and bias applied to the float32 sums;
@@ -34,14 +34,6 @@ WO_GEMV_WARPS = 4         # WO_GEMV_WARPS there: output rows (one warp each) per
 OWN_TILE_ROWS = 8192      # rows of the tile buffer a call without scratch allocates
 
 
-def weight_type(q) -> str:
-    """The kernels' weight type W for a weight-only matrix's q (kernel_specs.WEIGHT_TYPES)."""
-    for name, dtypes in ks.WEIGHT_TYPES.items():
-        if np.dtype(q.dtype) in dtypes:
-            return name
-    raise ValueError(f"a weight-only matrix holds int8 or float8 e4m3fn (uint8) values, got {q.dtype}")
-
-
 class WeightOnlyProducts:
     """CUDABackend's linear and embedding with an int8 or fp8 weight (anything with q [N, K] and scale [N])."""
 
@@ -52,7 +44,7 @@ class WeightOnlyProducts:
     def linear(self, x, w, out, bias, scratch) -> None:
         """out[T, N] = x[T, K] @ (w.q * w.scale[:, None])^T (+ bias[N]); see the module docstring."""
         n, k, n_out = shapes.linear(x, tuple(w.shape), out, bias)
-        wt = weight_type(w.q)
+        wt = ks.weight_type(w.q.dtype)
         if w.scale.dtype != np.float32 or tuple(w.scale.shape) != (n_out,):
             raise ValueError(f"linear: a weight-only matrix's scale is [N] float32, got {w.scale.dtype} "
                              f"{tuple(w.scale.shape)}")
@@ -101,5 +93,6 @@ class WeightOnlyProducts:
         """out[T, C] = (table.q[ids] * table.scale[ids, None]) * scale, in float32, rounded once to out's dtype."""
         n, hidden = shapes.embedding(ids, table.shape, out)
         if n:
-            self.launches.launch("wo_embedding_kernel", (weight_type(table.q), ks.element_type(out.dtype)), (n,),
-                                 (row_threads(hidden),), 0, out, ids, table.q, table.scale, hidden, scale)
+            targs = (ks.weight_type(table.q.dtype), ks.element_type(out.dtype))
+            self.launches.launch("wo_embedding_kernel", targs, (n,), (row_threads(hidden),), 0,
+                                 out, ids, table.q, table.scale, hidden, scale)
