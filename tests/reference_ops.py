@@ -2,10 +2,11 @@
 
 Each reference is named after the op it checks (rawinfer/backend/base.py: embedding, rmsnorm, add_rmsnorm,
 linear, rope, silu_mul, kv_write, paged_attention, copy_blocks, take_rows, argmax, sample), plus the
-CPU backend's row quantizer and the int8 products.  A reference takes the op's inputs as the test
-stores them (float32, float16 or bfloat16; already rounded) and computes in float64, or, where the op
-is exact, in the storage dtype; it returns its result rather than writing an output.  None of them
-calls rawinfer: they are written from each op's definition so that a kernel bug cannot hide in both.
+CPU backend's row quantizer, the int8 products and random weight-only inputs (int8, fp8).  A reference
+takes the op's inputs as the test stores them (float32, float16 or bfloat16; already rounded) and
+computes in float64, or, where the op is exact, in the storage dtype; it returns its result rather than
+writing an output.  None of them calls rawinfer: they are written from each op's definition so that a
+kernel bug cannot hide in both.
 
 Tests import them by name (tests/ is on sys.path through tests/conftest.py):
 
@@ -214,6 +215,23 @@ def int8_linear_ref(x, q, scale, bias=None):
     float64."""
     out = f64(x) @ f64(q).T * f64(scale)
     return out if bias is None else out + f64(bias)
+
+
+def random_weight_only(rng, n, k, fmt):
+    """Random weight-only matrix parts (q [N, K], scale [N] float32) of format "int8" (codes in [-127, 127])
+    or "fp8" (e4m3fn bytes as uint8: every exponent, both signs, subnormals; the NaN codes replaced by 448's)."""
+    if fmt == "int8":
+        return rng.integers(-127, 128, (n, k)).astype(np.int8), rng.uniform(0.002, 0.03, n).astype(np.float32)
+    q = rng.integers(0, 256, (n, k)).astype(np.uint8)
+    q[(q & 0x7F) == 0x7F] -= 1
+    return q, (rng.uniform(0.5, 2.0, n) / 448).astype(np.float32)
+
+
+def weight_only_values(q):
+    """float32 [N, K]: the values of a weight-only matrix's codes before the row scales (int8 as integers,
+    uint8 or float8_e4m3fn as e4m3fn, decoded by ml_dtypes)."""
+    from ml_dtypes import float8_e4m3fn
+    return q.astype(np.float32) if q.dtype == np.int8 else q.view(float8_e4m3fn).astype(np.float32)
 
 
 def int8_matmul_ref(x, q, scale, qmax):

@@ -4,12 +4,11 @@ NumPy references (ml_dtypes decodes e4m3 as the reference).
 
 The int8 instances of the same kernels are tested in test_cuda_int8.py; here the weight bytes read as
 e4m3 (common.cuh's weight_value): every one of the 256 byte values decoded exactly, then the GEMV at every
-decode row count, the dequantized tiles + GEMM for more rows and the embedding, on ragged shapes.
+decode row count and the dequantized tiles + GEMM for more rows, on ragged shapes (the embedding of both
+formats: test_cuda_int8.py).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -21,24 +20,15 @@ if harness.compiler() is None:
 from ml_dtypes import bfloat16, float8_e4m3fn  # noqa: E402
 
 from rawinfer.backend.cuda.backend import CUDABackend  # noqa: E402
-from rawinfer.backend.cuda.weight_only import WO_GEMV_MAX_ROWS, weight_type  # noqa: E402
-from reference_ops import assert_close, f64, int8_linear_ref, linear_ref, rand  # noqa: E402
+from rawinfer.backend.cuda.kernel_specs import weight_type  # noqa: E402
+from rawinfer.backend.cuda.weight_only import WO_GEMV_MAX_ROWS  # noqa: E402
+from rawinfer.quant import Fp8Weight  # noqa: E402
+from reference_ops import (assert_close, int8_linear_ref, linear_ref, rand, random_weight_only,  # noqa: E402
+                           weight_only_values)
 
 ACT_DTYPES = [np.float16, bfloat16, np.float32]
 ACT_IDS = ["f16", "bf16", "f32"]
 SHAPES = [(13, 48), (70, 528), (37, 100), (5, 7)]     # as test_cuda_int8.py: N % 4 != 0, K off the 16-byte chunk
-E4M3_NAN = (0x7F, 0xFF)
-
-
-@dataclass(frozen=True)
-class E4m3Matrix:
-    """A weight-only matrix as WeightOnlyProducts reads one: q [N, K] e4m3 bytes, scale [N] float32."""
-    q: np.ndarray
-    scale: np.ndarray
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
 
 
 @pytest.fixture
@@ -46,15 +36,10 @@ def backend(shim_libraries):
     return CUDABackend(launcher=harness.ShimLauncher(shim_libraries))
 
 
-def decoded(q: np.ndarray) -> np.ndarray:
-    return q.view(float8_e4m3fn).astype(np.float32)
-
-
-def fp8_matrix(rng, n, k, dtype=np.uint8) -> E4m3Matrix:
-    """Random finite e4m3 bytes (every exponent, both signs, subnormals) and per-row scales."""
-    q = rng.integers(0, 256, (n, k)).astype(np.uint8)
-    q[np.isin(q, E4M3_NAN)] = 0x7E                      # 448, the largest finite value
-    return E4m3Matrix(q.view(dtype), rng.uniform(0.5, 2.0, n).astype(np.float32) / 448)
+def fp8_matrix(rng, n, k, dtype=np.uint8) -> Fp8Weight:
+    """Random finite e4m3 codes (reference_ops.random_weight_only), viewed as dtype, and per-row scales."""
+    q, scale = random_weight_only(rng, n, k, "fp8")
+    return Fp8Weight(q.view(dtype), scale)
 
 
 def ct(dtype) -> str:
@@ -66,7 +51,7 @@ def test_every_byte_decodes_exactly(backend):
     q = np.arange(256, dtype=np.uint8).reshape(2, 128)
     out = np.full((2, 128), 7.0, np.float32)
     backend._launch("wo_dequant_kernel", ("e4m3", "float"), (2,), (32,), 0, out, q, np.ones(2, np.float32), 128)
-    want = decoded(q)
+    want = weight_only_values(q)
     np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
     finite = ~np.isnan(want)
     np.testing.assert_array_equal(out[finite], want[finite])
@@ -75,10 +60,10 @@ def test_every_byte_decodes_exactly(backend):
 
 def test_both_storage_dtypes_name_the_e4m3_kernels():
     q = np.zeros((2, 16), np.uint8)
-    assert weight_type(q) == weight_type(q.view(float8_e4m3fn)) == "e4m3"
-    assert weight_type(q.view(np.int8)) == "signed char"
+    assert weight_type(q.dtype) == weight_type(q.view(float8_e4m3fn).dtype) == "e4m3"
+    assert weight_type(np.int8) == "signed char"
     with pytest.raises(ValueError, match="int8 or float8 e4m3fn"):
-        weight_type(np.zeros((2, 16), np.float16))
+        weight_type(np.float16)
 
 
 @pytest.mark.parametrize("dtype", ACT_DTYPES, ids=ACT_IDS)
@@ -94,10 +79,10 @@ def test_gemv_decode_rows(backend, dtype, n_out, k):
             bias = rand(rng, (n_out,), out_dtype) if rows % 2 else None
             out = np.full((rows, n_out), np.nan, out_dtype)
             backend._launcher.launches.clear()
-            backend.weight_only.linear(x, w, out, bias, None)
+            backend.linear(x, w, out, bias=bias)
             assert [name for name, *_ in backend._launcher.launches] == [
                 f"wo_gemv_kernel<e4m3, {ct(dtype)}, {ct(out_dtype)}>"]
-            assert_close(out, int8_linear_ref(x, decoded(w.q.view(np.uint8)), w.scale, bias), out_dtype,
+            assert_close(out, int8_linear_ref(x, weight_only_values(w.q), w.scale, bias), out_dtype,
                          f"fp8 gemv rows={rows} out={out_dtype} bias={bias is not None}")
 
 
@@ -112,30 +97,17 @@ def test_prefill_rows_take_dequantized_tiles(backend, dtype, n_out, k, rows):
     x = rand(rng, (rows, k), dtype)
     scratch = np.zeros(5 * k, np.float32)
     tile_rows = 5 * 4 // np.dtype(dtype).itemsize
-    tile = (decoded(w.q) * w.scale[:, None]).astype(dtype)
+    tile = (weight_only_values(w.q) * w.scale[:, None]).astype(dtype)
     for bias in (None, rand(rng, (n_out,), np.float32)):
         out = np.full((rows, n_out), np.nan, np.float32)
         backend._launcher.launches.clear()
-        backend.weight_only.linear(x, w, out, bias, scratch)
+        backend.linear(x, w, out, bias=bias, scratch=scratch)
         launched = [name for name, *_ in backend._launcher.launches]
         assert launched.count(f"wo_dequant_kernel<e4m3, {ct(dtype)}>") == -(-n_out // tile_rows)
         assert_close(out, linear_ref(x, tile, bias), np.float32, "tiled fp8 GEMM")
 
 
-@pytest.mark.parametrize("out_dtype", [np.float32, np.float16, bfloat16], ids=["f32", "f16", "bf16"])
-@pytest.mark.parametrize("hidden", [70, 16])
-def test_embedding_dequantizes_the_gathered_rows(backend, out_dtype, hidden):
-    rng = np.random.default_rng(hidden)
-    table = fp8_matrix(rng, 50, hidden)
-    ids = rng.integers(0, 50, 9).astype(np.int32)
-    for scale in (1.0, float(np.sqrt(hidden))):
-        out = np.zeros((9, hidden), out_dtype)
-        backend.weight_only.embedding(ids, table, out, scale)
-        rows = decoded(table.q[ids]) * table.scale[ids, None] * np.float32(scale)     # the CPU's order
-        np.testing.assert_array_equal(f64(out), f64(rows.astype(out_dtype)))
-
-
 def test_a_float16_matrix_is_no_weight_only_matrix(backend):
-    w = E4m3Matrix(np.zeros((4, 16), np.float16), np.ones(4, np.float32))
+    w = Fp8Weight(np.zeros((4, 16), np.float16), np.ones(4, np.float32))
     with pytest.raises(ValueError, match="int8 or float8 e4m3fn"):
-        backend.weight_only.linear(np.zeros((1, 16), np.float32), w, np.zeros((1, 4), np.float32), None, None)
+        backend.linear(np.zeros((1, 16), np.float32), w, np.zeros((1, 4), np.float32))

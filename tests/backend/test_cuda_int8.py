@@ -1,5 +1,6 @@
-"""int8 weight-only products on CUDA (cuda/weight_only_linear.cu, cuda/weight_only_embedding.cu, backend/cuda/weight_only.py),
-on the host shim (no GPU), against NumPy references and against the CPU backend.
+"""int8 weight-only products on CUDA (cuda/weight_only_linear.cu, cuda/weight_only_embedding.cu,
+backend/cuda/weight_only.py), on the host shim (no GPU), against NumPy references and against the CPU backend;
+tiny fp8 models and fp8 embedding tables too (the kernels' e4m3 instances; more of them in test_cuda_fp8.py).
 
 The kernels run through the real `CUDABackend` methods (`linear`, `linear_silu_mul`, `embedding`) with
 the shim's launcher: decode rows (1..8) take the GEMV kernel, more rows the dequantized tiles + the GEMM.
@@ -25,8 +26,9 @@ from rawinfer import LLMEngine  # noqa: E402
 from rawinfer.backend.cuda.backend import CUDABackend  # noqa: E402
 from rawinfer.backend.cuda.weight_only import WO_GEMV_MAX_ROWS  # noqa: E402
 from rawinfer.config import EngineConfig  # noqa: E402
-from rawinfer.quant import Int8Weight, Q4Weight  # noqa: E402
-from reference_ops import assert_close, f64, int8_linear_ref, linear_ref, rand, silu_mul_ref  # noqa: E402
+from rawinfer.quant import Fp8Weight, Int8Weight, Q4Weight  # noqa: E402
+from reference_ops import (assert_close, f64, int8_linear_ref, linear_ref, rand, random_weight_only,  # noqa: E402
+                           silu_mul_ref, weight_only_values)
 
 ACT_DTYPES = [np.float16, bfloat16, np.float32]
 ACT_IDS = ["f16", "bf16", "f32"]
@@ -40,9 +42,11 @@ def backend(shim_libraries):
     return CUDABackend(launcher=harness.ShimLauncher(shim_libraries))
 
 
+WEIGHT_CLASSES = {"int8": Int8Weight, "fp8": Fp8Weight}
+
+
 def int8_weight(rng, n, k) -> Int8Weight:
-    q = rng.integers(-127, 128, (n, k)).astype(np.int8)
-    return Int8Weight(q, rng.uniform(0.002, 0.03, n).astype(np.float32))
+    return Int8Weight(*random_weight_only(rng, n, k, "int8"))
 
 
 def dequantized(w: Int8Weight, dtype) -> np.ndarray:
@@ -129,16 +133,18 @@ def test_linear_silu_mul_with_an_int8_gate_up(backend, dtype, rows):
     assert_close(out, silu_mul_ref(want_gate_up), dtype, "linear_silu_mul")
 
 
+@pytest.mark.parametrize("fmt", list(WEIGHT_CLASSES))
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float16, bfloat16], ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("hidden", [70, 16])
-def test_int8_embedding_dequantizes_the_gathered_rows(backend, out_dtype, hidden):
+def test_int8_embedding_dequantizes_the_gathered_rows(backend, out_dtype, hidden, fmt):
+    """int8 and fp8 tables (the e4m3 instance of the same kernel)."""
     rng = np.random.default_rng(hidden)
-    table = int8_weight(rng, 50, hidden)
+    table = WEIGHT_CLASSES[fmt](*random_weight_only(rng, 50, hidden, fmt))
     ids = rng.integers(0, 50, 9).astype(np.int32)
     for scale in (1.0, float(np.sqrt(hidden))):
         out = np.zeros((9, hidden), out_dtype)
         backend.embedding(ids, table, out, scale)
-        rows = table.q[ids].astype(np.float32) * table.scale[ids, None] * np.float32(scale)  # the CPU's order
+        rows = weight_only_values(table.q[ids]) * table.scale[ids, None] * np.float32(scale)  # the CPU's order
         if np.dtype(out_dtype) == np.float32:
             np.testing.assert_array_equal(out, rows)
         else:

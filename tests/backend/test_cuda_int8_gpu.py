@@ -16,38 +16,28 @@ from rawinfer.backend.cuda.runtime import cuda_status
 USABLE, WHY = cuda_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]
 
-from ml_dtypes import bfloat16, float8_e4m3fn  # noqa: E402
+from ml_dtypes import bfloat16  # noqa: E402
 
 from conftest import _convert_tiny, _staggered_generation, dev, host  # noqa: E402
 from rawinfer.quant import Fp8Weight, Int8Weight  # noqa: E402
-from reference_ops import assert_close, int8_linear_ref, linear_ref, rand  # noqa: E402
+from reference_ops import (assert_close, int8_linear_ref, linear_ref, rand, random_weight_only,  # noqa: E402
+                           weight_only_values)
 
 
-def int8_weight(rng, n, k) -> Int8Weight:
-    return Int8Weight(rng.integers(-127, 128, (n, k)).astype(np.int8), rng.uniform(0.002, 0.03, n).astype(np.float32))
+WEIGHT_CLASSES = {"int8": Int8Weight, "fp8": Fp8Weight}
 
 
-def fp8_weight(rng, n, k) -> Fp8Weight:
-    q = rng.integers(0, 256, (n, k)).astype(np.uint8)
-    q[(q & 0x7F) == 0x7F] = 0x7E             # no NaN codes: 448
-    return Fp8Weight(q, rng.uniform(0.5, 2.0, n).astype(np.float32) / 448)
+def weight(rng, n, k, fmt):
+    return WEIGHT_CLASSES[fmt](*random_weight_only(rng, n, k, fmt))
 
 
-def values(w) -> np.ndarray:
-    """The weight's stored values as float32 (before the row scales)."""
-    return w.q.view(float8_e4m3fn).astype(np.float32) if isinstance(w, Fp8Weight) else w.q.astype(np.float32)
-
-
-FORMATS = {"int8": int8_weight, "fp8": fp8_weight}
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", list(WEIGHT_CLASSES))
 @pytest.mark.parametrize("dtype", [bfloat16, np.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("n_out,k", [(6144, 4096), (4096, 14336), (1000, 136)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 def test_int8_linear_on_the_device(gpu, dtype, n_out, k, rows, fmt):
     rng = np.random.default_rng(rows + k)
-    w = FORMATS[fmt](rng, n_out, k)
+    w = weight(rng, n_out, k, fmt)
     x = rand(rng, (rows, k), dtype)
     d_w = type(w)(dev(gpu, w.q), dev(gpu, w.scale))
     scratch = gpu.empty((2048 * k // 2,), np.float32)   # tiles of 2,048 rows of 16-bit weights
@@ -57,22 +47,22 @@ def test_int8_linear_on_the_device(gpu, dtype, n_out, k, rows, fmt):
         gpu.linear(dev(gpu, x), d_w, out, bias=dev(gpu, bias), scratch=scratch)
         got = host(gpu, out)
         if rows <= 8:
-            assert_close(got, int8_linear_ref(x, values(w), w.scale, bias), out_dtype, "gemv")
+            assert_close(got, int8_linear_ref(x, weight_only_values(w.q), w.scale, bias), out_dtype, "gemv")
         else:
-            deq = (values(w) * w.scale[:, None]).astype(dtype)
+            deq = (weight_only_values(w.q) * w.scale[:, None]).astype(dtype)
             ref = linear_ref(x, deq, bias)
             err = np.abs(got.astype(np.float64) - ref) / np.maximum(1.0, np.abs(ref))
             assert err.max() < 4 * 2.0**-7, f"tiled GEMM: worst relative error {err.max()}"
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", list(WEIGHT_CLASSES))
 def test_int8_embedding_on_the_device(gpu, fmt):
     rng = np.random.default_rng(1)
-    table = FORMATS[fmt](rng, 32000, 4096)
+    table = weight(rng, 32000, 4096, fmt)
     ids = rng.integers(0, 32000, 77).astype(np.int32)
     out = gpu.empty((77, 4096), np.float32)
     gpu.embedding(dev(gpu, ids), type(table)(dev(gpu, table.q), dev(gpu, table.scale)), out)
-    np.testing.assert_array_equal(host(gpu, out), values(table)[ids] * table.scale[ids, None])
+    np.testing.assert_array_equal(host(gpu, out), weight_only_values(table.q[ids]) * table.scale[ids, None])
 
 
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
